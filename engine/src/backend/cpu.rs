@@ -1,0 +1,123 @@
+//! CPU backend: quantized SIMD matmuls (quant module) and attention, multi-threaded on a rayon pool.
+
+use rayon::prelude::*;
+
+use super::{AttentionShape, Backend, BatchMask};
+use crate::error::{EngineError, Result};
+use crate::quant::{self, QMatrix};
+
+/// The CPU backend owns its worker pool; `threads` = 0 means one per core.
+pub struct CpuBackend {
+    pool: rayon::ThreadPool,
+}
+
+impl CpuBackend {
+    pub fn new(threads: usize) -> Result<CpuBackend> {
+        let threads = if threads == 0 {
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        } else {
+            threads
+        };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("arbor-cpu-{i}"))
+            .build()
+            .map_err(|e| EngineError::InvalidArgument(format!("cannot start {threads} threads: {e}")))?;
+        Ok(CpuBackend { pool })
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.current_num_threads()
+    }
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn scope<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        self.pool.install(f)
+    }
+
+    fn matmul(&self, w: &QMatrix, x: &[f32], n_tok: usize, y: &mut [f32]) -> Result<()> {
+        quant::matmul(w, x, n_tok, y)
+    }
+
+    fn attention(
+        &self,
+        s: AttentionShape,
+        mask: BatchMask<'_>,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+    ) -> Result<()> {
+        let hd = s.head_dim;
+        let kv_dim = s.n_head_kv * hd;
+        let group = s.n_head / s.n_head_kv;
+        let n_slots = s.n_past + s.n_tok;
+        if q.len() != s.n_tok * s.n_head * hd
+            || out.len() != q.len()
+            || k.len() < n_slots * kv_dim
+            || v.len() < n_slots * kv_dim
+        {
+            return Err(EngineError::Shape("attention buffers do not match shape".into()));
+        }
+        let scale = 1.0 / (hd as f32).sqrt();
+        // One task per (token, head): out[t, h, :] = softmax(q·K^T * scale) V over visible slots.
+        out.par_chunks_mut(hd).enumerate().for_each_init(
+            || (Vec::<f32>::new(), Vec::<usize>::new()),
+            |(scores, slots), (idx, o)| {
+                let (t, h) = (idx / s.n_head, idx % s.n_head);
+                let kvh = h / group;
+                let qh = &q[idx * hd..(idx + 1) * hd];
+                slots.clear();
+                slots.extend(0..s.n_past);
+                slots.extend((0..s.n_tok).filter(|&j| mask.visible(t, j)).map(|j| s.n_past + j));
+                scores.clear();
+                let mut max = f32::NEG_INFINITY;
+                for &slot in slots.iter() {
+                    let kr = &k[slot * kv_dim + kvh * hd..slot * kv_dim + (kvh + 1) * hd];
+                    let sc = dot(qh, kr) * scale;
+                    max = max.max(sc);
+                    scores.push(sc);
+                }
+                let mut sum = 0.0f32;
+                for sc in scores.iter_mut() {
+                    *sc = (*sc - max).exp();
+                    sum += *sc;
+                }
+                let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
+                o.fill(0.0);
+                for (&slot, &p) in slots.iter().zip(scores.iter()) {
+                    let vr = &v[slot * kv_dim + kvh * hd..slot * kv_dim + (kvh + 1) * hd];
+                    let p = p * inv;
+                    for (oi, &vi) in o.iter_mut().zip(vr) {
+                        *oi += p * vi;
+                    }
+                }
+            },
+        );
+        Ok(())
+    }
+}
+
+/// f32 dot product written so the compiler vectorizes it (8 independent accumulators).
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ac
+        .remainder()
+        .iter()
+        .zip(bc.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ac.zip(bc) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}

@@ -1,0 +1,72 @@
+//! Compute backends: one `Backend` trait; the CPU implementation is always built, CUDA behind a feature.
+
+pub mod cpu;
+pub mod cuda;
+
+pub use cpu::CpuBackend;
+
+use crate::error::Result;
+use crate::quant::QMatrix;
+
+/// Which earlier tokens of the batch each new token may attend to (the committed prefix is always visible).
+#[derive(Clone, Copy, Debug)]
+pub enum BatchMask<'a> {
+    /// Token `t` sees new tokens `0..=t` (prefill, incremental decoding).
+    Causal,
+    /// Token `t` sees the new tokens `j` for which bit `j` of row `t` is set
+    /// (row-major bitsets of `words_per_row` u64 words; tree attention).
+    Bits {
+        words_per_row: usize,
+        bits: &'a [u64],
+    },
+}
+
+impl BatchMask<'_> {
+    /// Whether new token `t` may attend to new token `j`.
+    #[inline]
+    pub fn visible(&self, t: usize, j: usize) -> bool {
+        match *self {
+            BatchMask::Causal => j <= t,
+            BatchMask::Bits {
+                words_per_row,
+                bits,
+            } => {
+                let w = t * words_per_row + j / 64;
+                bits.get(w).is_some_and(|word| (word >> (j % 64)) & 1 == 1)
+            }
+        }
+    }
+}
+
+/// Shapes of one attention call.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionShape {
+    pub n_tok: usize,
+    pub n_past: usize,
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+}
+
+/// The operations the forward pass needs from a device.
+pub trait Backend: Send + Sync {
+    fn name(&self) -> &'static str;
+
+    /// Run `f` with this backend's worker threads available (one entry per forward pass).
+    fn scope<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R;
+
+    /// y[t, o] = sum_k W[o, k] x[t, k].  x: [n_tok, n_in], y: [n_tok, n_out].
+    fn matmul(&self, w: &QMatrix, x: &[f32], n_tok: usize, y: &mut [f32]) -> Result<()>;
+
+    /// Scaled dot-product attention of new tokens over slots `0..n_past + n_tok` of one layer.
+    /// q: [n_tok, n_head * head_dim]; k, v: [slots, n_head_kv * head_dim]; out like q.
+    fn attention(
+        &self,
+        shape: AttentionShape,
+        mask: BatchMask<'_>,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+    ) -> Result<()>;
+}

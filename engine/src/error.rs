@@ -1,0 +1,56 @@
+//! The engine's one error enum; every variant has a stable machine-readable code (`error_type`).
+
+use std::path::PathBuf;
+
+/// Errors of the engine crate. `error_type()` returns a stable snake_case code for clients.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("i/o error on {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("malformed GGUF file: {0}")]
+    Gguf(String),
+    #[error("unsupported tensor type {0}")]
+    UnsupportedTensorType(String),
+    #[error("unsupported model architecture '{0}' (supported: llama, qwen2)")]
+    UnsupportedArchitecture(String),
+    #[error("model is missing required data: {0}")]
+    MissingTensor(String),
+    #[error("shape mismatch: {0}")]
+    Shape(String),
+    #[error("tokenizer error: {0}")]
+    Tokenizer(String),
+    #[error("context overflow: {needed} positions needed, model context is {limit}")]
+    ContextOverflow { needed: usize, limit: usize },
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+}
+
+impl EngineError {
+    /// Stable error code, never changes once published.
+    pub fn error_type(&self) -> &'static str {
+        match self {
+            EngineError::Io { .. } => "io_error",
+            EngineError::Gguf(_) => "malformed_model_file",
+            EngineError::UnsupportedTensorType(_) => "unsupported_tensor_type",
+            EngineError::UnsupportedArchitecture(_) => "unsupported_architecture",
+            EngineError::MissingTensor(_) => "missing_tensor",
+            EngineError::Shape(_) => "shape_mismatch",
+            EngineError::Tokenizer(_) => "tokenizer_error",
+            EngineError::ContextOverflow { .. } => "context_overflow",
+            EngineError::InvalidArgument(_) => "invalid_argument",
+        }
+    }
+
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        EngineError::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}
+
+pub type Result<T, E = EngineError> = std::result::Result<T, E>;

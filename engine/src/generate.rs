@@ -1,0 +1,245 @@
+//! Incremental (token-by-token) generation: prefill in one forward pass, then one pass per token, with streaming.
+
+use std::time::Instant;
+
+use crate::backend::{Backend, BatchMask};
+use crate::error::{EngineError, Result};
+use crate::kv::KvCache;
+use crate::model::Model;
+use crate::sample::{Sampler, SamplingParams};
+use crate::tokenizer::{StreamDecoder, Tokenizer};
+
+/// What to generate.
+#[derive(Clone, Debug)]
+pub struct GenerateParams {
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Generation ends when the text contains one of these; the stop string is not emitted.
+    pub stop: Vec<String>,
+    /// Keep going past end-of-generation tokens.
+    pub ignore_eos: bool,
+}
+
+impl Default for GenerateParams {
+    fn default() -> Self {
+        GenerateParams {
+            max_tokens: 128,
+            sampling: SamplingParams::default(),
+            stop: Vec::new(),
+            ignore_eos: false,
+        }
+    }
+}
+
+/// Why generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// `max_tokens` reached.
+    Length,
+    /// The model emitted an end-of-generation token.
+    Eos,
+    /// A stop string appeared.
+    Stop,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Length => "length",
+            FinishReason::Eos => "eos",
+            FinishReason::Stop => "stop",
+        }
+    }
+}
+
+/// Result and timing of one generation.
+#[derive(Clone, Debug)]
+pub struct GenerateOutput {
+    pub text: String,
+    /// Generated token ids (EOS included when it ended generation).
+    pub tokens: Vec<u32>,
+    pub prompt_tokens: usize,
+    pub finish_reason: FinishReason,
+    pub prefill_secs: f64,
+    pub decode_secs: f64,
+    /// Forward passes after the prefill.
+    pub decode_steps: usize,
+}
+
+impl GenerateOutput {
+    pub fn generated_tokens(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn prefill_tok_s(&self) -> f64 {
+        rate(self.prompt_tokens, self.prefill_secs)
+    }
+
+    pub fn decode_tok_s(&self) -> f64 {
+        rate(self.decode_steps, self.decode_secs)
+    }
+}
+
+fn rate(n: usize, secs: f64) -> f64 {
+    if secs > 0.0 {
+        n as f64 / secs
+    } else {
+        0.0
+    }
+}
+
+/// Holds back text that might be the start of a stop string.
+struct StopFilter<'a> {
+    stops: &'a [String],
+    pending: String,
+}
+
+impl<'a> StopFilter<'a> {
+    /// Feed new text; returns (text safe to emit, whether a stop string was hit).
+    fn push(&mut self, piece: &str) -> (String, bool) {
+        self.pending.push_str(piece);
+        if let Some(at) = self
+            .stops
+            .iter()
+            .filter(|s| !s.is_empty())
+            .filter_map(|s| self.pending.find(s.as_str()))
+            .min()
+        {
+            let out = self.pending[..at].to_string();
+            self.pending.clear();
+            return (out, true);
+        }
+        // Keep the longest suffix that is a proper prefix of some stop string.
+        let mut keep = 0;
+        for s in self.stops {
+            for (i, _) in s.char_indices().skip(1) {
+                if i > keep && self.pending.ends_with(&s[..i]) {
+                    keep = i;
+                }
+            }
+        }
+        let cut = self.pending.len() - keep;
+        let out = self.pending[..cut].to_string();
+        self.pending.drain(..cut);
+        (out, false)
+    }
+
+    fn finish(self) -> String {
+        self.pending
+    }
+}
+
+/// Generate from `prompt` token ids, calling `on_text` with each piece of new text as it becomes final.
+pub fn generate<B: Backend>(
+    model: &Model,
+    backend: &B,
+    tokenizer: &Tokenizer,
+    prompt: &[u32],
+    params: &GenerateParams,
+    mut on_text: impl FnMut(&str),
+) -> Result<GenerateOutput> {
+    if prompt.is_empty() {
+        return Err(EngineError::InvalidArgument("the prompt is empty".into()));
+    }
+    let limit = model.config.context_length;
+    let needed = prompt.len() + params.max_tokens;
+    if prompt.len() >= limit {
+        return Err(EngineError::ContextOverflow {
+            needed: prompt.len() + 1,
+            limit,
+        });
+    }
+    let mut sampler = Sampler::new(params.sampling.clone())?;
+    let mut cache = KvCache::new(&model.config, needed.min(limit));
+    let mut detok = StreamDecoder::new(tokenizer, true);
+    let mut stop = StopFilter {
+        stops: &params.stop,
+        pending: String::new(),
+    };
+    let mut text = String::new();
+    let mut tokens = Vec::new();
+    let mut emit = |s: &str, text: &mut String| {
+        if !s.is_empty() {
+            on_text(s);
+            text.push_str(s);
+        }
+    };
+
+    let t0 = Instant::now();
+    let positions: Vec<usize> = (0..prompt.len()).collect();
+    let mut logits = model.forward(
+        backend,
+        &mut cache,
+        prompt,
+        &positions,
+        BatchMask::Causal,
+        &[prompt.len() - 1],
+    )?;
+    let prefill_secs = t0.elapsed().as_secs_f64();
+
+    let t1 = Instant::now();
+    let mut decode_steps = 0;
+    let mut finish_reason = FinishReason::Length;
+    while tokens.len() < params.max_tokens {
+        let tok = sampler.sample(&logits);
+        tokens.push(tok);
+        if !params.ignore_eos && tokenizer.is_eog(tok) {
+            finish_reason = FinishReason::Eos;
+            break;
+        }
+        let (out, hit) = stop.push(&detok.push(tok));
+        emit(&out, &mut text);
+        if hit {
+            finish_reason = FinishReason::Stop;
+            break;
+        }
+        if tokens.len() == params.max_tokens || cache.len() >= cache.capacity() {
+            break;
+        }
+        let pos = cache.len();
+        logits = model.forward(backend, &mut cache, &[tok], &[pos], BatchMask::Causal, &[0])?;
+        decode_steps += 1;
+    }
+    if finish_reason != FinishReason::Stop {
+        let (out, hit) = stop.push(&detok.finish());
+        emit(&out, &mut text);
+        if hit {
+            finish_reason = FinishReason::Stop;
+        } else {
+            emit(&stop.finish(), &mut text);
+        }
+    }
+    Ok(GenerateOutput {
+        text,
+        tokens,
+        prompt_tokens: prompt.len(),
+        finish_reason,
+        prefill_secs,
+        decode_secs: t1.elapsed().as_secs_f64(),
+        decode_steps,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StopFilter;
+
+    #[test]
+    fn stop_filter_holds_back_partial_matches() {
+        let stops = vec!["</end>".to_string()];
+        let mut f = StopFilter {
+            stops: &stops,
+            pending: String::new(),
+        };
+        assert_eq!(f.push("hello </"), ("hello ".to_string(), false));
+        assert_eq!(f.push("en"), (String::new(), false));
+        assert_eq!(f.push("d> tail"), (String::new(), true));
+        let mut f = StopFilter {
+            stops: &stops,
+            pending: String::new(),
+        };
+        assert_eq!(f.push("a</b"), ("a</b".to_string(), false));
+        assert_eq!(f.push("</e"), (String::new(), false));
+        assert_eq!(f.finish(), "</e");
+    }
+}

@@ -1,0 +1,20 @@
+//! Arbor engine: GGUF models on a quantized CPU backend, tokenizer, forward pass and sampling (no I/O beyond model files).
+pub mod backend;
+pub mod error;
+pub mod generate;
+pub mod gguf;
+pub mod kv;
+pub mod model;
+pub mod quant;
+pub mod sample;
+pub mod testing;
+pub mod tokenizer;
+
+pub use backend::{Backend, BatchMask, CpuBackend};
+pub use error::{EngineError, Result};
+pub use generate::{generate, FinishReason, GenerateOutput, GenerateParams};
+pub use gguf::GgufFile;
+pub use kv::KvCache;
+pub use model::{Model, ModelConfig};
+pub use sample::{Sampler, SamplingParams};
+pub use tokenizer::{ChatMessage, StreamDecoder, Tokenizer};

@@ -1,0 +1,196 @@
+//! The decoder forward pass (llama / qwen2), read top to bottom like llama2.c, over a batch of new tokens.
+
+use crate::backend::{AttentionShape, Backend};
+use crate::error::{EngineError, Result};
+use crate::kv::KvCache;
+use crate::model::{Model, RopeStyle};
+
+pub use crate::backend::BatchMask;
+
+impl Model {
+    /// Run the model over `tokens` (new tokens appended to `cache` at slots `cache.len()..`),
+    /// token `t` at RoPE position `positions[t]`, attending per `mask`.
+    /// Returns logits for the batch rows listed in `logit_rows`: [logit_rows.len(), vocab].
+    pub fn forward<B: Backend>(
+        &self,
+        backend: &B,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        positions: &[usize],
+        mask: BatchMask<'_>,
+        logit_rows: &[usize],
+    ) -> Result<Vec<f32>> {
+        let n_tok = tokens.len();
+        if n_tok == 0 || positions.len() != n_tok {
+            return Err(EngineError::InvalidArgument(
+                "forward needs one position per token and at least one token".into(),
+            ));
+        }
+        if let Some(&r) = logit_rows.iter().find(|&&r| r >= n_tok) {
+            return Err(EngineError::InvalidArgument(format!(
+                "logit row {r} is outside the batch of {n_tok}"
+            )));
+        }
+        if cache.kv_dim() != self.config.kv_dim() {
+            return Err(EngineError::Shape("KV cache belongs to another model".into()));
+        }
+        cache.reserve(n_tok)?;
+        backend.scope(|| self.forward_inner(backend, cache, tokens, positions, mask, logit_rows))
+    }
+
+    fn forward_inner<B: Backend>(
+        &self,
+        backend: &B,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        positions: &[usize],
+        mask: BatchMask<'_>,
+        logit_rows: &[usize],
+    ) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let n_tok = tokens.len();
+        let (d, hd, kv_dim) = (c.n_embd, c.head_dim, c.kv_dim());
+        let q_dim = c.n_head * hd;
+        let n_past = cache.len();
+
+        let mut x = vec![0.0f32; n_tok * d]; // [n_tok, n_embd] residual stream
+        self.embed(tokens, &mut x)?;
+        let mut xn = vec![0.0f32; n_tok * d]; // [n_tok, n_embd] normalized
+        let mut q = vec![0.0f32; n_tok * q_dim]; // [n_tok, n_head * head_dim]
+        let mut k = vec![0.0f32; n_tok * kv_dim]; // [n_tok, n_head_kv * head_dim]
+        let mut v = vec![0.0f32; n_tok * kv_dim]; // [n_tok, n_head_kv * head_dim]
+        let mut att = vec![0.0f32; n_tok * q_dim]; // [n_tok, n_head * head_dim]
+        let mut proj = vec![0.0f32; n_tok * d]; // [n_tok, n_embd]
+        let mut gate = vec![0.0f32; n_tok * c.n_ff]; // [n_tok, n_ff]
+        let mut up = vec![0.0f32; n_tok * c.n_ff]; // [n_tok, n_ff]
+        let rope = RopeTable::new(c.rope_base, c.rope_dim, positions); // [n_tok, rope_dim / 2]
+        let shape = AttentionShape {
+            n_tok,
+            n_past,
+            n_head: c.n_head,
+            n_head_kv: c.n_head_kv,
+            head_dim: hd,
+        };
+
+        for (l, w) in self.layers.iter().enumerate() {
+            // Attention block.
+            rms_norm(&x, &w.attn_norm, c.rms_eps, &mut xn);
+            backend.matmul(&self.mat(&w.wq), &xn, n_tok, &mut q)?;
+            backend.matmul(&self.mat(&w.wk), &xn, n_tok, &mut k)?;
+            backend.matmul(&self.mat(&w.wv), &xn, n_tok, &mut v)?;
+            add_bias(&mut q, w.bq.as_deref());
+            add_bias(&mut k, w.bk.as_deref());
+            add_bias(&mut v, w.bv.as_deref());
+            rope.apply(&mut q, c.n_head, hd, c.rope_style);
+            rope.apply(&mut k, c.n_head_kv, hd, c.rope_style);
+            let (kc, vc) = cache.layer_mut(l);
+            kc[n_past * kv_dim..(n_past + n_tok) * kv_dim].copy_from_slice(&k);
+            vc[n_past * kv_dim..(n_past + n_tok) * kv_dim].copy_from_slice(&v);
+            backend.attention(shape, mask, &q, kc, vc, &mut att)?;
+            backend.matmul(&self.mat(&w.wo), &att, n_tok, &mut proj)?;
+            add_in_place(&mut x, &proj);
+
+            // Feed-forward block (SwiGLU).
+            rms_norm(&x, &w.ffn_norm, c.rms_eps, &mut xn);
+            backend.matmul(&self.mat(&w.w_gate), &xn, n_tok, &mut gate)?;
+            backend.matmul(&self.mat(&w.w_up), &xn, n_tok, &mut up)?;
+            for (g, u) in gate.iter_mut().zip(&up) {
+                *g = silu(*g) * u;
+            }
+            backend.matmul(&self.mat(&w.w_down), &gate, n_tok, &mut proj)?;
+            add_in_place(&mut x, &proj);
+        }
+        cache.advance(n_tok);
+
+        // Output head, only for the rows asked for.
+        let n_out = logit_rows.len();
+        if n_out == 0 {
+            return Ok(Vec::new());
+        }
+        let mut sel = vec![0.0f32; n_out * d]; // [n_out, n_embd]
+        for (i, &r) in logit_rows.iter().enumerate() {
+            sel[i * d..(i + 1) * d].copy_from_slice(&x[r * d..(r + 1) * d]);
+        }
+        let mut seln = vec![0.0f32; n_out * d];
+        rms_norm(&sel, self.output_norm(), c.rms_eps, &mut seln);
+        let mut logits = vec![0.0f32; n_out * c.vocab_size]; // [n_out, vocab]
+        backend.matmul(&self.output_matrix(), &seln, n_out, &mut logits)?;
+        Ok(logits)
+    }
+}
+
+/// RMSNorm per row: out = x / sqrt(mean(x^2) + eps) * weight.
+fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let d = weight.len();
+    for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        let ss: f64 = xr.iter().map(|&v| (v as f64) * (v as f64)).sum();
+        let scale = 1.0 / ((ss / d as f64) as f32 + eps).sqrt();
+        for ((o, &xv), &wv) in or.iter_mut().zip(xr).zip(weight) {
+            *o = xv * scale * wv;
+        }
+    }
+}
+
+fn add_bias(x: &mut [f32], bias: Option<&[f32]>) {
+    if let Some(b) = bias {
+        for row in x.chunks_exact_mut(b.len()) {
+            add_in_place(row, b);
+        }
+    }
+}
+
+fn add_in_place(x: &mut [f32], y: &[f32]) {
+    for (a, &b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+#[inline]
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// cos/sin of every (token, frequency) pair, computed like ggml: theta_i = pos * base^(-2i/d).
+struct RopeTable {
+    half: usize,
+    cos: Vec<f32>, // [n_tok, half]
+    sin: Vec<f32>, // [n_tok, half]
+}
+
+impl RopeTable {
+    fn new(base: f32, rope_dim: usize, positions: &[usize]) -> RopeTable {
+        let half = rope_dim / 2;
+        let theta_scale = base.powf(-2.0 / rope_dim as f32);
+        let mut cos = Vec::with_capacity(positions.len() * half);
+        let mut sin = Vec::with_capacity(positions.len() * half);
+        for &p in positions {
+            let mut theta = p as f32;
+            for _ in 0..half {
+                cos.push(theta.cos());
+                sin.push(theta.sin());
+                theta *= theta_scale;
+            }
+        }
+        RopeTable { half, cos, sin }
+    }
+
+    /// Rotate the first rope_dim dims of every head of every token in `x`: [n_tok, n_heads * hd].
+    fn apply(&self, x: &mut [f32], n_heads: usize, hd: usize, style: RopeStyle) {
+        let half = self.half;
+        for (t, row) in x.chunks_exact_mut(n_heads * hd).enumerate() {
+            let cos = &self.cos[t * half..(t + 1) * half];
+            let sin = &self.sin[t * half..(t + 1) * half];
+            for head in row.chunks_exact_mut(hd) {
+                for i in 0..half {
+                    let (a, b) = match style {
+                        RopeStyle::Norm => (2 * i, 2 * i + 1),
+                        RopeStyle::Neox => (i, i + half),
+                    };
+                    let (x0, x1) = (head[a], head[b]);
+                    head[a] = x0 * cos[i] - x1 * sin[i];
+                    head[b] = x0 * sin[i] + x1 * cos[i];
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,191 @@
+//! Model weights (quantized, memory-mapped from GGUF) for the llama and qwen2 decoder architectures.
+
+mod config;
+mod forward;
+#[cfg(test)]
+mod tests;
+
+pub use config::{Arch, ModelConfig, RopeStyle};
+pub use forward::BatchMask;
+
+use crate::error::{EngineError, Result};
+use crate::gguf::{GgufFile, TensorInfo};
+use crate::quant::{self, QMatrix};
+
+/// One transformer block's weights. Matrices stay quantized in the file mapping.
+pub(crate) struct LayerWeights {
+    pub attn_norm: Vec<f32>,
+    pub wq: TensorInfo,
+    pub wk: TensorInfo,
+    pub wv: TensorInfo,
+    pub wo: TensorInfo,
+    pub bq: Option<Vec<f32>>,
+    pub bk: Option<Vec<f32>>,
+    pub bv: Option<Vec<f32>>,
+    pub ffn_norm: Vec<f32>,
+    pub w_gate: TensorInfo,
+    pub w_up: TensorInfo,
+    pub w_down: TensorInfo,
+}
+
+/// A loaded decoder-only model.
+pub struct Model {
+    gguf: GgufFile,
+    pub config: ModelConfig,
+    tok_embd: TensorInfo,
+    output_norm: Vec<f32>,
+    output: TensorInfo,
+    pub(crate) layers: Vec<LayerWeights>,
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model").field("config", &self.config).finish()
+    }
+}
+
+impl Model {
+    /// Open a GGUF file and check every tensor the forward pass needs.
+    pub fn open(path: &std::path::Path) -> Result<Model> {
+        Self::from_gguf(GgufFile::open(path)?)
+    }
+
+    pub fn from_gguf(gguf: GgufFile) -> Result<Model> {
+        let config = ModelConfig::from_gguf(&gguf)?;
+        let c = &config;
+        let q_dim = c.n_head * c.head_dim;
+        let tok_embd = matrix(&gguf, "token_embd.weight", c.vocab_size, c.n_embd)?;
+        let output = match gguf.tensor_info("output.weight") {
+            Some(_) => matrix(&gguf, "output.weight", c.vocab_size, c.n_embd)?,
+            None => tok_embd.clone(), // tied embeddings
+        };
+        let output_norm = vector(&gguf, "output_norm.weight", c.n_embd)?;
+        let mut layers = Vec::with_capacity(c.n_layers);
+        for i in 0..c.n_layers {
+            let n = |s: &str| format!("blk.{i}.{s}");
+            let opt_vec = |s: &str, len: usize| -> Result<Option<Vec<f32>>> {
+                match gguf.tensor_info(&n(s)) {
+                    Some(_) => vector(&gguf, &n(s), len).map(Some),
+                    None => Ok(None),
+                }
+            };
+            layers.push(LayerWeights {
+                attn_norm: vector(&gguf, &n("attn_norm.weight"), c.n_embd)?,
+                wq: matrix(&gguf, &n("attn_q.weight"), q_dim, c.n_embd)?,
+                wk: matrix(&gguf, &n("attn_k.weight"), c.kv_dim(), c.n_embd)?,
+                wv: matrix(&gguf, &n("attn_v.weight"), c.kv_dim(), c.n_embd)?,
+                wo: matrix(&gguf, &n("attn_output.weight"), c.n_embd, q_dim)?,
+                bq: opt_vec("attn_q.bias", q_dim)?,
+                bk: opt_vec("attn_k.bias", c.kv_dim())?,
+                bv: opt_vec("attn_v.bias", c.kv_dim())?,
+                ffn_norm: vector(&gguf, &n("ffn_norm.weight"), c.n_embd)?,
+                w_gate: matrix(&gguf, &n("ffn_gate.weight"), c.n_ff, c.n_embd)?,
+                w_up: matrix(&gguf, &n("ffn_up.weight"), c.n_ff, c.n_embd)?,
+                w_down: matrix(&gguf, &n("ffn_down.weight"), c.n_embd, c.n_ff)?,
+            });
+        }
+        Ok(Model {
+            gguf,
+            config,
+            tok_embd,
+            output_norm,
+            output,
+            layers,
+        })
+    }
+
+    pub fn gguf(&self) -> &GgufFile {
+        &self.gguf
+    }
+
+    pub(crate) fn mat(&self, t: &TensorInfo) -> QMatrix<'_> {
+        QMatrix {
+            ty: t.ty,
+            data: self.gguf.tensor_bytes(t),
+            n_out: t.dims[1] as usize,
+            n_in: t.dims[0] as usize,
+        }
+    }
+
+    /// Dequantize the embedding rows of `tokens` into `out` ([n_tok, n_embd]).
+    pub(crate) fn embed(&self, tokens: &[u32], out: &mut [f32]) -> Result<()> {
+        let d = self.config.n_embd;
+        let t = &self.tok_embd;
+        let row_bytes = t.n_bytes / self.config.vocab_size;
+        let data = self.gguf.tensor_bytes(t);
+        for (i, &tok) in tokens.iter().enumerate() {
+            let tok = tok as usize;
+            if tok >= self.config.vocab_size {
+                return Err(EngineError::InvalidArgument(format!(
+                    "token id {tok} is outside the vocabulary (size {})",
+                    self.config.vocab_size
+                )));
+            }
+            quant::dequantize_row(
+                t.ty,
+                &data[tok * row_bytes..(tok + 1) * row_bytes],
+                &mut out[i * d..(i + 1) * d],
+            )?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn output_norm(&self) -> &[f32] {
+        &self.output_norm
+    }
+
+    pub(crate) fn output_matrix(&self) -> QMatrix<'_> {
+        self.mat(&self.output)
+    }
+
+    /// Bytes of weights read by one forward pass (every matrix once).
+    pub fn weight_bytes(&self) -> usize {
+        let l: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
+                    .iter()
+                    .map(|t| t.n_bytes)
+                    .sum::<usize>()
+            })
+            .sum();
+        l + self.output.n_bytes
+    }
+}
+
+/// Look up a 2-D weight matrix with `n_out` rows of `n_in` elements.
+fn matrix(g: &GgufFile, name: &str, n_out: usize, n_in: usize) -> Result<TensorInfo> {
+    let t = g
+        .tensor_info(name)
+        .ok_or_else(|| EngineError::MissingTensor(name.to_string()))?;
+    if t.dims.len() != 2 || t.dims[0] as usize != n_in || t.dims[1] as usize != n_out {
+        return Err(EngineError::Shape(format!(
+            "{name}: expected [{n_in}, {n_out}], file has {:?}",
+            t.dims
+        )));
+    }
+    if !t.ty.supported() {
+        return Err(EngineError::UnsupportedTensorType(format!(
+            "{} (tensor '{name}')",
+            t.ty.name()
+        )));
+    }
+    Ok(t.clone())
+}
+
+/// Load a 1-D tensor of `len` elements as f32.
+fn vector(g: &GgufFile, name: &str, len: usize) -> Result<Vec<f32>> {
+    let t = g
+        .tensor_info(name)
+        .ok_or_else(|| EngineError::MissingTensor(name.to_string()))?;
+    if t.n_elems() != len as u64 {
+        return Err(EngineError::Shape(format!(
+            "{name}: expected {len} elements, file has {:?}",
+            t.dims
+        )));
+    }
+    let mut out = vec![0.0; len];
+    quant::dequantize_row(t.ty, g.tensor_bytes(t), &mut out)?;
+    Ok(out)
+}

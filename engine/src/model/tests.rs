@@ -1,0 +1,117 @@
+use crate::backend::{BatchMask, CpuBackend};
+use crate::kv::KvCache;
+use crate::quant::GgmlType;
+use crate::sample::Rng;
+use crate::testing::{tiny_model, TinySpec};
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+fn specs() -> Vec<TinySpec> {
+    let mut v = Vec::new();
+    for arch in ["llama", "qwen2"] {
+        for ty in [GgmlType::F32, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K] {
+            v.push(TinySpec {
+                arch,
+                n_embd: 256,
+                n_ff: 512,
+                n_head: 8,
+                n_head_kv: 2,
+                weight_type: ty,
+                separate_output: ty == GgmlType::Q6_K,
+                ..TinySpec::default()
+            });
+        }
+    }
+    v
+}
+
+/// Batched prefill computes, for every position, the logits incremental decoding computes.
+#[test]
+fn batched_prefill_equals_incremental_decoding() {
+    let backend = CpuBackend::new(2).unwrap();
+    for (i, spec) in specs().into_iter().enumerate() {
+        let model = tiny_model(&spec, 100 + i as u64).unwrap();
+        let mut rng = Rng::new(i as u64);
+        let toks: Vec<u32> = (0..23).map(|_| (rng.next_u64() % spec.vocab as u64) as u32).collect();
+        let pos: Vec<usize> = (0..toks.len()).collect();
+        let rows: Vec<usize> = (0..toks.len()).collect();
+        let mut c1 = KvCache::new(&model.config, 64);
+        let batch = model
+            .forward(&backend, &mut c1, &toks, &pos, BatchMask::Causal, &rows)
+            .unwrap();
+        let mut c2 = KvCache::new(&model.config, 64);
+        let v = spec.vocab;
+        for (t, &tok) in toks.iter().enumerate() {
+            let inc = model
+                .forward(&backend, &mut c2, &[tok], &[t], BatchMask::Causal, &[0])
+                .unwrap();
+            let d = max_diff(&batch[t * v..(t + 1) * v], &inc);
+            assert!(d < 1e-4, "{} {:?}: position {t} differs by {d}", spec.arch, spec.weight_type);
+        }
+        // The caches hold the same K/V.
+        for l in 0..spec.n_layers {
+            for s in 0..toks.len() {
+                assert!(max_diff(c1.k_row(l, s), c2.k_row(l, s)) < 1e-5);
+                assert!(max_diff(c1.v_row(l, s), c2.v_row(l, s)) < 1e-5);
+            }
+        }
+    }
+}
+
+/// An explicit causal bit mask behaves exactly like `BatchMask::Causal`; a chunked prefill too.
+#[test]
+fn bit_mask_and_chunked_prefill_agree_with_causal() {
+    let backend = CpuBackend::new(2).unwrap();
+    let spec = TinySpec::default();
+    let model = tiny_model(&spec, 7).unwrap();
+    let toks: Vec<u32> = (0..70).map(|i| (i * 7 % spec.vocab) as u32).collect();
+    let n = toks.len();
+    let pos: Vec<usize> = (0..n).collect();
+    let words = n.div_ceil(64);
+    let mut bits = vec![0u64; n * words];
+    for t in 0..n {
+        for j in 0..=t {
+            bits[t * words + j / 64] |= 1 << (j % 64);
+        }
+    }
+    let mut c1 = KvCache::new(&model.config, 128);
+    let a = model
+        .forward(&backend, &mut c1, &toks, &pos, BatchMask::Causal, &[n - 1, 3])
+        .unwrap();
+    let mut c2 = KvCache::new(&model.config, 128);
+    let mask = BatchMask::Bits {
+        words_per_row: words,
+        bits: &bits,
+    };
+    let b = model.forward(&backend, &mut c2, &toks, &pos, mask, &[n - 1, 3]).unwrap();
+    assert_eq!(a, b);
+    let mut c3 = KvCache::new(&model.config, 128);
+    model
+        .forward(&backend, &mut c3, &toks[..30], &pos[..30], BatchMask::Causal, &[])
+        .unwrap();
+    let c = model
+        .forward(&backend, &mut c3, &toks[30..], &pos[30..], BatchMask::Causal, &[n - 31])
+        .unwrap();
+    assert!(max_diff(&a[..spec.vocab], &c) < 1e-4);
+}
+
+#[test]
+fn bad_inputs_are_errors() {
+    let backend = CpuBackend::new(1).unwrap();
+    let spec = TinySpec::default();
+    let model = tiny_model(&spec, 1).unwrap();
+    let mut c = KvCache::new(&model.config, 4);
+    let oov = spec.vocab as u32;
+    let e = model.forward(&backend, &mut c, &[oov], &[0], BatchMask::Causal, &[0]).unwrap_err();
+    assert_eq!(e.error_type(), "invalid_argument");
+    let e = model
+        .forward(&backend, &mut c, &[1, 2, 3, 4, 5], &[0, 1, 2, 3, 4], BatchMask::Causal, &[0])
+        .unwrap_err();
+    assert_eq!(e.error_type(), "context_overflow");
+    let e = model.forward(&backend, &mut c, &[1], &[0], BatchMask::Causal, &[1]).unwrap_err();
+    assert_eq!(e.error_type(), "invalid_argument");
+    assert_eq!(c.len(), 0, "failed calls leave the cache untouched");
+}

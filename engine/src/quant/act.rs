@@ -1,0 +1,148 @@
+//! Activation quantization to the weights' dot type (Q8_0 / Q8_1 / Q8_K), numerically as llama.cpp on x86.
+//!
+//! A row of `n_in` activations becomes `ceil(n_in / 256)` records of `REC` bytes, one per 256-element
+//! group (legacy 32-element types are zero-padded to whole groups). The natural record used by the
+//! scalar and AVX2 kernels is
+//!
+//! ```text
+//! [0, 256)   i8  q[256]     quantized values, natural order
+//! [256, 288) f32 d[8]       Q8_0/Q8_1: per 32-block scale (f16-rounded, as ggml stores it); Q8_K: d[0]
+//! [288, 320) f32 s[8]       Q8_1: d * sum(q) per block (f16-rounded)
+//! [320, 352) i16 bsums[16]  Q8_K: sums of 16 consecutive q
+//! [352, 384) zero
+//! ```
+//!
+//! The AVX-512 kernels use a permuted record built from the natural one (see `x86_avx512`).
+
+use super::formats::{f16_round, round_ne};
+use super::{GgmlType, KernelLevel};
+
+pub(crate) const GROUP: usize = 256;
+pub(crate) const REC: usize = 384;
+pub(crate) const OFF_D: usize = 256;
+pub(crate) const OFF_S: usize = 288;
+pub(crate) const OFF_BS: usize = 320;
+
+/// The activation format a weight type is dotted with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ActKind {
+    Q8_0,
+    Q8_1,
+    Q8K,
+}
+
+pub(crate) fn act_kind(ty: GgmlType) -> ActKind {
+    match ty {
+        GgmlType::Q4_1 | GgmlType::Q5_1 => ActKind::Q8_1,
+        GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => ActKind::Q8K,
+        _ => ActKind::Q8_0,
+    }
+}
+
+/// Quantizes one activation row `x` into `out` (`ceil(len/256) * REC` bytes) for kernels of `level`.
+pub(crate) fn quantize_row(level: KernelLevel, ty: GgmlType, x: &[f32], out: &mut [u8]) {
+    let kind = act_kind(ty);
+    #[cfg(target_arch = "x86_64")]
+    if level == KernelLevel::Avx512Vnni {
+        let mut nat = [0u8; REC];
+        for (g, rec) in out.chunks_exact_mut(REC).enumerate() {
+            let xs = &x[g * GROUP..x.len().min((g + 1) * GROUP)];
+            quantize_group(kind, xs, &mut nat);
+            // SAFETY: `Avx512Vnni` is only passed here after `hw_level()` confirmed the CPU features.
+            unsafe { super::x86_avx512::lane_record(ty, &nat, rec) };
+        }
+        return;
+    }
+    let _ = level;
+    for (g, rec) in out.chunks_exact_mut(REC).enumerate() {
+        let xs = &x[g * GROUP..x.len().min((g + 1) * GROUP)];
+        quantize_group(kind, xs, rec);
+    }
+}
+
+/// Quantizes up to 256 values (a multiple of 32; missing blocks are zero) into one natural record.
+pub(crate) fn quantize_group(kind: ActKind, x: &[f32], rec: &mut [u8]) {
+    let rec = &mut rec[..REC];
+    rec.fill(0);
+    let (qs, rest) = rec.split_at_mut(GROUP);
+    match kind {
+        ActKind::Q8_0 | ActKind::Q8_1 => {
+            for (b, xb) in x.chunks_exact(32).enumerate() {
+                let q: &mut [u8] = &mut qs[32 * b..32 * b + 32];
+                let (d, sum) = quantize_q8_block(xb, q);
+                put_f32(rest, OFF_D - GROUP + 4 * b, f16_round(d));
+                if kind == ActKind::Q8_1 {
+                    put_f32(rest, OFF_S - GROUP + 4 * b, f16_round(d * sum as f32));
+                }
+            }
+        }
+        ActKind::Q8K => {
+            if x.len() != GROUP {
+                return;
+            }
+            let d = quantize_q8k_block(x, qs);
+            put_f32(rest, OFF_D - GROUP, d);
+            for j in 0..16 {
+                let s: i32 = qs[16 * j..16 * j + 16].iter().map(|&v| v as i8 as i32).sum();
+                rest[OFF_BS - GROUP + 2 * j..OFF_BS - GROUP + 2 * j + 2].copy_from_slice(&(s as i16).to_le_bytes());
+            }
+        }
+    }
+}
+
+#[inline(always)]
+fn put_f32(b: &mut [u8], off: usize, v: f32) {
+    b[off..off + 4].copy_from_slice(&v.to_le_bytes());
+}
+
+/// Max |x| over a slice, vectorizable (same result as a sequential max for non-NaN input).
+#[inline(always)]
+fn abs_max(x: &[f32]) -> f32 {
+    let mut m = [0f32; 8];
+    let mut chunks = x.chunks_exact(8);
+    for c in &mut chunks {
+        for i in 0..8 {
+            let a = c[i].abs();
+            m[i] = if a > m[i] { a } else { m[i] };
+        }
+    }
+    for &v in chunks.remainder() {
+        let a = v.abs();
+        m[0] = if a > m[0] { a } else { m[0] };
+    }
+    m.iter().fold(0.0f32, |a, &b| if b > a { b } else { a })
+}
+
+/// Q8_0/Q8_1 block as ggml's x86 `quantize_row_q8_0/q8_1`: d = amax/127, q = round-half-even(x *
+/// 127/amax), saturated. Returns (d before f16 rounding, sum of q).
+#[inline]
+pub(crate) fn quantize_q8_block(x: &[f32], q: &mut [u8]) -> (f32, i32) {
+    let amax = abs_max(x);
+    let d = amax / 127.0;
+    let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+    let mut sum = 0i32;
+    for (o, &v) in q.iter_mut().zip(x) {
+        let r = (round_ne(v * id) as i32).clamp(-128, 127);
+        sum += r;
+        *o = r as i8 as u8;
+    }
+    (d, sum)
+}
+
+/// Q8_K block as ggml's `quantize_row_q8_K_ref`: iscale = -127/max with `max` the (first) value of
+/// largest magnitude, q = min(127, nearest_int(iscale * x)), d = 1/iscale. Returns d.
+#[inline]
+pub(crate) fn quantize_q8k_block(x: &[f32], q: &mut [u8]) -> f32 {
+    let amax = abs_max(x);
+    if amax == 0.0 || amax.is_nan() {
+        q[..GROUP].fill(0);
+        return 0.0;
+    }
+    let max = x.iter().copied().find(|v| v.abs() == amax).unwrap_or(amax);
+    let iscale = -127.0 / max;
+    for (o, &v) in q.iter_mut().zip(x) {
+        let r = (round_ne(iscale * v) as i32).clamp(-128, 127);
+        *o = r as i8 as u8;
+    }
+    1.0 / iscale
+}

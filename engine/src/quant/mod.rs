@@ -1,0 +1,517 @@
+//! GGML tensor formats (block layouts, dequantization, test quantizers) and the multi-row quantized matmul.
+//!
+//! Weights stay in their GGUF block format. For quantized weights each activation row is quantized once
+//! per call to the weight type's dot type, as llama.cpp does (Q4_0/Q5_0/Q8_0 × Q8_0, Q4_1/Q5_1 × Q8_1,
+//! K-quants × Q8_K), and the products are integer dot products. Float weights (F32/F16/BF16) multiply
+//! the f32 activations directly. Kernels:
+//!
+//! * `scalar` — portable reference (exact integer sums per block, like ggml's generic code);
+//! * `x86_avx2` — AVX2 `maddubs`/`madd`, activations in natural order;
+//! * `x86_avx512` — AVX-512 VNNI `dpbusd`; activations are stored permuted so that every 32-bit lane
+//!   of the accumulator covers exactly one 16-element chunk of one scale group, which lets all four
+//!   64-byte registers of a 256-element group accumulate into one register.
+//!
+//! Every kernel unpacks each weight group once and dots it against all activation rows of the call
+//! (the activation rows, the accumulators and a k-block of the activations stay in L1/L2), so
+//! multiplying 16 rows costs far less than 16 single-row calls.
+
+mod act;
+mod formats;
+mod scalar;
+#[cfg(test)]
+mod tests;
+#[cfg(target_arch = "x86_64")]
+mod x86_avx2;
+#[cfg(target_arch = "x86_64")]
+mod x86_avx512;
+
+use std::cell::Cell;
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
+
+use crate::error::{EngineError, Result};
+
+pub use formats::{
+    dequantize_row, quantize_row, quantize_row_bf16, quantize_row_f16, quantize_row_q4_0,
+    quantize_row_q4_1, quantize_row_q4_k, quantize_row_q5_0, quantize_row_q5_1, quantize_row_q5_k,
+    quantize_row_q6_k, quantize_row_q8_0,
+};
+
+/// GGML tensor element types (ids as in `ggml.h`). Only the types GGUF LLM files commonly use.
+#[allow(non_camel_case_types)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GgmlType {
+    F32,
+    F16,
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+    Q8_1,
+    Q2_K,
+    Q3_K,
+    Q4_K,
+    Q5_K,
+    Q6_K,
+    Q8_K,
+    BF16,
+}
+
+impl GgmlType {
+    /// The type for a GGML type id, `None` for ids this engine does not know.
+    pub fn from_u32(v: u32) -> Option<GgmlType> {
+        Some(match v {
+            0 => GgmlType::F32,
+            1 => GgmlType::F16,
+            2 => GgmlType::Q4_0,
+            3 => GgmlType::Q4_1,
+            6 => GgmlType::Q5_0,
+            7 => GgmlType::Q5_1,
+            8 => GgmlType::Q8_0,
+            9 => GgmlType::Q8_1,
+            10 => GgmlType::Q2_K,
+            11 => GgmlType::Q3_K,
+            12 => GgmlType::Q4_K,
+            13 => GgmlType::Q5_K,
+            14 => GgmlType::Q6_K,
+            15 => GgmlType::Q8_K,
+            30 => GgmlType::BF16,
+            _ => return None,
+        })
+    }
+
+    /// The GGML type id.
+    pub fn to_u32(self) -> u32 {
+        match self {
+            GgmlType::F32 => 0,
+            GgmlType::F16 => 1,
+            GgmlType::Q4_0 => 2,
+            GgmlType::Q4_1 => 3,
+            GgmlType::Q5_0 => 6,
+            GgmlType::Q5_1 => 7,
+            GgmlType::Q8_0 => 8,
+            GgmlType::Q8_1 => 9,
+            GgmlType::Q2_K => 10,
+            GgmlType::Q3_K => 11,
+            GgmlType::Q4_K => 12,
+            GgmlType::Q5_K => 13,
+            GgmlType::Q6_K => 14,
+            GgmlType::Q8_K => 15,
+            GgmlType::BF16 => 30,
+        }
+    }
+
+    /// The name llama.cpp prints ("Q4_K", "F16", ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            GgmlType::F32 => "F32",
+            GgmlType::F16 => "F16",
+            GgmlType::Q4_0 => "Q4_0",
+            GgmlType::Q4_1 => "Q4_1",
+            GgmlType::Q5_0 => "Q5_0",
+            GgmlType::Q5_1 => "Q5_1",
+            GgmlType::Q8_0 => "Q8_0",
+            GgmlType::Q8_1 => "Q8_1",
+            GgmlType::Q2_K => "Q2_K",
+            GgmlType::Q3_K => "Q3_K",
+            GgmlType::Q4_K => "Q4_K",
+            GgmlType::Q5_K => "Q5_K",
+            GgmlType::Q6_K => "Q6_K",
+            GgmlType::Q8_K => "Q8_K",
+            GgmlType::BF16 => "BF16",
+        }
+    }
+
+    /// Elements per block: 1 for float types, 32 for the legacy quants, 256 for K-quants.
+    pub fn block_elems(self) -> usize {
+        match self {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 => 32,
+            GgmlType::Q8_0 | GgmlType::Q8_1 => 32,
+            GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K => 256,
+            GgmlType::Q6_K | GgmlType::Q8_K => 256,
+        }
+    }
+
+    /// Bytes per block (sizes of ggml's `block_*` structs).
+    pub fn block_bytes(self) -> usize {
+        match self {
+            GgmlType::F32 => 4,
+            GgmlType::F16 | GgmlType::BF16 => 2,
+            GgmlType::Q4_0 => 18,
+            GgmlType::Q4_1 => 20,
+            GgmlType::Q5_0 => 22,
+            GgmlType::Q5_1 => 24,
+            GgmlType::Q8_0 => 34,
+            GgmlType::Q8_1 => 36,
+            GgmlType::Q2_K => 84,
+            GgmlType::Q3_K => 110,
+            GgmlType::Q4_K => 144,
+            GgmlType::Q5_K => 176,
+            GgmlType::Q6_K => 210,
+            GgmlType::Q8_K => 292,
+        }
+    }
+
+    /// Bytes of a row of `n_elems` elements; `None` if `n_elems` is not a multiple of
+    /// `block_elems()` (or the size overflows).
+    pub fn row_bytes(self, n_elems: usize) -> Option<usize> {
+        if n_elems % self.block_elems() != 0 {
+            return None;
+        }
+        (n_elems / self.block_elems()).checked_mul(self.block_bytes())
+    }
+
+    /// Whether `dequantize_row`, `quantize_row` and `matmul` support this type.
+    pub fn supported(self) -> bool {
+        matches!(
+            self,
+            GgmlType::F32
+                | GgmlType::F16
+                | GgmlType::BF16
+                | GgmlType::Q4_0
+                | GgmlType::Q4_1
+                | GgmlType::Q5_0
+                | GgmlType::Q5_1
+                | GgmlType::Q8_0
+                | GgmlType::Q4_K
+                | GgmlType::Q5_K
+                | GgmlType::Q6_K
+        )
+    }
+
+    fn is_float(self) -> bool {
+        matches!(self, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
+    }
+}
+
+impl std::fmt::Display for GgmlType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+pub(crate) fn unsupported(ty: GgmlType) -> EngineError {
+    EngineError::UnsupportedTensorType(ty.name().to_string())
+}
+
+/// A weight matrix as stored in GGUF: `n_out` rows, each `n_in` elements, row-major, quantized rows
+/// back to back.
+#[derive(Clone, Copy)]
+pub struct QMatrix<'a> {
+    pub ty: GgmlType,
+    pub data: &'a [u8],
+    pub n_out: usize,
+    pub n_in: usize,
+}
+
+impl std::fmt::Debug for QMatrix<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QMatrix")
+            .field("ty", &self.ty)
+            .field("n_out", &self.n_out)
+            .field("n_in", &self.n_in)
+            .field("bytes", &self.data.len())
+            .finish()
+    }
+}
+
+impl<'a> QMatrix<'a> {
+    /// Checks that `n_in` is a whole number of blocks and `data.len() == n_out * row_bytes(n_in)`.
+    pub fn new(ty: GgmlType, data: &'a [u8], n_out: usize, n_in: usize) -> Result<Self> {
+        let rb = ty.row_bytes(n_in).ok_or_else(|| {
+            EngineError::Shape(format!(
+                "{ty} row of {n_in} elements is not a multiple of the block size {}",
+                ty.block_elems()
+            ))
+        })?;
+        let need = rb
+            .checked_mul(n_out)
+            .ok_or_else(|| EngineError::Shape(format!("{ty} matrix {n_out}x{n_in} is too large")))?;
+        if data.len() != need {
+            return Err(EngineError::Shape(format!(
+                "{ty} matrix {n_out}x{n_in} needs {need} bytes, got {}",
+                data.len()
+            )));
+        }
+        Ok(QMatrix { ty, data, n_out, n_in })
+    }
+
+    /// Bytes of one row.
+    pub fn row_bytes(&self) -> usize {
+        self.ty.row_bytes(self.n_in).unwrap_or(0)
+    }
+}
+
+/// Which SIMD kernels `matmul_with` runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KernelLevel {
+    Scalar,
+    Avx2,
+    Avx512Vnni,
+}
+
+impl KernelLevel {
+    /// The best level this CPU supports (runtime CPUID), lowered by the environment variable
+    /// `ARBOR_KERNEL=scalar|avx2|avx512` if set (it can never raise it).
+    pub fn detect() -> KernelLevel {
+        let hw = hw_level();
+        match std::env::var("ARBOR_KERNEL").ok().as_deref().map(str::trim) {
+            Some(s) if s.eq_ignore_ascii_case("scalar") => KernelLevel::Scalar,
+            Some(s) if s.eq_ignore_ascii_case("avx2") => hw.min_with(KernelLevel::Avx2),
+            _ => hw,
+        }
+    }
+
+    /// Short name ("scalar", "avx2", "avx512").
+    pub fn name(self) -> &'static str {
+        match self {
+            KernelLevel::Scalar => "scalar",
+            KernelLevel::Avx2 => "avx2",
+            KernelLevel::Avx512Vnni => "avx512",
+        }
+    }
+
+    fn rank(self) -> u8 {
+        match self {
+            KernelLevel::Scalar => 0,
+            KernelLevel::Avx2 => 1,
+            KernelLevel::Avx512Vnni => 2,
+        }
+    }
+
+    fn min_with(self, other: KernelLevel) -> KernelLevel {
+        if self.rank() <= other.rank() {
+            self
+        } else {
+            other
+        }
+    }
+
+    /// Levels this machine can run, lowest first.
+    pub fn available() -> Vec<KernelLevel> {
+        let hw = hw_level();
+        [KernelLevel::Scalar, KernelLevel::Avx2, KernelLevel::Avx512Vnni]
+            .into_iter()
+            .filter(|l| l.rank() <= hw.rank())
+            .collect()
+    }
+}
+
+/// The highest level the CPU supports, ignoring the environment.
+fn hw_level() -> KernelLevel {
+    static HW: OnceLock<KernelLevel> = OnceLock::new();
+    *HW.get_or_init(detect_hw)
+}
+
+#[cfg(target_arch = "x86_64")]
+fn detect_hw() -> KernelLevel {
+    let avx2 = is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c");
+    let avx512 = avx2
+        && is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl")
+        && is_x86_feature_detected!("avx512vnni");
+    if avx512 {
+        KernelLevel::Avx512Vnni
+    } else if avx2 {
+        KernelLevel::Avx2
+    } else {
+        KernelLevel::Scalar
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn detect_hw() -> KernelLevel {
+    KernelLevel::Scalar
+}
+
+/// y[t, o] = sum_k W[o, k] * x[t, k]. `x`: [n_tok, n_in] f32 row-major; `y`: [n_tok, n_out] f32
+/// row-major. Runs on the current rayon pool (wrap in `pool.install` to choose one), with the
+/// kernel level of `KernelLevel::detect()` (detected once per process).
+pub fn matmul(w: &QMatrix, x: &[f32], n_tok: usize, y: &mut [f32]) -> Result<()> {
+    static LEVEL: OnceLock<KernelLevel> = OnceLock::new();
+    matmul_with(*LEVEL.get_or_init(KernelLevel::detect), w, x, n_tok, y)
+}
+
+/// `matmul` with an explicit kernel level. A level above what the CPU supports is lowered to the
+/// best supported one (never executes unsupported instructions).
+pub fn matmul_with(level: KernelLevel, w: &QMatrix, x: &[f32], n_tok: usize, y: &mut [f32]) -> Result<()> {
+    if !w.ty.supported() {
+        return Err(unsupported(w.ty));
+    }
+    let rb = w.ty.row_bytes(w.n_in).ok_or_else(|| {
+        EngineError::Shape(format!("{} row of {} elements is not a whole number of blocks", w.ty, w.n_in))
+    })?;
+    if rb.checked_mul(w.n_out) != Some(w.data.len()) {
+        return Err(EngineError::Shape(format!(
+            "{} matrix {}x{}: data is {} bytes",
+            w.ty,
+            w.n_out,
+            w.n_in,
+            w.data.len()
+        )));
+    }
+    if n_tok.checked_mul(w.n_in) != Some(x.len()) {
+        return Err(EngineError::Shape(format!(
+            "matmul input has {} values, expected n_tok {} x n_in {}",
+            x.len(),
+            n_tok,
+            w.n_in
+        )));
+    }
+    if n_tok.checked_mul(w.n_out) != Some(y.len()) {
+        return Err(EngineError::Shape(format!(
+            "matmul output has {} values, expected n_tok {} x n_out {}",
+            y.len(),
+            n_tok,
+            w.n_out
+        )));
+    }
+    if n_tok == 0 || w.n_out == 0 {
+        return Ok(());
+    }
+    if w.n_in == 0 {
+        y.fill(0.0);
+        return Ok(());
+    }
+    let level = level.min_with(hw_level());
+    if w.ty.is_float() {
+        run_rows(w, n_tok, y, &|r0, r1, yp| float_rows(level, w, x, n_tok, r0, r1, yp));
+        return Ok(());
+    }
+
+    let n_groups = w.n_in.div_ceil(act::GROUP);
+    let stride = n_groups * act::REC;
+    let mut buf = take_scratch(n_tok * stride);
+    {
+        let act_bytes: &mut [u8] = bytes_of_lines(&mut buf, n_tok * stride);
+        let n_in = w.n_in;
+        let ty = w.ty;
+        if n_tok > 1 && n_tok * n_in >= 8192 && rayon::current_num_threads() > 1 {
+            act_bytes
+                .par_chunks_mut(stride)
+                .zip(x.par_chunks(n_in))
+                .for_each(|(out, xr)| act::quantize_row(level, ty, xr, out));
+        } else {
+            for (out, xr) in act_bytes.chunks_mut(stride).zip(x.chunks(n_in)) {
+                act::quantize_row(level, ty, xr, out);
+            }
+        }
+        let act_ro: &[u8] = act_bytes;
+        run_rows(w, n_tok, y, &|r0, r1, yp| quant_rows(level, w, act_ro, stride, n_tok, r0, r1, yp));
+    }
+    put_scratch(buf);
+    Ok(())
+}
+
+/// Raw output pointer shared by the row tasks of one matmul.
+#[derive(Clone, Copy)]
+pub(crate) struct YPtr {
+    ptr: *mut f32,
+    n_out: usize,
+}
+
+// SAFETY: a `YPtr` is only handed to the row tasks of one `matmul_with` call while it holds the
+// unique `&mut` borrow of `y`; each task writes only the columns `o` of its own disjoint row range
+// `[r0, r1)` (element `t * n_out + o`), so no two threads ever touch the same element.
+unsafe impl Send for YPtr {}
+unsafe impl Sync for YPtr {}
+
+impl YPtr {
+    /// Writes y[t, o].
+    ///
+    /// # Safety
+    /// `t < n_tok`, `o < n_out`, and `o` must lie in the calling task's own row range.
+    #[inline(always)]
+    pub(crate) unsafe fn write(self, t: usize, o: usize, v: f32) {
+        *self.ptr.add(t * self.n_out + o) = v;
+    }
+}
+
+/// Splits the output rows into tasks on the current rayon pool (or runs inline for small work).
+fn run_rows(w: &QMatrix, n_tok: usize, y: &mut [f32], f: &(dyn Fn(usize, usize, YPtr) + Sync)) {
+    let n_out = w.n_out;
+    let yp = YPtr {
+        ptr: y.as_mut_ptr(),
+        n_out,
+    };
+    let threads = rayon::current_num_threads().max(1);
+    let work = n_out.saturating_mul(w.n_in).saturating_mul(n_tok.div_ceil(4));
+    if threads == 1 || work < (1 << 17) || n_out < 8 {
+        f(0, n_out, yp);
+        return;
+    }
+    // A few tasks per thread balance the load; multiples of 4 rows keep row tiles whole.
+    let per = n_out.div_ceil(threads * 4).next_multiple_of(4).max(4);
+    let n_tasks = n_out.div_ceil(per);
+    (0..n_tasks).into_par_iter().for_each(|i| {
+        let r0 = i * per;
+        let r1 = (r0 + per).min(n_out);
+        f(r0, r1, yp);
+    });
+}
+
+fn quant_rows(level: KernelLevel, w: &QMatrix, act: &[u8], stride: usize, n_tok: usize, r0: usize, r1: usize, y: YPtr) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        match level {
+            // SAFETY: the level was clamped to what `hw_level()` detected on this CPU.
+            KernelLevel::Avx512Vnni => return unsafe { x86_avx512::quant_rows(w, act, stride, n_tok, r0, r1, y) },
+            KernelLevel::Avx2 => return unsafe { x86_avx2::quant_rows(w, act, stride, n_tok, r0, r1, y) },
+            KernelLevel::Scalar => {}
+        }
+    }
+    let _ = level;
+    scalar::quant_rows(w, act, stride, n_tok, r0, r1, y)
+}
+
+fn float_rows(level: KernelLevel, w: &QMatrix, x: &[f32], n_tok: usize, r0: usize, r1: usize, y: YPtr) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        match level {
+            // SAFETY: the level was clamped to what `hw_level()` detected on this CPU.
+            KernelLevel::Avx512Vnni => return unsafe { x86_avx512::float_rows(w, x, n_tok, r0, r1, y) },
+            KernelLevel::Avx2 => return unsafe { x86_avx2::float_rows(w, x, n_tok, r0, r1, y) },
+            KernelLevel::Scalar => {}
+        }
+    }
+    let _ = level;
+    scalar::float_rows(w, x, n_tok, r0, r1, y)
+}
+
+/// 64-byte aligned storage unit of the activation scratch.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u8; 64]);
+
+thread_local! {
+    /// Reused activation scratch of the calling thread. Taken out while in use, so a nested call on
+    /// the same thread (rayon work stealing) simply allocates its own.
+    static SCRATCH: Cell<Vec<Line>> = const { Cell::new(Vec::new()) };
+}
+
+fn take_scratch(bytes: usize) -> Vec<Line> {
+    let mut v = SCRATCH.with(|c| c.take());
+    let lines = bytes.div_ceil(64);
+    if v.len() < lines {
+        v.resize(lines, Line([0; 64]));
+    }
+    v
+}
+
+fn put_scratch(v: Vec<Line>) {
+    SCRATCH.with(|c| c.set(v));
+}
+
+fn bytes_of_lines(v: &mut [Line], bytes: usize) -> &mut [u8] {
+    let avail = v.len() * 64;
+    let n = bytes.min(avail);
+    // SAFETY: `Line` is a plain 64-byte array with no padding; the slice covers `n <= len * 64`
+    // initialized bytes of the vector's buffer and borrows it mutably for its lifetime.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, n) }
+}

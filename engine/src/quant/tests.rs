@@ -1,0 +1,505 @@
+//! Tests of the quant module: layouts, round trips, SIMD kernels vs the scalar reference, error paths.
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::act::{self, ActKind, GROUP, OFF_BS, OFF_D, OFF_S, REC};
+use super::formats::f16_round;
+use super::*;
+
+const QUANT_TYPES: [GgmlType; 8] = [
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q8_0,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+];
+const FLOAT_TYPES: [GgmlType; 3] = [GgmlType::F32, GgmlType::F16, GgmlType::BF16];
+
+fn randn(rng: &mut StdRng) -> f32 {
+    // Sum of uniforms: cheap, roughly normal, with occasional larger values.
+    let s: f32 = (0..4).map(|_| rng.gen_range(-1.0f32..1.0)).sum();
+    if rng.gen_range(0..64) == 0 {
+        s * 8.0
+    } else {
+        s
+    }
+}
+
+fn rand_vec(rng: &mut StdRng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| randn(rng)).collect()
+}
+
+fn quantized(ty: GgmlType, x: &[f32]) -> Vec<u8> {
+    let mut out = vec![0u8; ty.row_bytes(x.len()).unwrap()];
+    quantize_row(ty, x, &mut out).unwrap();
+    out
+}
+
+fn dequantized(ty: GgmlType, data: &[u8], n: usize) -> Vec<f32> {
+    let mut out = vec![0f32; n];
+    dequantize_row(ty, data, &mut out).unwrap();
+    out
+}
+
+/// Random weight rows: quantized random floats, or (for quant types, `raw`) random bytes with sane
+/// f16 scale fields, so that every bit pattern of the quant values is exercised.
+fn random_matrix(rng: &mut StdRng, ty: GgmlType, n_out: usize, n_in: usize, raw: bool) -> Vec<u8> {
+    let rb = ty.row_bytes(n_in).unwrap();
+    if !raw || FLOAT_TYPES.contains(&ty) {
+        let mut data = Vec::with_capacity(rb * n_out);
+        for _ in 0..n_out {
+            data.extend(quantized(ty, &rand_vec(rng, n_in)));
+        }
+        return data;
+    }
+    let mut data: Vec<u8> = (0..rb * n_out).map(|_| rng.gen()).collect();
+    let bb = ty.block_bytes();
+    let f16_fields: &[usize] = match ty {
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+        GgmlType::Q6_K => &[208],
+        _ => &[],
+    };
+    for blk in data.chunks_exact_mut(bb) {
+        for &off in f16_fields {
+            let v = half::f16::from_f32(rng.gen_range(-0.05f32..0.05));
+            blk[off..off + 2].copy_from_slice(&v.to_bits().to_le_bytes());
+        }
+    }
+    data
+}
+
+fn levels() -> Vec<KernelLevel> {
+    KernelLevel::available()
+}
+
+#[test]
+fn type_table() {
+    for ty in QUANT_TYPES.iter().chain(&FLOAT_TYPES) {
+        assert_eq!(GgmlType::from_u32(ty.to_u32()), Some(*ty));
+        assert!(ty.supported());
+    }
+    assert_eq!(GgmlType::from_u32(30), Some(GgmlType::BF16));
+    assert_eq!(GgmlType::from_u32(4), None);
+    assert_eq!(GgmlType::Q4_K.name(), "Q4_K");
+    assert_eq!(GgmlType::Q4_K.row_bytes(512), Some(288));
+    assert_eq!(GgmlType::Q4_K.row_bytes(300), None);
+    assert_eq!(GgmlType::Q8_0.row_bytes(64), Some(68));
+    assert_eq!(GgmlType::F16.row_bytes(3), Some(6));
+    assert_eq!(GgmlType::Q6_K.block_bytes(), 210);
+    assert!(!GgmlType::Q8_K.supported() && !GgmlType::Q2_K.supported());
+}
+
+#[test]
+fn dequantize_round_trip() {
+    let mut rng = StdRng::seed_from_u64(1);
+    // Max error relative to the row's RMS, per type (round-to-nearest quantizers).
+    let tol = |ty: GgmlType| match ty {
+        GgmlType::F32 => 0.0,
+        GgmlType::F16 => 1e-3,
+        GgmlType::BF16 => 8e-3,
+        GgmlType::Q8_0 => 0.05,
+        GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q6_K => 0.35,
+        GgmlType::Q5_K => 0.45,
+        _ => 0.8,
+    };
+    for ty in QUANT_TYPES.iter().chain(&FLOAT_TYPES).copied() {
+        for n in [256usize, 1024] {
+            let x = rand_vec(&mut rng, n);
+            let q = quantized(ty, &x);
+            let y = dequantized(ty, &q, n);
+            let rms = (x.iter().map(|v| v * v).sum::<f32>() / n as f32).sqrt();
+            let max_err = x.iter().zip(&y).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+            let rms_err = (x.iter().zip(&y).map(|(a, b)| (a - b) * (a - b)).sum::<f32>() / n as f32).sqrt();
+            assert!(
+                max_err <= tol(ty) * rms,
+                "{ty}: max err {max_err} vs rms {rms} (tol {})",
+                tol(ty)
+            );
+            assert!(rms_err <= tol(ty) * rms / 2.5, "{ty}: rms err {rms_err} vs rms {rms}");
+        }
+    }
+}
+
+#[test]
+fn dequantize_known_blocks() {
+    // Q8_0: d = 0.5, q = -3 → -1.5.
+    let mut b = vec![0u8; 34];
+    b[..2].copy_from_slice(&half::f16::from_f32(0.5).to_bits().to_le_bytes());
+    b[2] = (-3i8) as u8;
+    b[3] = 4;
+    let y = dequantized(GgmlType::Q8_0, &b, 32);
+    assert_eq!(&y[..3], &[-1.5, 2.0, 0.0]);
+    // Q4_0: byte 0x9F → element 0 = (15-8)d, element 16 = (9-8)d.
+    let mut b = vec![0x88u8; 18];
+    b[..2].copy_from_slice(&half::f16::from_f32(2.0).to_bits().to_le_bytes());
+    b[2] = 0x9F;
+    let y = dequantized(GgmlType::Q4_0, &b, 32);
+    assert_eq!((y[0], y[16], y[1]), (14.0, 2.0, 0.0));
+    // Q5_0: qh bit 16 sets the high bit of element 16.
+    let mut b = vec![0u8; 22];
+    b[..2].copy_from_slice(&half::f16::from_f32(1.0).to_bits().to_le_bytes());
+    b[2..6].copy_from_slice(&(1u32 << 16).to_le_bytes());
+    let y = dequantized(GgmlType::Q5_0, &b, 32);
+    assert_eq!((y[0], y[16]), (-16.0, 0.0));
+}
+
+/// Sequential port of ggml's `quantize_row_q8_K_ref` (the spec the kernels must match).
+fn q8k_reference(x: &[f32]) -> (f32, Vec<i8>) {
+    let mut max = 0.0f32;
+    let mut amax = 0.0f32;
+    for &v in x {
+        if v.abs() > amax {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    if amax == 0.0 {
+        return (0.0, vec![0; x.len()]);
+    }
+    let iscale = -127.0 / max;
+    let q = x
+        .iter()
+        .map(|&v| {
+            let f = iscale * v + 12582912.0;
+            let i = ((f.to_bits() & 0x007f_ffff) as i32) - 0x0040_0000;
+            i.min(127) as i8
+        })
+        .collect();
+    (1.0 / iscale, q)
+}
+
+#[test]
+fn activation_quantization_matches_ggml() {
+    let mut rng = StdRng::seed_from_u64(2);
+    for case in 0..20 {
+        let mut x = rand_vec(&mut rng, GROUP);
+        if case == 1 {
+            x.iter_mut().for_each(|v| *v = 0.0);
+        }
+        if case == 2 {
+            // Ties in magnitude: the first one decides the sign.
+            x[10] = -9.0;
+            x[20] = 9.0;
+        }
+        if case == 3 {
+            // Exact .5 products round to even.
+            for (i, v) in x.iter_mut().enumerate() {
+                *v = (i as f32 - 128.0) * 0.5;
+            }
+        }
+        let mut rec = vec![0u8; REC];
+        act::quantize_group(ActKind::Q8K, &x, &mut rec);
+        let (d, q) = q8k_reference(&x);
+        let got_d = f32::from_le_bytes(rec[OFF_D..OFF_D + 4].try_into().unwrap());
+        assert_eq!(got_d.to_bits(), d.to_bits(), "case {case}");
+        for j in 0..GROUP {
+            assert_eq!(rec[j] as i8, q[j], "case {case} element {j}");
+        }
+        for j in 0..16 {
+            let bs = i16::from_le_bytes([rec[OFF_BS + 2 * j], rec[OFF_BS + 2 * j + 1]]);
+            let want: i32 = q[16 * j..16 * j + 16].iter().map(|&v| v as i32).sum();
+            assert_eq!(bs as i32, want);
+        }
+
+        // Q8_0 / Q8_1 as ggml's x86 code: d = amax/127 stored as f16, q = rne(x * 127/amax).
+        act::quantize_group(ActKind::Q8_1, &x, &mut rec);
+        for b in 0..8 {
+            let xb = &x[32 * b..32 * b + 32];
+            let amax = xb.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+            let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+            let mut sum = 0;
+            for j in 0..32 {
+                let want = (xb[j] * id).round_ties_even() as i32;
+                sum += want;
+                assert_eq!(rec[32 * b + j] as i8 as i32, want);
+            }
+            let dd = f32::from_le_bytes(rec[OFF_D + 4 * b..OFF_D + 4 * b + 4].try_into().unwrap());
+            let ss = f32::from_le_bytes(rec[OFF_S + 4 * b..OFF_S + 4 * b + 4].try_into().unwrap());
+            assert_eq!(dd, f16_round(amax / 127.0));
+            assert_eq!(ss, f16_round(amax / 127.0 * sum as f32));
+        }
+    }
+}
+
+/// Σ_k |W[o,k] x[t,k]| in f64, the scale of the float rounding error of one output.
+fn abs_dot(wf: &[f32], x: &[f32], n_in: usize, o: usize, t: usize) -> f64 {
+    let w = &wf[o * n_in..(o + 1) * n_in];
+    let xr = &x[t * n_in..(t + 1) * n_in];
+    w.iter().zip(xr).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum()
+}
+
+fn dequant_matrix(ty: GgmlType, data: &[u8], n_out: usize, n_in: usize) -> Vec<f32> {
+    let rb = ty.row_bytes(n_in).unwrap();
+    let mut wf = vec![0f32; n_out * n_in];
+    for o in 0..n_out {
+        dequantize_row(ty, &data[o * rb..(o + 1) * rb], &mut wf[o * n_in..(o + 1) * n_in]).unwrap();
+    }
+    wf
+}
+
+fn activations(rng: &mut StdRng, n_tok: usize, n_in: usize) -> Vec<f32> {
+    let mut x = rand_vec(rng, n_tok * n_in);
+    if n_tok > 2 {
+        // One all-zero row and one row with a single huge value.
+        x[n_in..2 * n_in].iter_mut().for_each(|v| *v = 0.0);
+        x[2 * n_in + 5] = 1000.0;
+    }
+    x
+}
+
+/// SIMD levels agree with the scalar reference. The integer dot products of every block are exact
+/// at all levels; only the order of the f32 accumulation differs (per-lane vs per-block sums, lane
+/// reductions), so the error bound is a few ulps of Σ|w·x|: we allow 2e-5 · Σ_k |W[o,k] x[t,k]|.
+#[test]
+fn simd_matches_scalar() {
+    let mut rng = StdRng::seed_from_u64(3);
+    let lv: Vec<KernelLevel> = levels().into_iter().filter(|l| *l != KernelLevel::Scalar).collect();
+    if lv.is_empty() {
+        eprintln!("no SIMD level on this machine; nothing to compare");
+        return;
+    }
+    for ty in QUANT_TYPES.iter().chain(&FLOAT_TYPES).copied() {
+        let n_ins: &[usize] = if ty.block_elems() == 256 {
+            &[256, 768]
+        } else if ty.is_float() {
+            &[37, 256, 300]
+        } else {
+            &[32, 288, 544]
+        };
+        for &n_in in n_ins {
+            for (n_out, toks) in [(37usize, &[1usize, 2, 3, 4, 5, 7, 16, 33, 64][..]), (300, &[1, 5, 16][..])] {
+                let raw = n_out == 37;
+                let data = random_matrix(&mut rng, ty, n_out, n_in, raw);
+                let w = QMatrix::new(ty, &data, n_out, n_in).unwrap();
+                let wf = dequant_matrix(ty, &data, n_out, n_in);
+                for &n_tok in toks {
+                    let x = activations(&mut rng, n_tok, n_in);
+                    let mut want = vec![0f32; n_tok * n_out];
+                    matmul_with(KernelLevel::Scalar, &w, &x, n_tok, &mut want).unwrap();
+                    for &level in &lv {
+                        let mut got = vec![f32::NAN; n_tok * n_out];
+                        matmul_with(level, &w, &x, n_tok, &mut got).unwrap();
+                        for t in 0..n_tok {
+                            for o in 0..n_out {
+                                let (a, b) = (got[t * n_out + o], want[t * n_out + o]);
+                                let tol = 2e-5 * abs_dot(&wf, &x, n_in, o, t) + 1e-6;
+                                assert!(
+                                    ((a - b) as f64).abs() <= tol,
+                                    "{ty} {level:?} n_out {n_out} n_in {n_in} n_tok {n_tok} [t {t}, o {o}]: {a} vs scalar {b} (tol {tol})"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The scalar kernels equal an f32 matmul on the dequantized weights up to the activation
+/// quantization error: |Δy| ≤ Σ_k |W[o,k]| · d_x/2 (rounding to the 8-bit grid, d_x = amax/127 of the
+/// activation block) + Σ_k max|W|_block · |x_k| · 2e-3 (f16 rounding of d_x and of Q8_1's s).
+#[test]
+fn scalar_matches_dequantized_f32() {
+    let mut rng = StdRng::seed_from_u64(4);
+    for ty in QUANT_TYPES.iter().chain(&FLOAT_TYPES).copied() {
+        let n_in = if ty.block_elems() == 256 { 512 } else { 288 };
+        let (n_out, n_tok) = (19, 5);
+        let data = random_matrix(&mut rng, ty, n_out, n_in, false);
+        let w = QMatrix::new(ty, &data, n_out, n_in).unwrap();
+        let wf = dequant_matrix(ty, &data, n_out, n_in);
+        let x = activations(&mut rng, n_tok, n_in);
+        let mut y = vec![0f32; n_tok * n_out];
+        matmul_with(KernelLevel::Scalar, &w, &x, n_tok, &mut y).unwrap();
+        let ab = if ty.is_float() { 0 } else { act::GROUP.min(ty.block_elems().max(32)) };
+        for t in 0..n_tok {
+            let xr = &x[t * n_in..(t + 1) * n_in];
+            for o in 0..n_out {
+                let wr = &wf[o * n_in..(o + 1) * n_in];
+                let exact: f64 = wr.iter().zip(xr).map(|(a, b)| *a as f64 * *b as f64).sum();
+                let mut bound = 1e-5 + 1e-6 * abs_dot(&wf, &x, n_in, o, t);
+                if ab > 0 {
+                    for (wb, xb) in wr.chunks(ab).zip(xr.chunks(ab)) {
+                        let amax = xb.iter().fold(0.0f32, |a, v| a.max(v.abs())) as f64;
+                        let wmax = wb.iter().fold(0.0f32, |a, v| a.max(v.abs())) as f64;
+                        for (wv, xv) in wb.iter().zip(xb) {
+                            bound += (*wv as f64).abs() * 0.5 * amax / 127.0 * 1.01 + wmax * (*xv as f64).abs() * 2e-3;
+                        }
+                    }
+                }
+                let got = y[t * n_out + o] as f64;
+                assert!(
+                    (got - exact).abs() <= bound,
+                    "{ty} [t {t}, o {o}]: {got} vs f32 {exact} (bound {bound})"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn threads_do_not_change_results() {
+    let mut rng = StdRng::seed_from_u64(5);
+    let (ty, n_out, n_in, n_tok) = (GgmlType::Q4_K, 256, 1024, 8);
+    let data = random_matrix(&mut rng, ty, n_out, n_in, false);
+    let w = QMatrix::new(ty, &data, n_out, n_in).unwrap();
+    let x = activations(&mut rng, n_tok, n_in);
+    let run = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        let mut y = vec![0f32; n_tok * n_out];
+        pool.install(|| matmul(&w, &x, n_tok, &mut y)).unwrap();
+        y
+    };
+    assert_eq!(run(1), run(3));
+}
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avx512_lane_record_permutation() {
+    if !levels().contains(&KernelLevel::Avx512Vnni) {
+        return;
+    }
+    let mut rng = StdRng::seed_from_u64(6);
+    let x = rand_vec(&mut rng, GROUP);
+    // Lane i = 4s + r of every accumulator register covers chunk LAYOUT[r][s]; A_k holds its k-th dword.
+    let layouts: [(GgmlType, [[usize; 4]; 4]); 3] = [
+        (GgmlType::Q4_K, [[0, 1, 4, 5], [2, 3, 6, 7], [8, 9, 12, 13], [10, 11, 14, 15]]),
+        (GgmlType::Q6_K, [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]),
+        (GgmlType::Q4_0, [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]),
+    ];
+    for (ty, layout) in layouts {
+        let mut nat = [0u8; REC];
+        act::quantize_group(act::act_kind(ty), &x, &mut nat);
+        let mut lane = vec![0u8; REC];
+        // SAFETY: AVX-512 VNNI checked above.
+        unsafe { x86_avx512::lane_record(ty, &nat, &mut lane) };
+        for k in 0..4 {
+            for i in 0..16 {
+                let c = layout[i % 4][i / 4];
+                for j in 0..4 {
+                    assert_eq!(lane[64 * k + 4 * i + j], nat[16 * c + 4 * k + j], "{ty} k {k} lane {i} byte {j}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn malformed_lengths_are_errors() {
+    let data = vec![0u8; 144 * 2];
+    assert!(QMatrix::new(GgmlType::Q4_K, &data, 2, 256).is_ok());
+    assert!(matches!(QMatrix::new(GgmlType::Q4_K, &data, 3, 256), Err(EngineError::Shape(_))));
+    assert!(matches!(QMatrix::new(GgmlType::Q4_K, &data, 2, 255), Err(EngineError::Shape(_))));
+    assert!(QMatrix::new(GgmlType::Q4_K, &data, usize::MAX, 256).is_err());
+    let w = QMatrix::new(GgmlType::Q4_K, &data, 2, 256).unwrap();
+    for level in [KernelLevel::Scalar, KernelLevel::Avx2, KernelLevel::Avx512Vnni] {
+        let mut y = vec![0f32; 2];
+        assert!(matmul_with(level, &w, &[0.0; 255], 1, &mut y).is_err());
+        assert!(matmul_with(level, &w, &[0.0; 256], 2, &mut y).is_err());
+        assert!(matmul_with(level, &w, &[0.0; 256], 1, &mut [0.0; 3]).is_err());
+        assert!(matmul_with(level, &w, &[0.0; 256], usize::MAX, &mut y).is_err());
+        assert!(matmul_with(level, &w, &[0.0; 256], 1, &mut y).is_ok());
+        // A hand-built matrix whose fields disagree with its data.
+        let bad = QMatrix {
+            ty: GgmlType::Q4_K,
+            data: &data,
+            n_out: 5,
+            n_in: 256,
+        };
+        assert!(matches!(matmul_with(level, &bad, &[0.0; 256], 1, &mut [0.0; 5]), Err(EngineError::Shape(_))));
+        let bad = QMatrix {
+            ty: GgmlType::Q4_K,
+            data: &data,
+            n_out: 1,
+            n_in: 100,
+        };
+        assert!(matmul_with(level, &bad, &[0.0; 100], 1, &mut [0.0; 1]).is_err());
+    }
+    let q2 = QMatrix {
+        ty: GgmlType::Q2_K,
+        data: &data[..84],
+        n_out: 1,
+        n_in: 256,
+    };
+    assert!(matches!(
+        matmul(&q2, &[0.0; 256], 1, &mut [0.0; 1]),
+        Err(EngineError::UnsupportedTensorType(_))
+    ));
+    let mut out = vec![0f32; 256];
+    assert!(dequantize_row(GgmlType::Q4_K, &data[..143], &mut out).is_err());
+    assert!(dequantize_row(GgmlType::Q4_K, &data, &mut out).is_err());
+    assert!(dequantize_row(GgmlType::Q4_K, &data[..144], &mut out[..100]).is_err());
+    assert!(dequantize_row(GgmlType::Q8_K, &data[..144], &mut out).is_err());
+    assert!(dequantize_row(GgmlType::Q4_K, &data[..144], &mut out).is_ok());
+    let mut buf = vec![0u8; 100];
+    assert!(quantize_row(GgmlType::Q4_0, &[0.0; 33], &mut buf).is_err());
+    assert!(quantize_row(GgmlType::Q4_0, &[0.0; 32], &mut buf).is_err());
+    assert!(quantize_row(GgmlType::Q4_0, &[0.0; 32], &mut buf[..18]).is_ok());
+    assert!(quantize_row(GgmlType::Q3_K, &[0.0; 256], &mut buf).is_err());
+}
+
+#[test]
+fn degenerate_shapes() {
+    let w = QMatrix::new(GgmlType::Q8_0, &[], 0, 64).unwrap();
+    matmul(&w, &[1.0; 64], 1, &mut []).unwrap();
+    let w = QMatrix::new(GgmlType::Q8_0, &[], 3, 0).unwrap();
+    let mut y = vec![5.0; 6];
+    matmul(&w, &[], 2, &mut y).unwrap();
+    assert_eq!(y, vec![0.0; 6]);
+    let data = quantized(GgmlType::Q8_0, &[1.0; 64]);
+    let w = QMatrix::new(GgmlType::Q8_0, &data, 1, 64).unwrap();
+    matmul(&w, &[], 0, &mut []).unwrap();
+}
+
+/// Standalone timing (run with `cargo test --release -p arbor-engine quant::tests::timing -- --ignored --nocapture`).
+#[test]
+#[ignore]
+fn timing() {
+    use std::time::Instant;
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+    let mut rng = StdRng::seed_from_u64(7);
+    let cases = [
+        (GgmlType::Q4_K, 1536usize, 8960usize),
+        (GgmlType::Q4_K, 8960, 1536),
+        (GgmlType::Q6_K, 1536, 8960),
+        (GgmlType::Q8_0, 576, 1536),
+        (GgmlType::Q4_1, 576, 1536),
+    ];
+    // Several copies so the weights do not sit in cache between calls (like a real model).
+    for (ty, n_out, n_in) in cases {
+        let copies = (256 << 20) / ty.row_bytes(n_in).unwrap() / n_out;
+        let copies = copies.clamp(1, 32);
+        let mats: Vec<Vec<u8>> = (0..copies).map(|_| random_matrix(&mut rng, ty, n_out, n_in, true)).collect();
+        let bytes = mats[0].len();
+        for level in levels() {
+            let mut line = format!("{ty} {n_out}x{n_in} {:>6}:", level.name());
+            for n_tok in [1usize, 4, 16, 64] {
+                if level == KernelLevel::Scalar && n_tok > 4 {
+                    continue;
+                }
+                let x = rand_vec(&mut rng, n_tok * n_in);
+                let mut y = vec![0f32; n_tok * n_out];
+                let iters = if level == KernelLevel::Scalar { 4 } else { 3 * copies.max(8) };
+                let t = Instant::now();
+                pool.install(|| {
+                    for i in 0..iters {
+                        let w = QMatrix::new(ty, &mats[i % copies], n_out, n_in).unwrap();
+                        matmul_with(level, &w, &x, n_tok, &mut y).unwrap();
+                    }
+                });
+                let s = t.elapsed().as_secs_f64() / iters as f64;
+                if n_tok == 1 {
+                    line += &format!(" n1 {:.3} ms ({:.1} GB/s)", s * 1e3, bytes as f64 / s / 1e9);
+                } else {
+                    line += &format!(" | n{n_tok} {:.3} ms", s * 1e3);
+                }
+            }
+            eprintln!("{line}");
+        }
+    }
+}

@@ -1,0 +1,724 @@
+//! AVX-512 VNNI kernels: `vpdpbusd` on lane-permuted activations, one int32 accumulator per 256-element group.
+//!
+//! A 256-element group (one K-quant block, or eight 32-element legacy blocks) is unpacked into four
+//! 64-byte registers `R0..R3` of unsigned weights (4/5/6-bit values, or Q8_0 + 128) in which every
+//! 128-bit lane holds one 16-element chunk `LAYOUT[r][s]` of the group. A 4x4 dword transpose per
+//! 128-bit lane (`transpose4`, 8 unpack instructions) turns them into `Y0..Y3` where dword lane
+//! `i = 4s + r` of every `Yk` holds the k-th 4 bytes of chunk `LAYOUT[r][s]`. The activation record is
+//! permuted the same way once per call, so
+//!
+//! `P = dpbusd(dpbusd(dpbusd(dpbusd(init, Y0, A0), Y1, A1), Y2, A2), Y3, A3)`
+//!
+//! leaves in lane `i` the exact integer dot product of one whole chunk, and every chunk lies in one
+//! scale group `sigma(i)`. The group then costs one int→float conversion and one or two FMAs per
+//! activation row: `acc += cvt(P) * (LS * DX) [+ LM * AUX]`, with per-lane weight scales `LS`/mins `LM`
+//! (built once per weight group) and per-lane activation scales `DX`. Weight offsets (Q4_0 −8, Q5_0 −16,
+//! Q8_0 −128, Q6_K −32) enter exactly as the integer start value `init = −offset · Σa` per lane.
+//!
+//! Lane activation record (`REC` = 384 bytes per group):
+//! `[0,256)` A0..A3; `[256,320)` AUX: i32 `−offset·Σa` per lane, or f32 mins operand
+//! (Q4_K/Q5_K: d·Σa; Q4_1/Q5_1: s/2 of the lane's block); `[320,384)` f32 DX per lane.
+
+use std::arch::x86_64::*;
+
+use super::act::{GROUP, OFF_D, REC};
+use super::{GgmlType, QMatrix, YPtr};
+
+/// Accumulator registers (one per output row × activation row) kept per row tile: 16 KiB.
+const ACC_CAP: usize = 256;
+/// Activation bytes of one k-block (all rows of the tile), sized to stay in L1.
+const KB_BYTES: usize = 24 * 1024;
+
+type Layout = [[usize; 4]; 4];
+/// K-quants with 32-element sub-blocks (Q4_K, Q5_K): R0 = low nibbles of qs[0..64], etc.
+const LAYOUT_K4: Layout = [[0, 1, 4, 5], [2, 3, 6, 7], [8, 9, 12, 13], [10, 11, 14, 15]];
+/// Natural order (Q6_K, Q8_0): Rr = elements 64r..64r+64.
+const LAYOUT_NAT: Layout = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]];
+/// Nibble-packed 32-element blocks (Q4_0, Q4_1, Q5_0, Q5_1): R0 = low nibbles of blocks 0..4, etc.
+const LAYOUT_LEG: Layout = [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]];
+
+/// Scale group of accumulator lane `i`, for chunks of `group_chunks` 16-element chunks per group.
+const fn sigma(l: &Layout, group_chunks: usize, add: i32) -> [i32; 16] {
+    let mut s = [0i32; 16];
+    let mut i = 0;
+    while i < 16 {
+        s[i] = (l[i % 4][i / 4] / group_chunks) as i32 + add;
+        i += 1;
+    }
+    s
+}
+
+/// `vpermt2q` indices that gather register `r`'s four chunks from the 128-byte half holding them.
+const fn gather_idx(l: &Layout, r: usize) -> [i64; 8] {
+    let mut idx = [0i64; 8];
+    let mut s = 0;
+    while s < 4 {
+        let c = l[r][s] % 8;
+        idx[2 * s] = (2 * c) as i64;
+        idx[2 * s + 1] = (2 * c + 1) as i64;
+        s += 1;
+    }
+    idx
+}
+
+const fn gather_all(l: &Layout) -> [[i64; 8]; 4] {
+    [gather_idx(l, 0), gather_idx(l, 1), gather_idx(l, 2), gather_idx(l, 3)]
+}
+
+static SIG_K4: [i32; 16] = sigma(&LAYOUT_K4, 2, 0);
+static SIG_K4_M: [i32; 16] = sigma(&LAYOUT_K4, 2, 8);
+static SIG_K6: [i32; 16] = sigma(&LAYOUT_NAT, 1, 0);
+static SIG_NAT2: [i32; 16] = sigma(&LAYOUT_NAT, 2, 0);
+static SIG_LEG: [i32; 16] = sigma(&LAYOUT_LEG, 2, 0);
+static SIG_LEG_M: [i32; 16] = sigma(&LAYOUT_LEG, 2, 8);
+static GATHER_K4: [[i64; 8]; 4] = gather_all(&LAYOUT_K4);
+static GATHER_NAT: [[i64; 8]; 4] = gather_all(&LAYOUT_NAT);
+static GATHER_LEG: [[i64; 8]; 4] = gather_all(&LAYOUT_LEG);
+
+#[inline(always)]
+unsafe fn ld_i32x16(a: &[i32; 16]) -> __m512i {
+    _mm512_loadu_si512(a.as_ptr() as *const __m512i)
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn transpose4(r: [__m512i; 4]) -> [__m512i; 4] {
+    let x0 = _mm512_unpacklo_epi32(r[0], r[1]);
+    let x1 = _mm512_unpackhi_epi32(r[0], r[1]);
+    let x2 = _mm512_unpacklo_epi32(r[2], r[3]);
+    let x3 = _mm512_unpackhi_epi32(r[2], r[3]);
+    [
+        _mm512_unpacklo_epi64(x0, x2),
+        _mm512_unpackhi_epi64(x0, x2),
+        _mm512_unpacklo_epi64(x1, x3),
+        _mm512_unpackhi_epi64(x1, x3),
+    ]
+}
+
+// ---------------------------------------------------------------------------------------------
+// Activation records
+// ---------------------------------------------------------------------------------------------
+
+/// Builds the lane record for weight type `ty` from a natural record (see `act`).
+///
+/// # Safety
+/// The CPU must support the enabled features; `out` must hold at least `REC` bytes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn lane_record(ty: GgmlType, nat: &[u8; REC], out: &mut [u8]) {
+    let out = &mut out[..REC];
+    let (gather, sig, sig_m) = match ty {
+        GgmlType::Q4_K | GgmlType::Q5_K => (&GATHER_K4, &SIG_K4, &SIG_K4_M),
+        GgmlType::Q6_K => (&GATHER_NAT, &SIG_K6, &SIG_K6),
+        GgmlType::Q8_0 => (&GATHER_NAT, &SIG_NAT2, &SIG_NAT2),
+        _ => (&GATHER_LEG, &SIG_LEG, &SIG_LEG_M),
+    };
+    let np = nat.as_ptr();
+    let z = [
+        _mm512_loadu_si512(np as *const __m512i),
+        _mm512_loadu_si512(np.add(64) as *const __m512i),
+        _mm512_loadu_si512(np.add(128) as *const __m512i),
+        _mm512_loadu_si512(np.add(192) as *const __m512i),
+    ];
+    let idx = [
+        _mm512_loadu_si512(gather[0].as_ptr() as *const __m512i),
+        _mm512_loadu_si512(gather[1].as_ptr() as *const __m512i),
+        _mm512_loadu_si512(gather[2].as_ptr() as *const __m512i),
+        _mm512_loadu_si512(gather[3].as_ptr() as *const __m512i),
+    ];
+    let r = [
+        _mm512_permutex2var_epi64(z[0], idx[0], z[1]),
+        _mm512_permutex2var_epi64(z[0], idx[1], z[1]),
+        _mm512_permutex2var_epi64(z[2], idx[2], z[3]),
+        _mm512_permutex2var_epi64(z[2], idx[3], z[3]),
+    ];
+    let y = transpose4(r);
+    let op = out.as_mut_ptr();
+    let ones = _mm512_set1_epi8(1);
+    let mut s = _mm512_setzero_si512();
+    for (k, yk) in y.iter().enumerate() {
+        _mm512_storeu_si512(op.add(64 * k) as *mut __m512i, *yk);
+        s = _mm512_dpbusd_epi32(s, ones, *yk);
+    }
+    let dv = _mm512_loadu_ps(np.add(OFF_D) as *const f32);
+    let d0 = _mm512_set1_ps(*(np.add(OFF_D) as *const f32));
+    // −offset · Σa (offsets are 8, 16, 32, 128).
+    let off = match ty {
+        GgmlType::Q4_0 => 8,
+        GgmlType::Q5_0 => 16,
+        GgmlType::Q6_K => 32,
+        GgmlType::Q8_0 => 128,
+        _ => 0,
+    };
+    let neg = _mm512_mullo_epi32(s, _mm512_set1_epi32(-off));
+    let (aux, dx) = match ty {
+        GgmlType::Q4_K | GgmlType::Q5_K => (_mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(s), d0)), d0),
+        GgmlType::Q6_K => (neg, d0),
+        GgmlType::Q4_1 | GgmlType::Q5_1 => {
+            let sm = _mm512_permutexvar_ps(ld_i32x16(sig_m), dv);
+            (
+                _mm512_castps_si512(_mm512_mul_ps(sm, _mm512_set1_ps(0.5))),
+                _mm512_permutexvar_ps(ld_i32x16(sig), dv),
+            )
+        }
+        GgmlType::Q4_0 => (neg, _mm512_permutexvar_ps(ld_i32x16(sig), dv)),
+        GgmlType::Q5_0 => (neg, _mm512_permutexvar_ps(ld_i32x16(sig), dv)),
+        _ => (neg, _mm512_permutexvar_ps(ld_i32x16(sig), dv)),
+    };
+    _mm512_storeu_si512(op.add(256) as *mut __m512i, aux);
+    _mm512_storeu_ps(op.add(320) as *mut f32, dx);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Weight unpacking
+// ---------------------------------------------------------------------------------------------
+
+/// One unpacked weight group: transposed unsigned weights, per-lane scales and mins.
+struct W {
+    y: [__m512i; 4],
+    ls: __m512,
+    lm: __m512,
+}
+
+trait Kind {
+    /// Start the integer accumulator at AUX (−offset·Σa).
+    const OFFSET: bool;
+    /// Add LM · AUX.
+    const MINS: bool;
+    /// Blocks per 256-element group.
+    const BLOCKS: usize;
+    /// Bytes per block.
+    const BB: usize;
+    /// Unpacks the group starting at `p` (`BLOCKS * BB` readable bytes).
+    unsafe fn unpack(p: *const u8) -> W;
+}
+
+#[inline(always)]
+unsafe fn rd_u16(p: *const u8) -> u16 {
+    std::ptr::read_unaligned(p as *const u16)
+}
+
+#[inline(always)]
+unsafe fn rd_u32(p: *const u8) -> u32 {
+    std::ptr::read_unaligned(p as *const u32)
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn f16x2(p: *const u8) -> (f32, f32) {
+    let v = _mm_cvtph_ps(_mm_cvtsi32_si128(rd_u32(p) as i32));
+    (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
+}
+
+/// Four 16-byte pieces at `p + off + k * stride` as one register.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn load4x16(p: *const u8, stride: usize) -> __m512i {
+    let v = _mm512_castsi128_si512(_mm_loadu_si128(p as *const __m128i));
+    let v = _mm512_inserti32x4(v, _mm_loadu_si128(p.add(stride) as *const __m128i), 1);
+    let v = _mm512_inserti32x4(v, _mm_loadu_si128(p.add(2 * stride) as *const __m128i), 2);
+    _mm512_inserti32x4(v, _mm_loadu_si128(p.add(3 * stride) as *const __m128i), 3)
+}
+
+/// Low and high nibbles of the 64 bytes in `v`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn nibbles(v: __m512i) -> (__m512i, __m512i) {
+    let m4 = _mm512_set1_epi8(0x0F);
+    (_mm512_and_si512(v, m4), _mm512_and_si512(_mm512_srli_epi16(v, 4), m4))
+}
+
+/// Per-lane d (and m) of 8 legacy blocks: f16 at `p + b*BB + off_d` (and `+ off_m`).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn legacy_scales<const BB: usize>(p: *const u8, off_m: Option<usize>, sig: &[i32; 16], sig_m: &[i32; 16]) -> (__m512, __m512) {
+    let mut h = [0u16; 16];
+    for (b, v) in h.iter_mut().take(8).enumerate() {
+        *v = rd_u16(p.add(b * BB));
+    }
+    if let Some(om) = off_m {
+        for b in 0..8 {
+            h[8 + b] = rd_u16(p.add(b * BB + om));
+        }
+    }
+    let v = _mm512_cvtph_ps(_mm256_loadu_si256(h.as_ptr() as *const __m256i));
+    (_mm512_permutexvar_ps(ld_i32x16(sig), v), _mm512_permutexvar_ps(ld_i32x16(sig_m), v))
+}
+
+/// Adds 16 to the bytes of the four legacy-layout registers whose Q5 high bit is set.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn q5_high<const BB: usize>(p: *const u8, off_qh: usize, r: &mut [__m512i; 4]) {
+    let c16 = _mm512_set1_epi8(16);
+    for half in 0..2 {
+        let mut klo = 0u64;
+        let mut khi = 0u64;
+        for b in 0..4 {
+            let qh = rd_u32(p.add((4 * half + b) * BB + off_qh)) as u64;
+            klo |= (qh & 0xFFFF) << (16 * b);
+            khi |= (qh >> 16) << (16 * b);
+        }
+        r[2 * half] = _mm512_mask_add_epi8(r[2 * half], klo, r[2 * half], c16);
+        r[2 * half + 1] = _mm512_mask_add_epi8(r[2 * half + 1], khi, r[2 * half + 1], c16);
+    }
+}
+
+struct Q40;
+struct Q41;
+struct Q50;
+struct Q51;
+struct Q80;
+struct Q4K;
+struct Q5K;
+struct Q6K;
+
+impl Kind for Q40 {
+    const OFFSET: bool = true;
+    const MINS: bool = false;
+    const BLOCKS: usize = 8;
+    const BB: usize = 18;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn unpack(p: *const u8) -> W {
+        let (r0, r1) = nibbles(load4x16(p.add(2), 18));
+        let (r2, r3) = nibbles(load4x16(p.add(2 + 4 * 18), 18));
+        let (ls, lm) = legacy_scales::<18>(p, None, &SIG_LEG, &SIG_LEG_M);
+        W {
+            y: transpose4([r0, r1, r2, r3]),
+            ls,
+            lm,
+        }
+    }
+}
+
+impl Kind for Q41 {
+    const OFFSET: bool = false;
+    const MINS: bool = true;
+    const BLOCKS: usize = 8;
+    const BB: usize = 20;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn unpack(p: *const u8) -> W {
+        let (r0, r1) = nibbles(load4x16(p.add(4), 20));
+        let (r2, r3) = nibbles(load4x16(p.add(4 + 4 * 20), 20));
+        let (ls, lm) = legacy_scales::<20>(p, Some(2), &SIG_LEG, &SIG_LEG_M);
+        W {
+            y: transpose4([r0, r1, r2, r3]),
+            ls,
+            lm,
+        }
+    }
+}
+
+impl Kind for Q50 {
+    const OFFSET: bool = true;
+    const MINS: bool = false;
+    const BLOCKS: usize = 8;
+    const BB: usize = 22;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn unpack(p: *const u8) -> W {
+        let (r0, r1) = nibbles(load4x16(p.add(6), 22));
+        let (r2, r3) = nibbles(load4x16(p.add(6 + 4 * 22), 22));
+        let mut r = [r0, r1, r2, r3];
+        q5_high::<22>(p, 2, &mut r);
+        let (ls, lm) = legacy_scales::<22>(p, None, &SIG_LEG, &SIG_LEG_M);
+        W {
+            y: transpose4(r),
+            ls,
+            lm,
+        }
+    }
+}
+
+impl Kind for Q51 {
+    const OFFSET: bool = false;
+    const MINS: bool = true;
+    const BLOCKS: usize = 8;
+    const BB: usize = 24;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn unpack(p: *const u8) -> W {
+        let (r0, r1) = nibbles(load4x16(p.add(8), 24));
+        let (r2, r3) = nibbles(load4x16(p.add(8 + 4 * 24), 24));
+        let mut r = [r0, r1, r2, r3];
+        q5_high::<24>(p, 4, &mut r);
+        let (ls, lm) = legacy_scales::<24>(p, Some(2), &SIG_LEG, &SIG_LEG_M);
+        W {
+            y: transpose4(r),
+            ls,
+            lm,
+        }
+    }
+}
+
+/// Blocks 2r and 2r+1 of a Q8_0 group as unsigned bytes (q + 128).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn q8_reg(p: *const u8, r: usize) -> __m512i {
+    let lo = _mm256_loadu_si256(p.add(34 * (2 * r) + 2) as *const __m256i);
+    let hi = _mm256_loadu_si256(p.add(34 * (2 * r + 1) + 2) as *const __m256i);
+    _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), _mm512_set1_epi8(-128))
+}
+
+impl Kind for Q80 {
+    const OFFSET: bool = true;
+    const MINS: bool = false;
+    const BLOCKS: usize = 8;
+    const BB: usize = 34;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn unpack(p: *const u8) -> W {
+        let r = [q8_reg(p, 0), q8_reg(p, 1), q8_reg(p, 2), q8_reg(p, 3)];
+        let (ls, lm) = legacy_scales::<34>(p, None, &SIG_NAT2, &SIG_NAT2);
+        W {
+            y: transpose4(r),
+            ls,
+            lm,
+        }
+    }
+}
+
+/// Per-lane d·sc and −dmin·m of a Q4_K/Q5_K block (`p` = block start).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn k4_lane_scales(p: *const u8) -> (__m512, __m512) {
+    const KMASK1: u32 = 0x3f3f_3f3f;
+    const KMASK2: u32 = 0x0f0f_0f0f;
+    const KMASK3: u32 = 0x0303_0303;
+    let (d, dmin) = f16x2(p);
+    let s = p.add(4);
+    let u0 = rd_u32(s);
+    let u1 = rd_u32(s.add(4));
+    let u2 = rd_u32(s.add(8));
+    let m_hi = ((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4);
+    let m_lo = u1 & KMASK1;
+    let sc_hi = (u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4);
+    let sc_lo = u0 & KMASK1;
+    let sc8 = (sc_lo as u64) | ((sc_hi as u64) << 32);
+    let m8 = (m_lo as u64) | ((m_hi as u64) << 32);
+    let v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi64x(m8 as i64, sc8 as i64)));
+    (
+        _mm512_mul_ps(_mm512_permutexvar_ps(ld_i32x16(&SIG_K4), v), _mm512_set1_ps(d)),
+        _mm512_mul_ps(_mm512_permutexvar_ps(ld_i32x16(&SIG_K4_M), v), _mm512_set1_ps(-dmin)),
+    )
+}
+
+impl Kind for Q4K {
+    const OFFSET: bool = false;
+    const MINS: bool = true;
+    const BLOCKS: usize = 1;
+    const BB: usize = 144;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn unpack(p: *const u8) -> W {
+        let (r0, r1) = nibbles(_mm512_loadu_si512(p.add(16) as *const __m512i));
+        let (r2, r3) = nibbles(_mm512_loadu_si512(p.add(80) as *const __m512i));
+        let (ls, lm) = k4_lane_scales(p);
+        W {
+            y: transpose4([r0, r1, r2, r3]),
+            ls,
+            lm,
+        }
+    }
+}
+
+/// Q5_K high-bit masks per register: [bit for bytes 0..32, bit for bytes 32..64].
+static Q5K_BITS: [[u8; 2]; 4] = [[0x01, 0x04], [0x02, 0x08], [0x10, 0x40], [0x20, 0x80]];
+
+impl Kind for Q5K {
+    const OFFSET: bool = false;
+    const MINS: bool = true;
+    const BLOCKS: usize = 1;
+    const BB: usize = 176;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn unpack(p: *const u8) -> W {
+        let (r0, r1) = nibbles(_mm512_loadu_si512(p.add(48) as *const __m512i));
+        let (r2, r3) = nibbles(_mm512_loadu_si512(p.add(112) as *const __m512i));
+        let mut r = [r0, r1, r2, r3];
+        let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(p.add(16) as *const __m256i));
+        let c16 = _mm512_set1_epi8(16);
+        for (k, bits) in Q5K_BITS.iter().enumerate() {
+            let m = _mm512_inserti64x4(
+                _mm512_set1_epi8(bits[0] as i8),
+                _mm256_set1_epi8(bits[1] as i8),
+                1,
+            );
+            let hit = _mm512_test_epi8_mask(qh, m);
+            r[k] = _mm512_mask_add_epi8(r[k], hit, r[k], c16);
+        }
+        let (ls, lm) = k4_lane_scales(p);
+        W {
+            y: transpose4(r),
+            ls,
+            lm,
+        }
+    }
+}
+
+impl Kind for Q6K {
+    const OFFSET: bool = true;
+    const MINS: bool = false;
+    const BLOCKS: usize = 1;
+    const BB: usize = 210;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn unpack(p: *const u8) -> W {
+        let m30 = _mm512_set1_epi8(0x30);
+        // Word shift counts: bytes 0..32 of a register take one 2-bit field of qh, bytes 32..64 the next.
+        let shl = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+        let shr = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+        let mut r = [_mm512_setzero_si512(); 4];
+        for h in 0..2 {
+            let (lo, hi) = nibbles(_mm512_loadu_si512(p.add(64 * h) as *const __m512i));
+            let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(p.add(128 + 32 * h) as *const __m256i));
+            let h0 = _mm512_and_si512(_mm512_sllv_epi16(qh, shl), m30);
+            let h1 = _mm512_and_si512(_mm512_srlv_epi16(qh, shr), m30);
+            r[2 * h] = _mm512_or_si512(lo, h0);
+            r[2 * h + 1] = _mm512_or_si512(hi, h1);
+        }
+        let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(rd_u16(p.add(208)) as i32)));
+        let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(192) as *const __m128i)));
+        let ls = _mm512_mul_ps(_mm512_permutexvar_ps(ld_i32x16(&SIG_K6), sc), _mm512_set1_ps(d));
+        W {
+            y: transpose4(r),
+            ls,
+            lm: _mm512_setzero_ps(),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernels
+// ---------------------------------------------------------------------------------------------
+
+/// One weight group against one activation record.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn step<K: Kind>(w: &W, a: *const u8, acc: __m512) -> __m512 {
+    let mut p = if K::OFFSET {
+        _mm512_loadu_si512(a.add(256) as *const __m512i)
+    } else {
+        _mm512_setzero_si512()
+    };
+    p = _mm512_dpbusd_epi32(p, w.y[0], _mm512_loadu_si512(a as *const __m512i));
+    p = _mm512_dpbusd_epi32(p, w.y[1], _mm512_loadu_si512(a.add(64) as *const __m512i));
+    p = _mm512_dpbusd_epi32(p, w.y[2], _mm512_loadu_si512(a.add(128) as *const __m512i));
+    p = _mm512_dpbusd_epi32(p, w.y[3], _mm512_loadu_si512(a.add(192) as *const __m512i));
+    let dx = _mm512_loadu_ps(a.add(320) as *const f32);
+    let acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(w.ls, dx), acc);
+    if K::MINS {
+        _mm512_fmadd_ps(w.lm, _mm512_loadu_ps(a.add(256) as *const f32), acc)
+    } else {
+        acc
+    }
+}
+
+/// Quantized rows `[r0, r1)` against lane activation records.
+///
+/// # Safety
+/// The CPU must support the enabled features; `act` must hold `n_tok * stride` bytes of lane
+/// records built by `lane_record` for `w.ty`, `stride >= ceil(n_in/256) * REC`, `r1 <= w.n_out`,
+/// and `w` must have been validated (`data.len() == n_out * row_bytes`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn quant_rows(w: &QMatrix, act: &[u8], stride: usize, n_tok: usize, r0: usize, r1: usize, y: YPtr) {
+    debug_assert!(act.len() >= n_tok * stride);
+    let a = act.as_ptr();
+    match w.ty {
+        GgmlType::Q4_0 => rows::<Q40>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q4_1 => rows::<Q41>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q5_0 => rows::<Q50>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q5_1 => rows::<Q51>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q8_0 => rows::<Q80>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q4_K => rows::<Q4K>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q5_K => rows::<Q5K>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q6_K => rows::<Q6K>(w, a, stride, n_tok, r0, r1, y),
+        _ => {}
+    }
+}
+
+/// Row tiles × k-blocks × rows × groups × activation rows. The accumulators of a row tile (at most
+/// `ACC_CAP` registers) and the k-block of activation records they read stay in L1; each weight
+/// group is loaded and unpacked exactly once.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn rows<K: Kind>(w: &QMatrix, act: *const u8, stride: usize, n_tok: usize, r0: usize, r1: usize, y: YPtr) {
+    let rb = w.row_bytes();
+    let gbytes = K::BLOCKS * K::BB;
+    let n_full = w.n_in / GROUP;
+    let tail_bytes = (w.n_in % GROUP) / 32 * K::BB;
+    let n_groups = n_full + usize::from(tail_bytes > 0);
+    // Zero-padded copy of a partial last group (legacy types with n_in % 256 != 0).
+    let mut tail = [0u8; 8 * 34];
+    let mut acc = [_mm512_setzero_ps(); ACC_CAP];
+    let mut t0 = 0;
+    while t0 < n_tok {
+        let nt = (n_tok - t0).min(ACC_CAP);
+        let rs = (ACC_CAP / nt).max(1);
+        let kb = (KB_BYTES / (nt * REC)).max(1);
+        let ab = act.add(t0 * stride);
+        let mut o0 = r0;
+        while o0 < r1 {
+            let o1 = (o0 + rs).min(r1);
+            for v in acc[..(o1 - o0) * nt].iter_mut() {
+                *v = _mm512_setzero_ps();
+            }
+            let mut g0 = 0;
+            while g0 < n_groups {
+                let g1 = (g0 + kb).min(n_groups);
+                for o in o0..o1 {
+                    let wrow = w.data.as_ptr().add(o * rb);
+                    let accs = acc.as_mut_ptr().add((o - o0) * nt);
+                    for g in g0..g1 {
+                        let wp = if g < n_full {
+                            wrow.add(g * gbytes)
+                        } else {
+                            std::ptr::copy_nonoverlapping(wrow.add(g * gbytes), tail.as_mut_ptr(), tail_bytes);
+                            tail.as_ptr()
+                        };
+                        let wv = K::unpack(wp);
+                        let ag = ab.add(g * REC);
+                        for t in 0..nt {
+                            let ap = accs.add(t);
+                            *ap = step::<K>(&wv, ag.add(t * stride), *ap);
+                        }
+                    }
+                }
+                g0 = g1;
+            }
+            for o in o0..o1 {
+                for t in 0..nt {
+                    y.write(t0 + t, o, _mm512_reduce_add_ps(acc[(o - o0) * nt + t]));
+                }
+            }
+            o0 = o1;
+        }
+        t0 += nt;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Float weights
+// ---------------------------------------------------------------------------------------------
+
+trait FKind {
+    const BYTES: usize;
+    /// 16 weights starting at element `i`, the first `n` of them (`n <= 16`) if `n < 16`.
+    unsafe fn load(p: *const u8, i: usize, n: usize) -> __m512;
+}
+
+struct F32W;
+struct F16W;
+struct Bf16W;
+
+impl FKind for F32W {
+    const BYTES: usize = 4;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn load(p: *const u8, i: usize, n: usize) -> __m512 {
+        let q = p.add(4 * i) as *const f32;
+        if n >= 16 {
+            _mm512_loadu_ps(q)
+        } else {
+            _mm512_maskz_loadu_ps(((1u32 << n) - 1) as u16, q)
+        }
+    }
+}
+
+impl FKind for F16W {
+    const BYTES: usize = 2;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn load(p: *const u8, i: usize, n: usize) -> __m512 {
+        let q = p.add(2 * i);
+        let h = if n >= 16 {
+            _mm256_loadu_si256(q as *const __m256i)
+        } else {
+            _mm256_maskz_loadu_epi16(((1u32 << n) - 1) as u16, q as *const i16)
+        };
+        _mm512_cvtph_ps(h)
+    }
+}
+
+impl FKind for Bf16W {
+    const BYTES: usize = 2;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn load(p: *const u8, i: usize, n: usize) -> __m512 {
+        let q = p.add(2 * i);
+        let h = if n >= 16 {
+            _mm256_loadu_si256(q as *const __m256i)
+        } else {
+            _mm256_maskz_loadu_epi16(((1u32 << n) - 1) as u16, q as *const i16)
+        };
+        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+    }
+}
+
+/// Float-weight rows `[r0, r1)` against f32 activations.
+///
+/// # Safety
+/// The CPU must support the enabled features; `w` validated, `x.len() == n_tok * n_in`, `r1 <= n_out`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn float_rows(w: &QMatrix, x: &[f32], n_tok: usize, r0: usize, r1: usize, y: YPtr) {
+    match w.ty {
+        GgmlType::F32 => frows::<F32W>(w, x, n_tok, r0, r1, y),
+        GgmlType::F16 => frows::<F16W>(w, x, n_tok, r0, r1, y),
+        GgmlType::BF16 => frows::<Bf16W>(w, x, n_tok, r0, r1, y),
+        _ => {}
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn frows<K: FKind>(w: &QMatrix, x: &[f32], n_tok: usize, r0: usize, r1: usize, y: YPtr) {
+    let n_in = w.n_in;
+    for o in r0..r1 {
+        let wrow = w.data.as_ptr().add(o * n_in * K::BYTES);
+        let mut t0 = 0;
+        while t0 < n_tok {
+            let xp = x.as_ptr().add(t0 * n_in);
+            let nt = n_tok - t0;
+            if nt >= 4 {
+                fdot::<K, 4>(wrow, xp, n_in, y, t0, o);
+                t0 += 4;
+            } else if nt >= 2 {
+                fdot::<K, 2>(wrow, xp, n_in, y, t0, o);
+                t0 += 2;
+            } else {
+                fdot::<K, 1>(wrow, xp, n_in, y, t0, o);
+                t0 += 1;
+            }
+        }
+    }
+}
+
+/// y[t0 + j, o] = dot(w row, x row t0 + j) for j < N; two accumulators per row hide FMA latency.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn fdot<K: FKind, const N: usize>(wrow: *const u8, xp: *const f32, n_in: usize, y: YPtr, t0: usize, o: usize) {
+    let mut a0 = [_mm512_setzero_ps(); N];
+    let mut a1 = [_mm512_setzero_ps(); N];
+    let mut i = 0;
+    while i + 32 <= n_in {
+        let w0 = K::load(wrow, i, 16);
+        let w1 = K::load(wrow, i + 16, 16);
+        for j in 0..N {
+            let xr = xp.add(j * n_in + i);
+            a0[j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), a0[j]);
+            a1[j] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr.add(16)), a1[j]);
+        }
+        i += 32;
+    }
+    while i < n_in {
+        let n = (n_in - i).min(16);
+        let wv = K::load(wrow, i, n);
+        let m = ((1u32 << n) - 1) as u16;
+        for j in 0..N {
+            let xv = _mm512_maskz_loadu_ps(m, xp.add(j * n_in + i));
+            a0[j] = _mm512_fmadd_ps(wv, xv, a0[j]);
+        }
+        i += n;
+    }
+    for j in 0..N {
+        y.write(t0 + j, o, _mm512_reduce_add_ps(_mm512_add_ps(a0[j], a1[j])));
+    }
+}

@@ -1,0 +1,122 @@
+//! Tiny random-weight llama/qwen2 models built in memory, for exactness tests that run in milliseconds.
+
+use crate::error::Result;
+use crate::gguf::writer::GgufWriter;
+use crate::gguf::{GgufFile, MetaValue};
+use crate::model::Model;
+use crate::quant::{self, GgmlType};
+use crate::sample::Rng;
+
+/// Shape and numeric format of a tiny model.
+#[derive(Clone, Debug)]
+pub struct TinySpec {
+    /// "llama" or "qwen2" (qwen2 adds QKV biases and NEOX RoPE).
+    pub arch: &'static str,
+    pub n_layers: usize,
+    pub n_embd: usize,
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub n_ff: usize,
+    pub vocab: usize,
+    pub context: usize,
+    /// Type of the layer matrices (the embedding is Q8_0, norms F32).
+    pub weight_type: GgmlType,
+    /// Whether to add a separate output head instead of tying it to the embedding.
+    pub separate_output: bool,
+}
+
+impl Default for TinySpec {
+    fn default() -> Self {
+        TinySpec {
+            arch: "llama",
+            n_layers: 2,
+            n_embd: 64,
+            n_head: 4,
+            n_head_kv: 2,
+            n_ff: 128,
+            vocab: 96,
+            context: 512,
+            weight_type: GgmlType::F32,
+            separate_output: false,
+        }
+    }
+}
+
+fn random_vec(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| ((rng.next_f64() * 2.0 - 1.0) as f32) * scale)
+        .collect()
+}
+
+fn encode(ty: GgmlType, data: &[f32]) -> Result<Vec<u8>> {
+    let n_in = data.len();
+    let mut out = vec![0u8; ty.row_bytes(n_in).unwrap_or(n_in * 4)];
+    quant::quantize_row(ty, data, &mut out)?;
+    Ok(out)
+}
+
+/// Serialize a random model as a GGUF image.
+pub fn tiny_model_gguf(spec: &TinySpec, seed: u64) -> Result<Vec<u8>> {
+    let mut rng = Rng::new(seed);
+    let mut w = GgufWriter::new();
+    let a = spec.arch;
+    let hd = spec.n_embd / spec.n_head;
+    let kv = spec.n_head_kv * hd;
+    w.meta("general.architecture", MetaValue::Str(a.into()))
+        .meta(&format!("{a}.block_count"), MetaValue::U32(spec.n_layers as u32))
+        .meta(&format!("{a}.context_length"), MetaValue::U32(spec.context as u32))
+        .meta(&format!("{a}.embedding_length"), MetaValue::U32(spec.n_embd as u32))
+        .meta(&format!("{a}.feed_forward_length"), MetaValue::U32(spec.n_ff as u32))
+        .meta(&format!("{a}.attention.head_count"), MetaValue::U32(spec.n_head as u32))
+        .meta(&format!("{a}.attention.head_count_kv"), MetaValue::U32(spec.n_head_kv as u32))
+        .meta(&format!("{a}.rope.freq_base"), MetaValue::F32(10000.0))
+        .meta(&format!("{a}.attention.layer_norm_rms_epsilon"), MetaValue::F32(1e-5))
+        .meta(&format!("{a}.vocab_size"), MetaValue::U32(spec.vocab as u32));
+    let mut mat = |w: &mut GgufWriter, name: &str, n_out: usize, n_in: usize, ty: GgmlType| -> Result<()> {
+        let scale = 1.0 / (n_in as f32).sqrt();
+        let mut bytes = Vec::new();
+        for _ in 0..n_out {
+            bytes.extend(encode(ty, &random_vec(&mut rng, n_in, scale * 1.7))?);
+        }
+        w.tensor(name, &[n_in as u64, n_out as u64], ty, bytes);
+        Ok(())
+    };
+    mat(&mut w, "token_embd.weight", spec.vocab, spec.n_embd, GgmlType::Q8_0)?;
+    if spec.separate_output {
+        mat(&mut w, "output.weight", spec.vocab, spec.n_embd, spec.weight_type)?;
+    }
+    let t = spec.weight_type;
+    for l in 0..spec.n_layers {
+        let n = |s: &str| format!("blk.{l}.{s}");
+        mat(&mut w, &n("attn_q.weight"), spec.n_embd, spec.n_embd, t)?;
+        mat(&mut w, &n("attn_k.weight"), kv, spec.n_embd, t)?;
+        mat(&mut w, &n("attn_v.weight"), kv, spec.n_embd, t)?;
+        mat(&mut w, &n("attn_output.weight"), spec.n_embd, spec.n_embd, t)?;
+        mat(&mut w, &n("ffn_gate.weight"), spec.n_ff, spec.n_embd, t)?;
+        mat(&mut w, &n("ffn_up.weight"), spec.n_ff, spec.n_embd, t)?;
+        mat(&mut w, &n("ffn_down.weight"), spec.n_embd, spec.n_ff, t)?;
+    }
+    let mut rng = Rng::new(seed ^ 0x5eed);
+    let mut vecf = |w: &mut GgufWriter, name: &str, n: usize, base: f32, scale: f32| {
+        let v: Vec<f32> = random_vec(&mut rng, n, scale).iter().map(|x| x + base).collect();
+        let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        w.tensor(name, &[n as u64], GgmlType::F32, bytes);
+    };
+    vecf(&mut w, "output_norm.weight", spec.n_embd, 1.0, 0.2);
+    for l in 0..spec.n_layers {
+        let n = |s: &str| format!("blk.{l}.{s}");
+        vecf(&mut w, &n("attn_norm.weight"), spec.n_embd, 1.0, 0.2);
+        vecf(&mut w, &n("ffn_norm.weight"), spec.n_embd, 1.0, 0.2);
+        if a == "qwen2" {
+            vecf(&mut w, &n("attn_q.bias"), spec.n_embd, 0.0, 0.3);
+            vecf(&mut w, &n("attn_k.bias"), kv, 0.0, 0.3);
+            vecf(&mut w, &n("attn_v.bias"), kv, 0.0, 0.3);
+        }
+    }
+    Ok(w.to_bytes())
+}
+
+/// A random model ready to run.
+pub fn tiny_model(spec: &TinySpec, seed: u64) -> Result<Model> {
+    Model::from_gguf(GgufFile::from_bytes(tiny_model_gguf(spec, seed)?)?)
+}

@@ -1,0 +1,335 @@
+#!/usr/bin/env python3
+"""Generate llama.cpp reference fixtures for Arbor's tokenizer and forward-pass tests.
+
+Uses llama-cpp-python (the llama.cpp it bundles is the reference implementation):
+
+* tests/fixtures/tokenize_smollm2.json, tokenize_qwen2.json
+    token ids for a list of test strings, with and without special-token parsing,
+    plus the detokenized bytes, the end-of-generation / control id sets and a
+    sample of token pieces.
+* tests/fixtures/greedy_smollm2.json (+ greedy_smollm2_logits_<i>.f32)
+* tests/fixtures/greedy_qwen15.json (+ greedy_qwen15_logits_<i>.f32)
+    greedy decoding (argmax, no EOS stop) with the top-2 logits of every step and
+    the full logits row of the last prompt position (little-endian f32).
+
+Usage: python3 scripts/gen_fixtures.py [--models-dir DIR] [--out tests/fixtures]
+       [--only tokenize|greedy]
+Models default to $ARBOR_HOME/models (ARBOR_HOME defaults to ~/.cache/arbor).
+"""
+
+import argparse
+import ctypes
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import llama_cpp
+from llama_cpp import Llama
+
+SMOLLM2 = "smollm2-135m.gguf"
+QWEN_TOKENIZER = "qwen2.5-coder-1.5b.gguf"  # the 0.5b has the same tokenizer
+QWEN15 = "qwen2.5-coder-1.5b.gguf"
+
+SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+
+# Strings for the tokenizer fixtures. Each one is tokenized by both vocabularies.
+TEXTS = [
+    # ASCII prose
+    "Hello world",
+    "Hello, world!",
+    "The quick brown fox jumps over the lazy dog.",
+    "In 1492, Columbus sailed the ocean blue. It took him 70 days!",
+    "Once upon a time, there was a little robot who loved to read books about the stars.",
+    # leading / trailing / repeated spaces, whitespace only
+    " leading space",
+    "trailing space ",
+    "  two leading spaces",
+    "multiple   spaces   between   words",
+    "word  \n  next",
+    " ",
+    "   ",
+    "\t",
+    "\n",
+    "\n\n\n",
+    " \n",
+    "\r\n",
+    "\r",
+    "",
+    # code with tabs, runs of spaces, newlines, CRLF
+    "def foo(x):\n    return x * 2\n",
+    "if (a) {\n\tb();\n}\r\n",
+    "tabs\tand\t\ttabs\t\t\t!",
+    "line1\r\nline2\r\n\r\nline4",
+    "fn main() {\n    let v: Vec<u32> = (0..10).collect();\n    println!(\"{:?}\", v);\n}\n",
+    "class Foo:\n        def __init__(self):\n                self.x = 1\n\n\n",
+    "#include <stdio.h>\nint main(void) {\n\tprintf(\"%d\\n\", 42);\n\treturn 0;\n}",
+    "a \t b\n \n c",
+    "x = [1, 2, 3]  # comment\n        y = {'k': None}",
+    "SELECT id, name FROM users WHERE age >= 18 ORDER BY name;",
+    '{"key": [1, 2, 3], "nested": {"a": null, "b": true}}',
+    "# Title\n\n- item 1\n- item 2\n\n```rust\nfn main() {}\n```\n",
+    "camelCaseIdentifier and snake_case_identifier and SCREAMING_CASE",
+    "____init____",
+    "https://example.com/path/to/page?query=1&x=y#frag",
+    "user.name+tag@example.co.uk",
+    # numbers
+    "12345678901234567890",
+    "3.14159 and 2.71828",
+    "1,234,567",
+    "Version 1.2.3-beta+build.456",
+    "abc123def456",
+    "9" * 100,
+    "$100 \u20ac200 \u00a3300 \u00a5400",
+    # contractions
+    "I'm sure it's fine, you're right, we'll see, they've gone, I'd go, don't.",
+    "I'LL SHOUT IT'S LOUD, YOU'RE WE'VE I'D I'M",
+    "'s 're 'LL 'Ve 'd 'M 't",
+    "rock'n'roll 'quoted' words''",
+    # CJK, Japanese, Korean, other scripts
+    "\u4f60\u597d\uff0c\u4e16\u754c\uff01\u8fd9\u662f\u4e00\u4e2a\u6d4b\u8bd5\u3002",
+    "\u3053\u3093\u306b\u3061\u306f\u3001\u4e16\u754c\u3002\u30ab\u30bf\u30ab\u30ca\u3068\u3072\u3089\u304c\u306a\u3001\u6f22\u5b57\u3002",
+    "\uc548\ub155\ud558\uc138\uc694 \uc138\uacc4",
+    "\u0645\u0631\u062d\u0628\u0627 \u0628\u0627\u0644\u0639\u0627\u0644\u0645",
+    "\u05e9\u05dc\u05d5\u05dd \u05e2\u05d5\u05dc\u05dd",
+    "\u041f\u0440\u0438\u0432\u0435\u0442, \u043c\u0438\u0440!",
+    "\u0393\u03b5\u03b9\u03ac \u03c3\u03bf\u03c5 \u039a\u03cc\u03c3\u03bc\u03b5",
+    "\u0928\u092e\u0938\u094d\u0924\u0947 \u0926\u0941\u0928\u093f\u092f\u093e",
+    "\u0e2a\u0e27\u0e31\u0e2a\u0e14\u0e35\u0e0a\u0e32\u0e27\u0e42\u0e25\u0e01",
+    "Hello\u4e16\u754c123\u3053\u3093\u306b\u3061\u306f",
+    # emoji: plain, ZWJ sequences, flags, skin tones, variation selectors, keycaps
+    "\U0001f600\U0001f603\U0001f604",
+    "\U0001f468\u200d\U0001f469\u200d\U0001f467\u200d\U0001f466 family",
+    "\U0001f1fa\U0001f1f8\U0001f1ef\U0001f1f5\U0001f1eb\U0001f1f7",
+    "\U0001f44d\U0001f3fd ok",
+    "I \u2764\ufe0f Rust",
+    "1\ufe0f\u20e3 keycap",
+    "\U0001f3f3\ufe0f\u200d\U0001f308",
+    # combining marks, NFC vs NFD
+    "e\u0301",
+    "caf\u00e9",
+    "cafe\u0301",
+    "\u00c5ngstr\u00f6m",
+    "A\u030angstro\u0308m",
+    "\u00dcn\u00efc\u00f6d\u00e9",
+    # unicode whitespace / format / odd code points
+    "a\u00a0b",
+    "a\u3000b\u3000",
+    "a\u0085b",
+    "a\u200bb",
+    "\ufeffhello",
+    "\x01\x02\x7f",
+    "a\x1c\x1db",
+    "\ue000 private",
+    "\u0378 unassigned",
+    # symbols and numbers of other categories
+    "\u2211\u222b\u221a\u221e\u2260\u2264 \u00b1 \u00d7 \u00f7",
+    "x\u00b2 + y\u00b3 = \u00bd",
+    "\u216b and \u2163",
+    "\uff11\uff12\uff13 fullwidth",
+    "\u0663\u0664\u0665 arabic-indic",
+    "!!!???...,,,;;;",
+    "Hello!!! How are you???",
+    "\u201csmart quotes\u201d and \u2018single\u2019",
+    # special-token text
+    "<|endoftext|>",
+    "<|im_start|>user\nhi<|im_end|>",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "<|endoftext|><|endoftext|>",
+    "text<|im_end|>more",
+    " <|im_start|> spaced <|im_end|> ",
+    "<|",
+    "<|im_start",
+    "|>",
+    "<|im_end|",
+    "<tool_call>{\"name\": \"f\"}</tool_call>",
+    "<|fim_prefix|>def f():<|fim_suffix|>\n<|fim_middle|>",
+    "<repo_name>arbor<file_sep>main.rs",
+    "[PAD151665]",
+    # long word
+    "supercalifragilisticexpialidocious" * 8,
+    "a" * 300,
+    "Pneumonoultramicroscopicsilicovolcanoconiosis",
+]
+
+
+def tokenize_fixture(model_path: Path, out_path: Path) -> None:
+    llm = Llama(model_path=str(model_path), vocab_only=True, verbose=False)
+    vocab = llm._model.vocab
+    n_vocab = llm.n_vocab()
+
+    buf = ctypes.create_string_buffer(4096)
+
+    def piece(tok: int, special: bool) -> bytes:
+        n = llama_cpp.llama_token_to_piece(vocab, tok, buf, len(buf), 0, special)
+        assert 0 <= n <= len(buf), (tok, n)
+        return bytes(buf.raw[:n])
+
+    def detok(ids, special: bool) -> bytes:
+        return b"".join(piece(t, special) for t in ids)
+
+    cases = []
+    seen = set()
+    for text in TEXTS:
+        if text in seen:
+            raise SystemExit(f"duplicate test string: {text!r}")
+        seen.add(text)
+        ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+        ids_plain = llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
+        cases.append(
+            {
+                "text": text,
+                "ids": ids,
+                "ids_plain": ids_plain,
+                # llama_token_to_piece(special=true) of every id of `ids`, concatenated
+                "detok_hex": detok(ids, True).hex(),
+                # llama_token_to_piece(special=false) of every id of `ids`, concatenated
+                "detok_plain_hex": detok(ids, False).hex(),
+            }
+        )
+
+    eog_ids = [i for i in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, i)]
+    control_ids = [i for i in range(n_vocab) if llama_cpp.llama_vocab_is_control(vocab, i)]
+    # a sample of token pieces (special=true): every 97th id plus the first/last 300 ids
+    sample = sorted(set(range(0, n_vocab, 97)) | set(range(300)) | set(range(n_vocab - 300, n_vocab)))
+    pieces = [[i, piece(i, True).hex()] for i in sample]
+
+    doc = {
+        "model": model_path.name,
+        "llama_cpp_python": llama_cpp.__version__,
+        "n_vocab": n_vocab,
+        "bos": llm.token_bos(),
+        "eos": llm.token_eos(),
+        "eog_ids": eog_ids,
+        "control_ids": control_ids,
+        "pieces_hex": pieces,
+        "cases": cases,
+    }
+    out_path.write_text(json.dumps(doc, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {out_path} ({len(cases)} cases)")
+
+
+def chatml(system: str, user: str) -> str:
+    return (
+        f"<|im_start|>system\n{system}<|im_end|>\n"
+        f"<|im_start|>user\n{user}<|im_end|>\n"
+        f"<|im_start|>assistant\n"
+    )
+
+
+SMOLLM2_PROMPTS = [
+    chatml(SMOLLM2_SYSTEM, "What is the capital of France?"),
+    chatml(SMOLLM2_SYSTEM, "Write a haiku about the sea."),
+    chatml(SMOLLM2_SYSTEM, "Explain recursion in one sentence."),
+    chatml("You are a concise assistant.", "List three primary colors."),
+    "The capital of France is",
+    "Once upon a time, in a small village,",
+    "def fibonacci(n):\n    ",
+    "fn main() {\n    println!(",
+    "1, 2, 3, 4, 5,",
+    "The meaning of life is",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    "Water boils at 100 degrees Celsius and freezes at",
+]
+
+QWEN15_PROMPTS = [
+    chatml(QWEN_SYSTEM, "Write a Python function that reverses a string."),
+    "def quicksort(arr):\n",
+    "The three laws of robotics are",
+]
+
+
+def greedy_fixture(model_path: Path, prompts, n_gen: int, out_dir: Path, stem: str) -> None:
+    llm = Llama(
+        model_path=str(model_path),
+        n_ctx=512,
+        n_threads=2,
+        n_batch=512,
+        logits_all=True,
+        seed=0,
+        verbose=False,
+    )
+    n_vocab = llm.n_vocab()
+    records = []
+    for i, prompt in enumerate(prompts):
+        llm.reset()
+        prompt_ids = llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=True)
+        llm.eval(prompt_ids)
+        last = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+        assert last.shape == (n_vocab,)
+        logits_file = f"{stem}_logits_{i}.f32"
+        last.astype("<f4").tofile(out_dir / logits_file)
+
+        greedy_ids = []
+        step_top2 = []
+        logits = last
+        for _ in range(n_gen):
+            order = np.argsort(-logits, kind="stable")
+            t1, t2 = int(order[0]), int(order[1])
+            assert t1 == int(np.argmax(logits))
+            step_top2.append([t1, float(logits[t1]), t2, float(logits[t2])])
+            greedy_ids.append(t1)
+            llm.eval([t1])
+            logits = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+        records.append(
+            {
+                "prompt": prompt,
+                "prompt_ids": prompt_ids,
+                "greedy_ids": greedy_ids,
+                "greedy_text": llm.detokenize(greedy_ids, special=True).decode("utf-8", "replace"),
+                "step_top2": step_top2,
+                "last_logits_file": logits_file,
+            }
+        )
+        print(f"  {stem}[{i}] {len(prompt_ids)} prompt tokens -> {greedy_ids[:8]}...")
+
+    doc = {
+        "model": model_path.name,
+        "llama_cpp_python": llama_cpp.__version__,
+        "n_vocab": n_vocab,
+        "settings": {
+            "n_ctx": 512,
+            "n_threads": 2,
+            "n_batch": 512,
+            "logits_all": True,
+            "seed": 0,
+            "n_gen": n_gen,
+            "add_bos": False,
+            "special": True,
+        },
+        "prompts": records,
+    }
+    out = out_dir / f"{stem}.json"
+    out.write_text(json.dumps(doc, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {out}")
+
+
+def main() -> int:
+    home = Path(os.environ.get("ARBOR_HOME", Path.home() / ".cache" / "arbor"))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models-dir", type=Path, default=home / "models")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "tests" / "fixtures")
+    ap.add_argument("--only", choices=["tokenize", "greedy"], default=None)
+    args = ap.parse_args()
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in (SMOLLM2, QWEN_TOKENIZER, QWEN15):
+        if not (args.models_dir / name).exists():
+            print(f"missing model {args.models_dir / name} (run `arbor models fetch`)", file=sys.stderr)
+            return 1
+
+    if args.only in (None, "tokenize"):
+        tokenize_fixture(args.models_dir / SMOLLM2, args.out / "tokenize_smollm2.json")
+        tokenize_fixture(args.models_dir / QWEN_TOKENIZER, args.out / "tokenize_qwen2.json")
+    if args.only in (None, "greedy"):
+        greedy_fixture(args.models_dir / SMOLLM2, SMOLLM2_PROMPTS, 32, args.out, "greedy_smollm2")
+        greedy_fixture(args.models_dir / QWEN15, QWEN15_PROMPTS, 16, args.out, "greedy_qwen15")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

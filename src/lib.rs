@@ -1,0 +1,3 @@
+//! Arbor: tree-based speculative decoding (SpecInfer) on a quantized CPU engine; re-exports the workspace crates.
+pub use arbor_actors as actors;
+pub use arbor_engine as engine;

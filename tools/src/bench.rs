@@ -1,0 +1,93 @@
+//! `arbor bench decode`: prefill and decode throughput, and the cost of one forward pass over
+//! 1, 4, 16 and 64 new tokens at a fixed context (the curve that makes tree verification pay).
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use arbor_engine::{BatchMask, CpuBackend, KvCache, Model, Result, Tokenizer};
+
+/// Built-in text the benchmark prompt is cut from (mixed prose and code).
+const BENCH_TEXT: &str = "The quick brown fox jumps over the lazy dog. In computer science, a tree is a \
+widely used abstract data type that represents a hierarchical tree structure with a set of connected \
+nodes. Each node in the tree can be connected to many children, but must be connected to exactly one \
+parent, except for the root node, which has no parent.\n\ndef fibonacci(n):\n    a, b = 0, 1\n    for _ in \
+range(n):\n        a, b = b, a + b\n    return a\n\nfor i in range(10):\n    print(i, fibonacci(i))\n";
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct DecodeBench {
+    pub model: String,
+    pub threads: usize,
+    pub prompt_tokens: usize,
+    pub decode_tokens: usize,
+    pub prefill_tok_s: f64,
+    pub decode_tok_s: f64,
+    pub context: usize,
+    /// Median milliseconds of one forward pass over N new tokens (logits for all N), keyed by N.
+    pub forward_ms: BTreeMap<String, f64>,
+}
+
+/// `n` deterministic prompt tokens cut from the built-in text, repeated as needed.
+pub fn bench_prompt(tok: &Tokenizer, n: usize) -> Result<Vec<u32>> {
+    let base = tok.encode(BENCH_TEXT, false)?;
+    Ok(base.iter().copied().cycle().take(n).collect())
+}
+
+pub fn decode_bench(
+    model: &Model,
+    tok: &Tokenizer,
+    backend: &CpuBackend,
+    model_name: &str,
+    prompt_tokens: usize,
+    decode_tokens: usize,
+    reps: usize,
+) -> Result<DecodeBench> {
+    let context = prompt_tokens;
+    let prompt = bench_prompt(tok, prompt_tokens)?;
+    let capacity = prompt_tokens + decode_tokens.max(64) + 1;
+    let mut cache = KvCache::new(&model.config, capacity);
+    let positions: Vec<usize> = (0..prompt.len()).collect();
+
+    // Warm-up pass (page in the weights), then the measured prefill.
+    model.forward(backend, &mut cache, &prompt[..8.min(prompt.len())], &positions[..8.min(prompt.len())], BatchMask::Causal, &[0])?;
+    cache.clear();
+    let t = Instant::now();
+    let logits = model.forward(backend, &mut cache, &prompt, &positions, BatchMask::Causal, &[prompt.len() - 1])?;
+    let prefill_tok_s = prompt.len() as f64 / t.elapsed().as_secs_f64();
+
+    // Greedy decode.
+    let mut next = arbor_engine::sample::argmax(&logits);
+    let t = Instant::now();
+    for _ in 0..decode_tokens {
+        let pos = cache.len();
+        let l = model.forward(backend, &mut cache, &[next], &[pos], BatchMask::Causal, &[0])?;
+        next = arbor_engine::sample::argmax(&l);
+    }
+    let decode_tok_s = decode_tokens as f64 / t.elapsed().as_secs_f64();
+
+    // One forward over n new tokens at a context of `context`, logits for every new token.
+    let mut forward_ms = BTreeMap::new();
+    for n in [1usize, 4, 16, 64] {
+        let toks: Vec<u32> = prompt.iter().copied().cycle().skip(7).take(n).collect();
+        let pos: Vec<usize> = (context..context + n).collect();
+        let rows: Vec<usize> = (0..n).collect();
+        let mut times = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            cache.truncate(context);
+            let t = Instant::now();
+            model.forward(backend, &mut cache, &toks, &pos, BatchMask::Causal, &rows)?;
+            times.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        times.sort_by(f64::total_cmp);
+        forward_ms.insert(n.to_string(), times[times.len() / 2]);
+    }
+    Ok(DecodeBench {
+        model: model_name.to_string(),
+        threads: backend.threads(),
+        prompt_tokens: prompt.len(),
+        decode_tokens,
+        prefill_tok_s,
+        decode_tok_s,
+        context,
+        forward_ms,
+    })
+}

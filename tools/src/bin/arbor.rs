@@ -1,0 +1,261 @@
+//! The `arbor` command line: generate text, fetch and list models, benchmark the engine.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use arbor_engine::{
+    generate, CpuBackend, ChatMessage, GenerateParams, Model, SamplingParams, Tokenizer,
+};
+use arbor_tools::{bench, fetch};
+
+#[derive(Parser)]
+#[command(name = "arbor", version, about = "Arbor: tree-based speculative LLM inference")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Generate text from a prompt, streaming it to stdout.
+    Generate(GenerateArgs),
+    /// List or fetch models.
+    Models {
+        #[command(subcommand)]
+        cmd: ModelsCmd,
+    },
+    /// Benchmarks that print figures.
+    Bench {
+        #[command(subcommand)]
+        cmd: BenchCmd,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+enum Format {
+    Text,
+    Json,
+}
+
+#[derive(Args)]
+struct ModelArgs {
+    /// A known model name (see `arbor models list`) or a path to a GGUF file.
+    #[arg(long, default_value = "smollm2-135m")]
+    model: String,
+    /// Worker threads (0 = one per core).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[arg(long)]
+    prompt: String,
+    /// Wrap the prompt in the model's chat template (ChatML).
+    #[arg(long)]
+    chat: bool,
+    /// System message for --chat (default: the model template's own).
+    #[arg(long)]
+    system: Option<String>,
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// 0 = off.
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Stop when this text appears (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Do not stop at end-of-generation tokens.
+    #[arg(long)]
+    ignore_eos: bool,
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    format: Format,
+}
+
+#[derive(Subcommand)]
+enum ModelsCmd {
+    /// Show known models and whether they are present.
+    List,
+    /// Download and verify a known model.
+    Fetch { name: String },
+    /// Print the local path of a model (fetching it if missing).
+    Path { name: String },
+}
+
+#[derive(Subcommand)]
+enum BenchCmd {
+    /// Prefill/decode throughput and forward-pass cost over 1/4/16/64 new tokens.
+    Decode {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[arg(long, default_value_t = 256)]
+        prompt_tokens: usize,
+        #[arg(long, default_value_t = 128)]
+        decode_tokens: usize,
+        #[arg(long, default_value_t = 5)]
+        reps: usize,
+        #[arg(long, value_enum, default_value_t = Format::Text)]
+        format: Format,
+    },
+}
+
+fn main() {
+    let cli = Cli::parse();
+    if let Err(e) = run(cli) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.cmd {
+        Cmd::Generate(a) => cmd_generate(a),
+        Cmd::Models { cmd } => cmd_models(cmd),
+        Cmd::Bench { cmd } => match cmd {
+            BenchCmd::Decode {
+                model,
+                prompt_tokens,
+                decode_tokens,
+                reps,
+                format,
+            } => cmd_bench_decode(model, prompt_tokens, decode_tokens, reps, format),
+        },
+    }
+}
+
+fn load(m: &ModelArgs) -> Result<(Model, Tokenizer, CpuBackend, PathBuf)> {
+    let path = fetch::resolve_model(&m.model)?;
+    let model = Model::open(&path).with_context(|| format!("loading {}", path.display()))?;
+    let tok = Tokenizer::from_gguf(model.gguf()).context("building the tokenizer")?;
+    let backend = CpuBackend::new(m.threads)?;
+    Ok((model, tok, backend, path))
+}
+
+fn cmd_generate(a: GenerateArgs) -> Result<()> {
+    if a.prompt.is_empty() {
+        bail!("--prompt must not be empty");
+    }
+    let (model, tok, backend, _) = load(&a.model)?;
+    let text = if a.chat {
+        let mut msgs = Vec::new();
+        if let Some(s) = &a.system {
+            msgs.push(ChatMessage {
+                role: "system".into(),
+                content: s.clone(),
+            });
+        }
+        msgs.push(ChatMessage {
+            role: "user".into(),
+            content: a.prompt.clone(),
+        });
+        tok.apply_chat_template(&msgs, true)
+    } else {
+        a.prompt.clone()
+    };
+    let prompt = tok.encode_prompt(&text)?;
+    let params = GenerateParams {
+        max_tokens: a.max_tokens,
+        sampling: SamplingParams {
+            temperature: a.temperature,
+            top_k: a.top_k,
+            top_p: a.top_p,
+            seed: a.seed,
+        },
+        stop: a.stop.clone(),
+        ignore_eos: a.ignore_eos,
+    };
+    let stream = a.format == Format::Text;
+    let mut stdout = std::io::stdout().lock();
+    let out = generate(&model, &backend, &tok, &prompt, &params, |piece| {
+        if stream {
+            let _ = stdout.write_all(piece.as_bytes());
+            let _ = stdout.flush();
+        }
+    })?;
+    match a.format {
+        Format::Text => {
+            writeln!(
+                stdout,
+                "\n[arbor] prompt tokens: {}, generated tokens: {}, prefill: {:.1} tok/s, decode: {:.1} tok/s, finish: {}",
+                out.prompt_tokens,
+                out.generated_tokens(),
+                out.prefill_tok_s(),
+                out.decode_tok_s(),
+                out.finish_reason.as_str()
+            )?;
+        }
+        Format::Json => {
+            let j = serde_json::json!({
+                "text": out.text,
+                "tokens": out.tokens,
+                "prompt_tokens": out.prompt_tokens,
+                "generated_tokens": out.generated_tokens(),
+                "prefill_tok_s": out.prefill_tok_s(),
+                "decode_tok_s": out.decode_tok_s(),
+                "finish_reason": out.finish_reason.as_str(),
+            });
+            writeln!(stdout, "{j}")?;
+        }
+    }
+    Ok(())
+}
+
+fn cmd_models(cmd: ModelsCmd) -> Result<()> {
+    match cmd {
+        ModelsCmd::List => {
+            println!("{:<22} {:>14}  {:<8} description", "name", "bytes", "present");
+            for m in fetch::known_models() {
+                let present = std::fs::metadata(fetch::model_path(&m)).is_ok_and(|md| md.len() == m.bytes);
+                println!(
+                    "{:<22} {:>14}  {:<8} {}",
+                    m.name,
+                    m.bytes,
+                    if present { "yes" } else { "no" },
+                    m.description
+                );
+            }
+            println!("home: {}", fetch::arbor_home().display());
+        }
+        ModelsCmd::Fetch { name } => {
+            let m = fetch::find_known(&name).ok_or_else(|| fetch::FetchError::UnknownModel(name.clone()))?;
+            let p = fetch::fetch(&m, |msg| eprintln!("[arbor] {msg}"))?;
+            println!("{}", p.display());
+        }
+        ModelsCmd::Path { name } => println!("{}", fetch::resolve_model(&name)?.display()),
+    }
+    Ok(())
+}
+
+fn cmd_bench_decode(m: ModelArgs, prompt_tokens: usize, decode_tokens: usize, reps: usize, format: Format) -> Result<()> {
+    if prompt_tokens == 0 || reps == 0 {
+        bail!("--prompt-tokens and --reps must be positive");
+    }
+    let (model, tok, backend, _) = load(&m)?;
+    let r = bench::decode_bench(&model, &tok, &backend, &m.model, prompt_tokens, decode_tokens, reps)?;
+    match format {
+        Format::Json => println!("{}", serde_json::to_string(&r)?),
+        Format::Text => {
+            println!("model: {}  threads: {}", r.model, r.threads);
+            println!("prefill: {:.1} tok/s ({} tokens)", r.prefill_tok_s, r.prompt_tokens);
+            println!("decode:  {:.2} tok/s ({} tokens)", r.decode_tok_s, r.decode_tokens);
+            println!("forward over N new tokens at context {} (median of {reps}):", r.context);
+            for n in ["1", "4", "16", "64"] {
+                let ms = r.forward_ms.get(n).copied().unwrap_or(f64::NAN);
+                println!("  N={n:>3}: {ms:8.2} ms");
+            }
+        }
+    }
+    Ok(())
+}

