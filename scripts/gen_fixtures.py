@@ -30,7 +30,7 @@ import llama_cpp
 from llama_cpp import Llama
 
 SMOLLM2 = "smollm2-135m.gguf"
-QWEN_TOKENIZER = "qwen2.5-coder-1.5b.gguf"  # the 0.5b has the same tokenizer
+QWEN_TOKENIZER = "qwen2.5-coder-0.5b.gguf"  # same tokenizer as the 1.5b; the tests fetch only the 0.5b
 QWEN15 = "qwen2.5-coder-1.5b.gguf"
 
 SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"

@@ -1,7 +1,8 @@
 //! Exact comparison of Arbor's tokenizer with llama.cpp (fixtures from `scripts/gen_fixtures.py`).
 //!
-//! Needs the model files in `$ARBOR_HOME/models` (default `~/.cache/arbor/models`); a missing
-//! model fails the test with the command that fetches it.
+//! Needs `smollm2-135m` and `qwen2.5-coder-0.5b` (the Qwen2.5-Coder tokenizer) in
+//! `$ARBOR_HOME/models` (default `~/.cache/arbor/models`); they are fetched if missing, and a
+//! model that cannot be had fails the test with the command that fetches it.
 
 use std::path::{Path, PathBuf};
 
@@ -50,27 +51,15 @@ fn fixtures_dir() -> PathBuf {
         .join("fixtures")
 }
 
-fn models_dir() -> PathBuf {
-    let home = match std::env::var_os("ARBOR_HOME") {
-        Some(h) => PathBuf::from(h),
-        None => {
-            let user_home = std::env::var_os("HOME")
-                .map(PathBuf::from)
-                .unwrap_or_default();
-            user_home.join(".cache").join("arbor")
-        }
-    };
-    home.join("models")
-}
+/// The Qwen2.5-Coder tokenizer is the same in the 0.5b and 1.5b files; the tests use the 0.5b.
+const QWEN_TOKENIZER: &str = "qwen2.5-coder-0.5b";
 
-fn load_tokenizer(file_name: &str) -> Tokenizer {
-    let path = models_dir().join(file_name);
-    let name = file_name.trim_end_matches(".gguf");
-    assert!(
-        path.exists(),
-        "model file {} is missing: run `arbor models fetch {name}` first (or set ARBOR_HOME)",
-        path.display()
-    );
+fn load_tokenizer(name: &str) -> Tokenizer {
+    let name = name.trim_end_matches(".gguf");
+    let path = arbor_tools::resolve_model(name).unwrap_or_else(|e| {
+        panic!("model {name} is not available ({e}): run `arbor models fetch {name}` first (ARBOR_HOME={:?})",
+            std::env::var_os("ARBOR_HOME"))
+    });
     let gguf = GgufFile::open(&path).unwrap_or_else(|e| panic!("open {}: {e}", path.display()));
     Tokenizer::from_gguf(&gguf).unwrap_or_else(|e| panic!("tokenizer of {}: {e}", path.display()))
 }
@@ -196,9 +185,10 @@ fn check_tokenize(fixture_name: &str) {
     );
 }
 
-fn check_greedy_prompts(fixture_name: &str) {
+/// `tokenizer`: a model with the same tokenizer as the fixture's (`None`: the fixture's model).
+fn check_greedy_prompts(fixture_name: &str, tokenizer: Option<&str>) {
     let fx: GreedyFixture = read_json(fixture_name);
-    let tok = load_tokenizer(&fx.model);
+    let tok = load_tokenizer(tokenizer.unwrap_or(&fx.model));
     for p in &fx.prompts {
         let ids = tok.encode(&p.prompt, true).expect("encode");
         assert_eq!(
@@ -229,18 +219,18 @@ fn qwen2_matches_llamacpp() {
 
 #[test]
 fn greedy_prompt_ids_match_llamacpp() {
-    check_greedy_prompts("greedy_smollm2.json");
-    check_greedy_prompts("greedy_qwen15.json");
+    check_greedy_prompts("greedy_smollm2.json", None);
+    check_greedy_prompts("greedy_qwen15.json", Some(QWEN_TOKENIZER));
 }
 
 #[test]
 fn chat_templates_default_system() {
-    let smol = load_tokenizer("smollm2-135m.gguf");
+    let smol = load_tokenizer("smollm2-135m");
     assert_eq!(
         smol.default_system_message(),
         Some("You are a helpful AI assistant named SmolLM, trained by Hugging Face")
     );
-    let qwen = load_tokenizer("qwen2.5-coder-1.5b.gguf");
+    let qwen = load_tokenizer(QWEN_TOKENIZER);
     assert_eq!(
         qwen.default_system_message(),
         Some("You are Qwen, created by Alibaba Cloud. You are a helpful assistant.")
