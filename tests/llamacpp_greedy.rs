@@ -17,29 +17,38 @@ struct Case {
 }
 
 /// Logit gap under which llama.cpp's top-2 is a near-tie that rounding differences may flip.
-/// Both engines quantize activations the same way (Q8_1 / Q8_0 / Q8_K) but accumulate in a
-/// different order and llama.cpp keeps K/V in f16; the measured max last-logit difference is
-/// well under this (see `last_position_logits_match_llama_cpp`).
 const NEAR_TIE: f64 = 0.1;
-/// Max absolute difference allowed between our last-position logits and llama.cpp's.
-const LOGIT_TOL: f32 = 0.25;
+/// Tolerances on the last-position logits, after removing each vector's mean (a uniform shift does
+/// not change any probability). Both engines quantize activations alike (Q8_0 / Q8_1 / Q8_K) and keep
+/// K/V at f16, but sum in a different order; this small model amplifies such rounding: llama.cpp
+/// itself moves these logits by a mean |d| of 0.14-0.25 and a max of 0.95 when its KV cache type
+/// changes from f16 to f32 (measured on the first four fixture prompts, llama-cpp-python 0.3.16).
+const MEAN_ABS_TOL: f64 = 0.3;
+const MAX_ABS_TOL: f64 = 1.5;
 
 fn cases(file: &str) -> Vec<Case> {
     let text = std::fs::read_to_string(common::fixture(file)).expect("fixture present");
     let v: serde_json::Value = serde_json::from_str(&text).expect("fixture parses");
-    serde_json::from_value(v["cases"].clone()).or_else(|_| serde_json::from_value(v)).expect("cases")
+    serde_json::from_value(v["prompts"].clone()).expect("fixture has prompts")
 }
 
 fn read_f32(file: &str) -> Vec<f32> {
     let b = std::fs::read(common::fixture(file)).expect("logits fixture");
-    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
 }
 
 #[test]
 fn prompt_tokenization_matches_llama_cpp() {
     let m = common::smollm2();
     for c in cases("greedy_smollm2.json") {
-        assert_eq!(m.tok.encode_prompt(&c.prompt).unwrap(), c.prompt_ids, "prompt {:?}", c.prompt);
+        assert_eq!(
+            m.tok.encode_prompt(&c.prompt).unwrap(),
+            c.prompt_ids,
+            "prompt {:?}",
+            c.prompt
+        );
     }
 }
 
@@ -55,8 +64,21 @@ fn greedy_continuations_match_llama_cpp() {
             ignore_eos: true,
             ..GenerateParams::default()
         };
-        let out = generate(&m.model, common::backend(), &m.tok, &c.prompt_ids, &params, |_| {}).unwrap();
-        match out.tokens.iter().zip(&c.greedy_ids).position(|(a, b)| a != b) {
+        let out = generate(
+            &m.model,
+            common::backend(),
+            &m.tok,
+            &c.prompt_ids,
+            &params,
+            |_| {},
+        )
+        .unwrap();
+        match out
+            .tokens
+            .iter()
+            .zip(&c.greedy_ids)
+            .position(|(a, b)| a != b)
+        {
             None => {
                 assert_eq!(out.tokens, c.greedy_ids);
                 exact += 1;
@@ -77,26 +99,59 @@ fn greedy_continuations_match_llama_cpp() {
         }
     }
     eprintln!("{exact}/{} prompts identical for all tokens", cases.len());
-    assert!(exact * 4 >= cases.len() * 3, "too many near-tie divergences: {exact}/{}", cases.len());
+    assert!(
+        exact * 4 >= cases.len() * 3,
+        "too many near-tie divergences: {exact}/{}",
+        cases.len()
+    );
 }
 
 #[test]
 fn last_position_logits_match_llama_cpp() {
     let m = common::smollm2();
-    let mut worst = 0.0f32;
+    let (mut worst_mean, mut worst_max) = (0.0f64, 0.0f64);
     for c in cases("greedy_smollm2.json") {
         let reference = read_f32(&c.last_logits_file);
         let mut cache = KvCache::new(&m.model.config, c.prompt_ids.len());
         let pos: Vec<usize> = (0..c.prompt_ids.len()).collect();
         let ours = m
             .model
-            .forward(common::backend(), &mut cache, &c.prompt_ids, &pos, BatchMask::Causal, &[pos.len() - 1])
+            .forward(
+                common::backend(),
+                &mut cache,
+                &c.prompt_ids,
+                &pos,
+                BatchMask::Causal,
+                &[pos.len() - 1],
+            )
             .unwrap();
         assert_eq!(ours.len(), reference.len());
-        let d = ours.iter().zip(&reference).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
-        worst = worst.max(d);
-        assert_eq!(argmax(&ours), argmax(&reference), "prompt {:?}", c.prompt);
-        assert!(d < LOGIT_TOL, "prompt {:?}: max |logit diff| {d} >= {LOGIT_TOL}", c.prompt);
+        let n = ours.len() as f64;
+        let mo = ours.iter().map(|&x| x as f64).sum::<f64>() / n;
+        let mr = reference.iter().map(|&x| x as f64).sum::<f64>() / n;
+        let d: Vec<f64> = ours
+            .iter()
+            .zip(&reference)
+            .map(|(&a, &b)| ((a as f64 - mo) - (b as f64 - mr)).abs())
+            .collect();
+        let mean = d.iter().sum::<f64>() / n;
+        let max = d.iter().copied().fold(0.0, f64::max);
+        worst_mean = worst_mean.max(mean);
+        worst_max = worst_max.max(max);
+        let [_, l1, _, l2] = c.step_top2[0];
+        if (l1 - l2).abs() >= NEAR_TIE {
+            assert_eq!(
+                argmax(&ours),
+                argmax(&reference),
+                "prompt {:?}: top-1 differs",
+                c.prompt
+            );
+        }
+        assert!(
+            mean < MEAN_ABS_TOL && max < MAX_ABS_TOL,
+            "prompt {:?}: centered logit diff mean {mean:.3} max {max:.3}",
+            c.prompt
+        );
     }
-    eprintln!("worst max |logit diff| vs llama.cpp: {worst}");
+    eprintln!("worst centered logit diff vs llama.cpp: mean {worst_mean:.3}, max {worst_max:.3}");
 }

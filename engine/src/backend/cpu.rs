@@ -22,7 +22,9 @@ impl CpuBackend {
             .num_threads(threads)
             .thread_name(|i| format!("arbor-cpu-{i}"))
             .build()
-            .map_err(|e| EngineError::InvalidArgument(format!("cannot start {threads} threads: {e}")))?;
+            .map_err(|e| {
+                EngineError::InvalidArgument(format!("cannot start {threads} threads: {e}"))
+            })?;
         Ok(CpuBackend { pool })
     }
 
@@ -62,19 +64,28 @@ impl Backend for CpuBackend {
             || k.len() < n_slots * kv_dim
             || v.len() < n_slots * kv_dim
         {
-            return Err(EngineError::Shape("attention buffers do not match shape".into()));
+            return Err(EngineError::Shape(
+                "attention buffers do not match shape".into(),
+            ));
         }
         let scale = 1.0 / (hd as f32).sqrt();
         // One task per (token, head): out[t, h, :] = softmax(q·K^T * scale) V over visible slots.
         out.par_chunks_mut(hd).enumerate().for_each_init(
-            || (Vec::<f32>::new(), Vec::<usize>::new()),
-            |(scores, slots), (idx, o)| {
+            || (Vec::<f32>::new(), Vec::<usize>::new(), vec![0.0f32; hd]),
+            |(scores, slots, qh), (idx, o)| {
                 let (t, h) = (idx / s.n_head, idx % s.n_head);
                 let kvh = h / group;
-                let qh = &q[idx * hd..(idx + 1) * hd];
+                // Q at f16 precision, like the K it meets (llama.cpp's K·Q runs in f16).
+                for (d, &x) in qh.iter_mut().zip(&q[idx * hd..(idx + 1) * hd]) {
+                    *d = round_f16(x);
+                }
                 slots.clear();
                 slots.extend(0..s.n_past);
-                slots.extend((0..s.n_tok).filter(|&j| mask.visible(t, j)).map(|j| s.n_past + j));
+                slots.extend(
+                    (0..s.n_tok)
+                        .filter(|&j| mask.visible(t, j))
+                        .map(|j| s.n_past + j),
+                );
                 scores.clear();
                 let mut max = f32::NEG_INFINITY;
                 for &slot in slots.iter() {
@@ -92,7 +103,7 @@ impl Backend for CpuBackend {
                 o.fill(0.0);
                 for (&slot, &p) in slots.iter().zip(scores.iter()) {
                     let vr = &v[slot * kv_dim + kvh * hd..slot * kv_dim + (kvh + 1) * hd];
-                    let p = p * inv;
+                    let p = round_f16(p * inv);
                     for (oi, &vi) in o.iter_mut().zip(vr) {
                         *oi += p * vi;
                     }
@@ -101,6 +112,12 @@ impl Backend for CpuBackend {
         );
         Ok(())
     }
+}
+
+/// Round to the nearest f16 value (K/V are kept at f16 precision, as in llama.cpp's cache).
+#[inline]
+pub fn round_f16(x: f32) -> f32 {
+    half::f16::from_f32(x).to_f32()
 }
 
 /// f32 dot product written so the compiler vectorizes it (8 independent accumulators).

@@ -1,5 +1,6 @@
 //! The decoder forward pass (llama / qwen2), read top to bottom like llama2.c, over a batch of new tokens.
 
+use crate::backend::cpu::round_f16;
 use crate::backend::{AttentionShape, Backend};
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
@@ -32,7 +33,9 @@ impl Model {
             )));
         }
         if cache.kv_dim() != self.config.kv_dim() {
-            return Err(EngineError::Shape("KV cache belongs to another model".into()));
+            return Err(EngineError::Shape(
+                "KV cache belongs to another model".into(),
+            ));
         }
         cache.reserve(n_tok)?;
         backend.scope(|| self.forward_inner(backend, cache, tokens, positions, mask, logit_rows))
@@ -83,9 +86,15 @@ impl Model {
             add_bias(&mut v, w.bv.as_deref());
             rope.apply(&mut q, c.n_head, hd, c.rope_style);
             rope.apply(&mut k, c.n_head_kv, hd, c.rope_style);
+            // The cache keeps K/V at f16 precision (llama.cpp's default cache type).
             let (kc, vc) = cache.layer_mut(l);
-            kc[n_past * kv_dim..(n_past + n_tok) * kv_dim].copy_from_slice(&k);
-            vc[n_past * kv_dim..(n_past + n_tok) * kv_dim].copy_from_slice(&v);
+            let slots = n_past * kv_dim..(n_past + n_tok) * kv_dim;
+            for (d, &s) in kc[slots.clone()].iter_mut().zip(&k) {
+                *d = round_f16(s);
+            }
+            for (d, &s) in vc[slots].iter_mut().zip(&v) {
+                *d = round_f16(s);
+            }
             backend.attention(shape, mask, &q, kc, vc, &mut att)?;
             backend.matmul(&self.mat(&w.wo), &att, n_tok, &mut proj)?;
             add_in_place(&mut x, &proj);
