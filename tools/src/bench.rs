@@ -48,10 +48,24 @@ pub fn decode_bench(
     let positions: Vec<usize> = (0..prompt.len()).collect();
 
     // Warm-up pass (page in the weights), then the measured prefill.
-    model.forward(backend, &mut cache, &prompt[..8.min(prompt.len())], &positions[..8.min(prompt.len())], BatchMask::Causal, &[0])?;
+    model.forward(
+        backend,
+        &mut cache,
+        &prompt[..8.min(prompt.len())],
+        &positions[..8.min(prompt.len())],
+        BatchMask::Causal,
+        &[0],
+    )?;
     cache.clear();
     let t = Instant::now();
-    let logits = model.forward(backend, &mut cache, &prompt, &positions, BatchMask::Causal, &[prompt.len() - 1])?;
+    let logits = model.forward(
+        backend,
+        &mut cache,
+        &prompt,
+        &positions,
+        BatchMask::Causal,
+        &[prompt.len() - 1],
+    )?;
     let prefill_tok_s = prompt.len() as f64 / t.elapsed().as_secs_f64();
 
     // Greedy decode.
@@ -59,7 +73,14 @@ pub fn decode_bench(
     let t = Instant::now();
     for _ in 0..decode_tokens {
         let pos = cache.len();
-        let l = model.forward(backend, &mut cache, &[next], &[pos], BatchMask::Causal, &[0])?;
+        let l = model.forward(
+            backend,
+            &mut cache,
+            &[next],
+            &[pos],
+            BatchMask::Causal,
+            &[0],
+        )?;
         next = arbor_engine::sample::argmax(&l);
     }
     let decode_tok_s = decode_tokens as f64 / t.elapsed().as_secs_f64();

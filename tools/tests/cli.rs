@@ -1,0 +1,137 @@
+//! End-to-end tests of the `arbor` binary: JSON output, streaming text, clear errors and exit codes.
+
+use std::process::Command;
+
+fn arbor(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_arbor"))
+        .args(args)
+        .output()
+        .expect("arbor runs")
+}
+
+#[test]
+fn generate_json_reports_tokens_and_rates() {
+    let out = arbor(&[
+        "generate",
+        "--prompt",
+        "The capital of France is",
+        "--max-tokens",
+        "12",
+        "--format",
+        "json",
+        "--ignore-eos",
+    ]);
+    assert!(
+        out.status.success(),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let j: serde_json::Value = serde_json::from_str(stdout.trim()).expect("one JSON object");
+    assert_eq!(j["generated_tokens"], 12);
+    assert_eq!(j["tokens"].as_array().unwrap().len(), 12);
+    assert_eq!(j["prompt_tokens"], 5);
+    assert!(j["decode_tok_s"].as_f64().unwrap() > 0.0);
+    assert!(j["prefill_tok_s"].as_f64().unwrap() > 0.0);
+    assert!(!j["text"].as_str().unwrap().is_empty());
+    assert_eq!(j["finish_reason"], "length");
+}
+
+#[test]
+fn generate_text_streams_then_prints_one_stats_line() {
+    let out = arbor(&[
+        "generate",
+        "--prompt",
+        "Hello",
+        "--max-tokens",
+        "8",
+        "--chat",
+    ]);
+    assert!(
+        out.status.success(),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let last = stdout.trim_end().lines().last().unwrap();
+    assert!(last.starts_with("[arbor] prompt tokens:"), "{last}");
+    assert!(last.contains("decode:") && last.contains("tok/s"), "{last}");
+}
+
+#[test]
+fn sampling_is_reproducible_with_a_seed() {
+    let args = [
+        "generate",
+        "--prompt",
+        "Once upon a time",
+        "--max-tokens",
+        "16",
+        "--temperature",
+        "0.9",
+        "--top-p",
+        "0.95",
+        "--seed",
+        "1234",
+        "--format",
+        "json",
+        "--ignore-eos",
+    ];
+    let a: serde_json::Value = serde_json::from_slice(&arbor(&args).stdout).unwrap();
+    let b: serde_json::Value = serde_json::from_slice(&arbor(&args).stdout).unwrap();
+    assert_eq!(a["tokens"], b["tokens"]);
+}
+
+#[test]
+fn bad_input_gives_a_clear_error_and_nonzero_exit() {
+    for (args, needle) in [
+        (
+            vec!["generate", "--model", "no-such-model", "--prompt", "x"],
+            "unknown model",
+        ),
+        (
+            vec![
+                "generate",
+                "--model",
+                "/nonexistent/m.gguf",
+                "--prompt",
+                "x",
+            ],
+            "does not exist",
+        ),
+        (vec!["generate", "--prompt", ""], "must not be empty"),
+        (
+            vec!["generate", "--prompt", "x", "--temperature", "-1"],
+            "temperature",
+        ),
+        (vec!["generate", "--prompt", "x", "--top-p", "0"], "top_p"),
+    ] {
+        let out = arbor(&args);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains(needle),
+            "{args:?}: stderr {err:?} lacks {needle:?}"
+        );
+        assert!(out.stdout.is_empty(), "{args:?} wrote to stdout");
+    }
+}
+
+#[test]
+fn a_file_that_is_not_gguf_is_rejected() {
+    let p = std::env::temp_dir().join(format!("arbor-not-gguf-{}.gguf", std::process::id()));
+    std::fs::write(&p, b"this is not a model").unwrap();
+    let out = arbor(&["generate", "--model", p.to_str().unwrap(), "--prompt", "x"]);
+    let _ = std::fs::remove_file(&p);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("malformed GGUF"));
+}
+
+#[test]
+fn models_list_shows_the_registry() {
+    let out = arbor(&["models", "list"]);
+    assert!(out.status.success());
+    let s = String::from_utf8(out.stdout).unwrap();
+    for name in ["smollm2-135m", "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"] {
+        assert!(s.contains(name), "{s}");
+    }
+}
