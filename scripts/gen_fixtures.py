@@ -266,12 +266,14 @@ def greedy_fixture(model_path: Path, prompts, n_gen: int, out_dir: Path, stem: s
 
         greedy_ids = []
         step_top2 = []
+        step_top8 = []
         logits = last
         for _ in range(n_gen):
             order = np.argsort(-logits, kind="stable")
             t1, t2 = int(order[0]), int(order[1])
             assert t1 == int(np.argmax(logits))
             step_top2.append([t1, float(logits[t1]), t2, float(logits[t2])])
+            step_top8.append([[int(t), float(logits[t])] for t in order[:8]])
             greedy_ids.append(t1)
             llm.eval([t1])
             logits = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
@@ -282,6 +284,7 @@ def greedy_fixture(model_path: Path, prompts, n_gen: int, out_dir: Path, stem: s
                 "greedy_ids": greedy_ids,
                 "greedy_text": llm.detokenize(greedy_ids, special=True).decode("utf-8", "replace"),
                 "step_top2": step_top2,
+                "step_top8": step_top8,
                 "last_logits_file": logits_file,
             }
         )

@@ -13,12 +13,16 @@ struct Case {
     greedy_ids: Vec<u32>,
     /// [id1, logit1, id2, logit2] at each generated step, from llama.cpp.
     step_top2: Vec<[f64; 4]>,
+    /// llama.cpp's 8 best (id, logit) at each generated step.
+    step_top8: Vec<Vec<(u32, f64)>>,
     last_logits_file: String,
 }
 
-/// Logit gap under which llama.cpp's top-2 is a near-tie that rounding differences may flip: the
-/// size of the rounding noise between the engines (centered mean |d| ~0.15, see below).
-const NEAR_TIE: f64 = 0.25;
+/// Logit gap under which llama.cpp's top-2 is a near-tie that rounding differences may flip.
+/// Calibration: llama.cpp against itself, f32 instead of f16 KV cache, teacher-forced along these
+/// fixtures, agrees on 365/384 steps and its disagreements have gaps up to 0.25; this model is that
+/// sensitive to rounding. We allow twice that gap, and require 90% of steps identical.
+const NEAR_TIE: f64 = 0.5;
 /// Tolerances on the last-position logits, after removing each vector's mean (a uniform shift does
 /// not change any probability). Both engines quantize activations alike (Q8_0 / Q8_1 / Q8_K) and keep
 /// K/V at f16, but sum in a different order; this small model amplifies such rounding: llama.cpp
@@ -99,14 +103,19 @@ fn check_greedy(m: &common::Loaded, cases: &[Case]) {
                 exact += 1;
             }
             Some(i) => {
-                // Allowed only where llama.cpp itself had a near-tie and we picked its runner-up.
-                let [id1, l1, id2, l2] = c.step_top2[i];
+                // Allowed only where llama.cpp itself had a near-tie that included our pick.
+                let top = &c.step_top8[i];
+                let best = top[0].1;
+                let ours = top
+                    .iter()
+                    .find(|(id, _)| *id == out.tokens[i])
+                    .map(|&(_, l)| l);
                 eprintln!(
-                    "prompt {:?}: diverges at step {i}: ours {} vs llama.cpp {} (llama.cpp top-2 {id1}:{l1:.4} {id2}:{l2:.4})",
+                    "prompt {:?}: diverges at step {i}: ours {} (llama.cpp logit {ours:?}) vs llama.cpp {} ({best:.4})",
                     c.prompt, out.tokens[i], c.greedy_ids[i]
                 );
                 assert!(
-                    (l1 - l2).abs() < NEAR_TIE && out.tokens[i] as f64 == id2,
+                    ours.is_some_and(|l| best - l < NEAR_TIE),
                     "prompt {:?}: divergence at step {i} is not a near-tie",
                     c.prompt
                 );
@@ -114,10 +123,60 @@ fn check_greedy(m: &common::Loaded, cases: &[Case]) {
         }
     }
     eprintln!("{exact}/{} prompts identical for all tokens", cases.len());
+}
+
+/// Teacher-forced along llama.cpp's greedy path (one batched forward over prompt + its 32 tokens):
+/// at every step our argmax must be llama.cpp's token, or a near-tie with it in llama.cpp's logits.
+/// Unlike free-running generation this checks all steps of every prompt, even after a near-tie.
+#[test]
+fn teacher_forced_argmax_matches_llama_cpp_at_every_step() {
+    let m = common::smollm2();
+    let (mut steps, mut exact) = (0usize, 0usize);
+    for c in cases("greedy_smollm2.json") {
+        let mut ids = c.prompt_ids.clone();
+        ids.extend(&c.greedy_ids[..c.greedy_ids.len() - 1]);
+        let pos: Vec<usize> = (0..ids.len()).collect();
+        let rows: Vec<usize> = (c.prompt_ids.len() - 1..ids.len()).collect();
+        let mut cache = KvCache::new(&m.model.config, ids.len());
+        let logits = m
+            .model
+            .forward(
+                common::backend(),
+                &mut cache,
+                &ids,
+                &pos,
+                BatchMask::Causal,
+                &rows,
+            )
+            .unwrap();
+        let v = m.model.config.vocab_size;
+        for (i, row) in logits.chunks_exact(v).enumerate() {
+            steps += 1;
+            let ours = argmax(row);
+            if ours == c.greedy_ids[i] {
+                exact += 1;
+                continue;
+            }
+            let top = &c.step_top8[i];
+            let gap = top
+                .iter()
+                .find(|(id, _)| *id == ours)
+                .map(|&(_, l)| top[0].1 - l);
+            eprintln!(
+                "prompt {:?} step {i}: ours {ours} vs llama.cpp {} (gap {gap:?})",
+                c.prompt, c.greedy_ids[i]
+            );
+            assert!(
+                gap.is_some_and(|g| g < NEAR_TIE),
+                "prompt {:?} step {i}: not a near-tie",
+                c.prompt
+            );
+        }
+    }
+    eprintln!("{exact}/{steps} teacher-forced steps identical to llama.cpp");
     assert!(
-        exact * 2 >= cases.len(),
-        "too many near-tie divergences: {exact}/{}",
-        cases.len()
+        exact * 10 >= steps * 9,
+        "only {exact}/{steps} steps identical"
     );
 }
 
