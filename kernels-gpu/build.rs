@@ -20,7 +20,10 @@ fn main() {
     let mut table = String::from("/// Every embedded kernel module: (name, PTX source).\npub const MODULES: &[(&str, &str)] = &[\n");
     for path in &entries {
         println!("cargo:rerun-if-changed={}", path.display());
-        let stem = path.file_stem().and_then(|s| s.to_str()).expect("utf-8 name");
+        let stem = path
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .expect("utf-8 name");
         let abs = std::fs::canonicalize(path).expect("ptx path");
         let name = stem.to_uppercase();
         consts.push_str(&format!(
@@ -40,7 +43,10 @@ fn main() {
                 path.display(),
                 String::from_utf8_lossy(&o.stderr)
             ),
-            Err(_) => println!("cargo:warning=ptxas not found; {} embedded unchecked", path.display()),
+            Err(_) => println!(
+                "cargo:warning=ptxas not found; {} embedded unchecked",
+                path.display()
+            ),
         }
     }
     table.push_str("];\n");

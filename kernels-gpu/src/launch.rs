@@ -19,11 +19,15 @@ pub struct KernelCache {
 
 impl KernelCache {
     fn module(&self, name: &'static str) -> Result<std::sync::Arc<Module>, KernelError> {
-        let mut m = self.modules.lock().map_err(|_| KernelError::Cuda("poisoned".into()))?;
+        let mut m = self
+            .modules
+            .lock()
+            .map_err(|_| KernelError::Cuda("poisoned".into()))?;
         if let Some(module) = m.get(name) {
             return Ok(module.clone());
         }
-        let module = std::sync::Arc::new(Module::from_ptx(module_source(name)?, &[]).map_err(cuda_err)?);
+        let module =
+            std::sync::Arc::new(Module::from_ptx(module_source(name)?, &[]).map_err(cuda_err)?);
         m.insert(name, module.clone());
         Ok(module)
     }

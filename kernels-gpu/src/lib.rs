@@ -74,7 +74,11 @@ mod tests {
                 .arg(&p)
                 .output()
                 .expect("ptxas runs");
-            assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+            assert!(
+                out.status.success(),
+                "{name}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
         }
     }
 }

@@ -13,8 +13,9 @@ pub struct Loaded {
 }
 
 pub fn load(name: &str) -> Loaded {
-    let path = arbor_tools::resolve_model(name)
-        .unwrap_or_else(|e| panic!("model {name} unavailable ({e}); run `arbor models fetch {name}`"));
+    let path = arbor_tools::resolve_model(name).unwrap_or_else(|e| {
+        panic!("model {name} unavailable ({e}); run `arbor models fetch {name}`")
+    });
     let model = Model::open(&path).expect("model loads");
     let tok = Tokenizer::from_gguf(model.gguf()).expect("tokenizer builds");
     Loaded { model, tok }
@@ -31,5 +32,8 @@ pub fn backend() -> &'static CpuBackend {
 }
 
 pub fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests").join("fixtures").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests")
+        .join("fixtures")
+        .join(name)
 }

@@ -2,6 +2,7 @@
 
 use rayon::prelude::*;
 
+use super::simd::{self, dot};
 use super::{AttentionShape, Backend, BatchMask};
 use crate::error::{EngineError, Result};
 use crate::quant::{self, QMatrix};
@@ -104,9 +105,7 @@ impl Backend for CpuBackend {
                 for (&slot, &p) in slots.iter().zip(scores.iter()) {
                     let vr = &v[slot * kv_dim + kvh * hd..slot * kv_dim + (kvh + 1) * hd];
                     let p = round_f16(p * inv);
-                    for (oi, &vi) in o.iter_mut().zip(vr) {
-                        *oi += p * vi;
-                    }
+                    simd::axpy(o, p, vr);
                 }
             },
         );
@@ -118,23 +117,4 @@ impl Backend for CpuBackend {
 #[inline]
 pub fn round_f16(x: f32) -> f32 {
     half::f16::from_f32(x).to_f32()
-}
-
-/// f32 dot product written so the compiler vectorizes it (8 independent accumulators).
-#[inline]
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ac
-        .remainder()
-        .iter()
-        .zip(bc.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ac.zip(bc) {
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    acc.iter().sum::<f32>() + tail
 }

@@ -22,4 +22,3 @@ pub fn kernel_names() -> Result<Vec<&'static str>> {
         ))
     }
 }
-

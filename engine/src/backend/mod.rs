@@ -2,6 +2,7 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod simd;
 
 pub use cpu::CpuBackend;
 

@@ -406,7 +406,11 @@ impl<'a> Reader<'a> {
             10 => MetaValue::U64(self.u64()?),
             11 => MetaValue::I64(i64::from_le_bytes(self.arr()?)),
             12 => MetaValue::F64(f64::from_le_bytes(self.arr()?)),
-            t => return Err(EngineError::Gguf(format!("unknown metadata value type {t}"))),
+            t => {
+                return Err(EngineError::Gguf(format!(
+                    "unknown metadata value type {t}"
+                )))
+            }
         })
     }
 }

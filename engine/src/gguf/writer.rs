@@ -24,7 +24,8 @@ impl GgufWriter {
 
     /// `dims` in ggml order (innermost first); `data` already encoded as `ty`.
     pub fn tensor(&mut self, name: &str, dims: &[u64], ty: GgmlType, data: Vec<u8>) -> &mut Self {
-        self.tensors.push((name.to_string(), dims.to_vec(), ty, data));
+        self.tensors
+            .push((name.to_string(), dims.to_vec(), ty, data));
         self
     }
 

@@ -1,5 +1,7 @@
 //! Token sampling: greedy, temperature, top-k, top-p (nucleus), with a seeded deterministic RNG.
 
+pub mod verify;
+
 use crate::error::{EngineError, Result};
 
 /// How to pick the next token from logits.

@@ -1,0 +1,219 @@
+//! f32 vector kernels for attention (dot product, scaled accumulate), dispatched at run time to
+//! AVX-512F or AVX2+FMA, with a portable fallback.
+
+use std::sync::OnceLock;
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Level {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+fn level() -> Level {
+    static L: OnceLock<Level> = OnceLock::new();
+    *L.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::env::var("ARBOR_KERNEL").as_deref() == Ok("scalar") {
+                return Level::Portable;
+            }
+            if is_x86_feature_detected!("avx512f") {
+                return Level::Avx512;
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                return Level::Avx2;
+            }
+        }
+        Level::Portable
+    })
+}
+
+/// sum_i a[i] * b[i] over the common length.
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    match level() {
+        // SAFETY: the level was chosen from CPUID; slices have equal length.
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 => unsafe { x86::dot_avx512(a, b) },
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => unsafe { x86::dot_avx2(a, b) },
+        Level::Portable => dot_portable(a, b),
+    }
+}
+
+/// y[i] += s * x[i] over the common length.
+#[inline]
+pub fn axpy(y: &mut [f32], s: f32, x: &[f32]) {
+    let n = y.len().min(x.len());
+    let (y, x) = (&mut y[..n], &x[..n]);
+    match level() {
+        // SAFETY: the level was chosen from CPUID; slices have equal length.
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 => unsafe { x86::axpy_avx512(y, s, x) },
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => unsafe { x86::axpy_avx2(y, s, x) },
+        Level::Portable => axpy_portable(y, s, x),
+    }
+}
+
+pub fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ac
+        .remainder()
+        .iter()
+        .zip(bc.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ac.zip(bc) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+pub fn axpy_portable(y: &mut [f32], s: f32, x: &[f32]) {
+    for (yi, &xi) in y.iter_mut().zip(x) {
+        *yi += s * xi;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len();
+        let mut acc0 = _mm512_setzero_ps();
+        let mut acc1 = _mm512_setzero_ps();
+        let mut i = 0;
+        while i + 32 <= n {
+            acc0 = _mm512_fmadd_ps(
+                _mm512_loadu_ps(a.as_ptr().add(i)),
+                _mm512_loadu_ps(b.as_ptr().add(i)),
+                acc0,
+            );
+            acc1 = _mm512_fmadd_ps(
+                _mm512_loadu_ps(a.as_ptr().add(i + 16)),
+                _mm512_loadu_ps(b.as_ptr().add(i + 16)),
+                acc1,
+            );
+            i += 32;
+        }
+        if i + 16 <= n {
+            acc0 = _mm512_fmadd_ps(
+                _mm512_loadu_ps(a.as_ptr().add(i)),
+                _mm512_loadu_ps(b.as_ptr().add(i)),
+                acc0,
+            );
+            i += 16;
+        }
+        let mut s = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+        while i < n {
+            s += a[i] * b[i];
+            i += 1;
+        }
+        s
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn axpy_avx512(y: &mut [f32], s: f32, x: &[f32]) {
+        let n = y.len();
+        let sv = _mm512_set1_ps(s);
+        let mut i = 0;
+        while i + 16 <= n {
+            let p = y.as_mut_ptr().add(i);
+            _mm512_storeu_ps(
+                p,
+                _mm512_fmadd_ps(sv, _mm512_loadu_ps(x.as_ptr().add(i)), _mm512_loadu_ps(p)),
+            );
+            i += 16;
+        }
+        while i < n {
+            y[i] += s * x[i];
+            i += 1;
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len();
+        let mut acc0 = _mm256_setzero_ps();
+        let mut acc1 = _mm256_setzero_ps();
+        let mut i = 0;
+        while i + 16 <= n {
+            acc0 = _mm256_fmadd_ps(
+                _mm256_loadu_ps(a.as_ptr().add(i)),
+                _mm256_loadu_ps(b.as_ptr().add(i)),
+                acc0,
+            );
+            acc1 = _mm256_fmadd_ps(
+                _mm256_loadu_ps(a.as_ptr().add(i + 8)),
+                _mm256_loadu_ps(b.as_ptr().add(i + 8)),
+                acc1,
+            );
+            i += 16;
+        }
+        let acc = _mm256_add_ps(acc0, acc1);
+        let hi = _mm256_extractf128_ps(acc, 1);
+        let lo = _mm256_castps256_ps128(acc);
+        let s4 = _mm_add_ps(hi, lo);
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+        let mut s = _mm_cvtss_f32(s1);
+        while i < n {
+            s += a[i] * b[i];
+            i += 1;
+        }
+        s
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn axpy_avx2(y: &mut [f32], s: f32, x: &[f32]) {
+        let n = y.len();
+        let sv = _mm256_set1_ps(s);
+        let mut i = 0;
+        while i + 8 <= n {
+            let p = y.as_mut_ptr().add(i);
+            _mm256_storeu_ps(
+                p,
+                _mm256_fmadd_ps(sv, _mm256_loadu_ps(x.as_ptr().add(i)), _mm256_loadu_ps(p)),
+            );
+            i += 8;
+        }
+        while i < n {
+            y[i] += s * x[i];
+            i += 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn simd_matches_portable() {
+        let mut rng = crate::sample::Rng::new(3);
+        for n in [0usize, 1, 7, 16, 31, 64, 100, 128, 333] {
+            let a: Vec<f32> = (0..n).map(|_| rng.next_f64() as f32 - 0.5).collect();
+            let b: Vec<f32> = (0..n).map(|_| rng.next_f64() as f32 - 0.5).collect();
+            let (d, r) = (dot(&a, &b), dot_portable(&a, &b));
+            assert!((d - r).abs() <= 1e-5 * (1.0 + r.abs()), "n={n}: {d} vs {r}");
+            let mut y1 = b.clone();
+            let mut y2 = b.clone();
+            axpy(&mut y1, 0.37, &a);
+            axpy_portable(&mut y2, 0.37, &a);
+            for (p, q) in y1.iter().zip(&y2) {
+                assert!((p - q).abs() <= 1e-6);
+            }
+        }
+    }
+}
