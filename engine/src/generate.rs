@@ -89,14 +89,21 @@ fn rate(n: usize, secs: f64) -> f64 {
 }
 
 /// Holds back text that might be the start of a stop string.
-struct StopFilter<'a> {
+pub(crate) struct StopFilter<'a> {
     stops: &'a [String],
     pending: String,
 }
 
 impl<'a> StopFilter<'a> {
+    pub(crate) fn new(stops: &'a [String]) -> Self {
+        StopFilter {
+            stops,
+            pending: String::new(),
+        }
+    }
+
     /// Feed new text; returns (text safe to emit, whether a stop string was hit).
-    fn push(&mut self, piece: &str) -> (String, bool) {
+    pub(crate) fn push(&mut self, piece: &str) -> (String, bool) {
         self.pending.push_str(piece);
         if let Some(at) = self
             .stops
@@ -124,7 +131,7 @@ impl<'a> StopFilter<'a> {
         (out, false)
     }
 
-    fn finish(self) -> String {
+    pub(crate) fn finish(self) -> String {
         self.pending
     }
 }

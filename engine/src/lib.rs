@@ -1,5 +1,6 @@
 //! Arbor engine: GGUF models on a quantized CPU backend, tokenizer, forward pass and sampling (no I/O beyond model files).
 pub mod backend;
+pub mod draft;
 pub mod error;
 pub mod generate;
 pub mod gguf;
@@ -7,8 +8,10 @@ pub mod kv;
 pub mod model;
 pub mod quant;
 pub mod sample;
+pub mod spec;
 pub mod testing;
 pub mod tokenizer;
+pub mod tree;
 
 pub use backend::{Backend, BatchMask, CpuBackend};
 pub use error::{EngineError, Result};

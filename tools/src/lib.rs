@@ -2,5 +2,6 @@
 
 pub mod bench;
 pub mod fetch;
+pub mod spec_bench;
 
 pub use fetch::{resolve_model, FetchError};

@@ -82,6 +82,37 @@ impl KvCache {
         &self.v[layer][slot * self.kv_dim..(slot + 1) * self.kv_dim]
     }
 
+    /// Commit the accepted rows of a tree verification pass (SpecInfer's depth-first KV update):
+    /// the pass wrote its rows at slots `base..len()`; `keep` lists the rows (relative to `base`,
+    /// strictly increasing) on the accepted path. Row `keep[j]` moves to slot `base + j`, every
+    /// other scratch slot is dropped, and `len()` becomes `base + keep.len()`, so slots equal
+    /// positions again. Nothing is recomputed.
+    pub fn commit_rows(&mut self, base: usize, keep: &[usize]) -> Result<()> {
+        let scratch = self.len.checked_sub(base).ok_or_else(|| {
+            EngineError::InvalidArgument(format!(
+                "commit base {base} is past the cache length {}",
+                self.len
+            ))
+        })?;
+        if keep.windows(2).any(|w| w[0] >= w[1]) || keep.last().is_some_and(|&r| r >= scratch) {
+            return Err(EngineError::InvalidArgument(format!(
+                "rows to keep must be strictly increasing and below {scratch}"
+            )));
+        }
+        let d = self.kv_dim;
+        for buf in self.k.iter_mut().chain(self.v.iter_mut()) {
+            for (j, &r) in keep.iter().enumerate() {
+                // r >= j, so a source is never a slot already overwritten.
+                if r != j {
+                    let src = (base + r) * d;
+                    buf.copy_within(src..src + d, (base + j) * d);
+                }
+            }
+        }
+        self.len = base + keep.len();
+        Ok(())
+    }
+
     /// Drop every slot at or after `len`.
     pub fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);
@@ -90,5 +121,42 @@ impl KvCache {
     /// Forget everything.
     pub fn clear(&mut self) {
         self.len = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{tiny_model, TinySpec};
+
+    #[test]
+    fn commit_rows_compacts_the_accepted_path() {
+        let model = tiny_model(&TinySpec::default(), 1).unwrap();
+        let mut c = KvCache::new(&model.config, 16);
+        c.reserve(10).unwrap();
+        let d = c.kv_dim();
+        for l in 0..model.config.n_layers {
+            let (k, v) = c.layer_mut(l);
+            for s in 0..10 {
+                k[s * d..(s + 1) * d].fill(s as f32);
+                v[s * d..(s + 1) * d].fill(-(s as f32));
+            }
+        }
+        c.advance(10);
+        // Base 3: rows 0, 2, 5 of the pass (slots 3, 5, 8) are kept.
+        c.commit_rows(3, &[0, 2, 5]).unwrap();
+        assert_eq!(c.len(), 6);
+        let want = [0.0, 1.0, 2.0, 3.0, 5.0, 8.0];
+        for l in 0..model.config.n_layers {
+            for (s, &w) in want.iter().enumerate() {
+                assert!(c.k_row(l, s).iter().all(|&x| x == w));
+                assert!(c.v_row(l, s).iter().all(|&x| x == -w));
+            }
+        }
+        assert!(c.commit_rows(7, &[0]).is_err());
+        assert!(c.commit_rows(2, &[1, 1]).is_err());
+        assert!(c.commit_rows(2, &[4]).is_err());
+        c.commit_rows(2, &[]).unwrap();
+        assert_eq!(c.len(), 2);
     }
 }

@@ -6,10 +6,14 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+use arbor_engine::draft::{Drafter, OracleDrafter, RandomDrafter};
+use arbor_engine::sample::verify::VerifyMode;
+use arbor_engine::spec::{self, SpecMetrics, SpecParams};
+use arbor_engine::tree::ExpansionConfig;
 use arbor_engine::{
     generate, ChatMessage, CpuBackend, GenerateParams, Model, SamplingParams, Tokenizer,
 };
-use arbor_tools::{bench, fetch};
+use arbor_tools::{bench, fetch, spec_bench};
 
 #[derive(Parser)]
 #[command(
@@ -86,6 +90,26 @@ struct GenerateArgs {
     ignore_eos: bool,
     #[arg(long, value_enum, default_value_t = Format::Text)]
     format: Format,
+    #[command(flatten)]
+    spec: SpecArgs,
+}
+
+/// Speculative decoding with token trees (SpecInfer).
+#[derive(Args)]
+struct SpecArgs {
+    /// Speculate with these drafters (comma-separated, trees merged): oracle (knows the
+    /// continuation: runs incremental generation first), random.
+    #[arg(long, value_delimiter = ',')]
+    speculate: Vec<String>,
+    /// Expansion config: branch factor per depth.
+    #[arg(long, default_value = "1,1,3,1,1,1,1,1")]
+    speculate_tree: String,
+    /// Most draft nodes per verification pass (all drafters together).
+    #[arg(long, default_value_t = 64)]
+    speculate_budget: usize,
+    /// Verification: auto (greedy when --temperature 0, else mss), greedy, mss, naive.
+    #[arg(long, default_value = "auto")]
+    speculate_verify: String,
 }
 
 #[derive(Subcommand)]
@@ -113,6 +137,27 @@ enum BenchCmd {
         #[arg(long, value_enum, default_value_t = Format::Text)]
         format: Format,
     },
+    /// Cost of one tree verification pass as the token tree grows (SpecInfer).
+    Spec {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// oracle (knows the greedy continuation) or random.
+        #[arg(long, default_value = "oracle")]
+        drafter: String,
+        /// Draft nodes per tree (comma-separated).
+        #[arg(long, value_delimiter = ',', default_value = "1,4,16,64,256")]
+        tree_sizes: Vec<usize>,
+        /// Depth of the oracle's chains (a tree of N nodes is N/depth chains).
+        #[arg(long, default_value_t = 8)]
+        depth: usize,
+        #[arg(long, default_value_t = 128)]
+        prompt_tokens: usize,
+        /// Tokens generated per tree size.
+        #[arg(long, default_value_t = 32)]
+        tokens: usize,
+        #[arg(long, value_enum, default_value_t = Format::Text)]
+        format: Format,
+    },
 }
 
 fn main() {
@@ -135,6 +180,23 @@ fn run(cli: Cli) -> Result<()> {
                 reps,
                 format,
             } => cmd_bench_decode(model, prompt_tokens, decode_tokens, reps, format),
+            BenchCmd::Spec {
+                model,
+                drafter,
+                tree_sizes,
+                depth,
+                prompt_tokens,
+                tokens,
+                format,
+            } => cmd_bench_spec(
+                model,
+                &drafter,
+                &tree_sizes,
+                depth,
+                prompt_tokens,
+                tokens,
+                format,
+            ),
         },
     }
 }
@@ -183,12 +245,22 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     let prompt = tok.encode_prompt(&text)?;
     let stream = a.format == Format::Text;
     let mut stdout = std::io::stdout().lock();
-    let out = generate(&model, &backend, &tok, &prompt, &params, |piece| {
+    let on_text = |piece: &str| {
         if stream {
             let _ = stdout.write_all(piece.as_bytes());
             let _ = stdout.flush();
         }
-    })?;
+    };
+    let (out, spec_metrics) = if a.spec.speculate.is_empty() {
+        (
+            generate(&model, &backend, &tok, &prompt, &params, on_text)?,
+            None,
+        )
+    } else {
+        let (out, m) = speculate(&a.spec, &model, &backend, &tok, &prompt, &params, on_text)?;
+        (out, Some(m))
+    };
+    let mut stdout = std::io::stdout().lock();
     match a.format {
         Format::Text => {
             writeln!(
@@ -200,9 +272,25 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
                 out.decode_tok_s(),
                 out.finish_reason.as_str()
             )?;
+            if let Some((mode, m)) = &spec_metrics {
+                let by_depth: Vec<String> = m
+                    .acceptance_by_depth()
+                    .iter()
+                    .map(|r| format!("{r:.2}"))
+                    .collect();
+                writeln!(
+                    stdout,
+                    "[arbor] spec ({mode}): steps: {}, drafted: {}, accepted: {}, mean accepted: {:.2}/step, acceptance by depth: [{}]",
+                    m.steps,
+                    m.drafted,
+                    m.accepted,
+                    m.mean_accepted(),
+                    by_depth.join(", ")
+                )?;
+            }
         }
         Format::Json => {
-            let j = serde_json::json!({
+            let mut j = serde_json::json!({
                 "text": out.text,
                 "tokens": out.tokens,
                 "prompt_tokens": out.prompt_tokens,
@@ -211,8 +299,87 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
                 "decode_tok_s": out.decode_tok_s(),
                 "finish_reason": out.finish_reason.as_str(),
             });
+            if let Some((mode, m)) = &spec_metrics {
+                j["spec"] = serde_json::json!({
+                    "mode": mode.as_str(),
+                    "steps": m.steps,
+                    "drafted": m.drafted,
+                    "accepted": m.accepted,
+                    "mean_accepted": m.mean_accepted(),
+                    "acceptance_by_depth": m.acceptance_by_depth(),
+                });
+            }
             writeln!(stdout, "{j}")?;
         }
+    }
+    Ok(())
+}
+
+/// `arbor generate --speculate …`: speculative generation with the chosen drafters.
+fn speculate(
+    a: &SpecArgs,
+    model: &Model,
+    backend: &CpuBackend,
+    tok: &Tokenizer,
+    prompt: &[u32],
+    params: &GenerateParams,
+    on_text: impl FnMut(&str),
+) -> Result<(arbor_engine::GenerateOutput, (VerifyMode, SpecMetrics))> {
+    let cfg: ExpansionConfig = a.speculate_tree.parse()?;
+    let mode = match a.speculate_verify.as_str() {
+        "auto" => None,
+        m => Some(m.parse::<VerifyMode>()?),
+    };
+    let mut drafters: Vec<Box<dyn Drafter>> = Vec::new();
+    for (i, name) in a.speculate.iter().enumerate() {
+        let seed = params.sampling.seed.wrapping_add(1 + i as u64);
+        match name.as_str() {
+            "oracle" => {
+                let reference = generate(model, backend, tok, prompt, params, |_| {})?;
+                let mut truth = prompt.to_vec();
+                truth.extend(&reference.tokens);
+                drafters.push(Box::new(OracleDrafter::new(truth, cfg.clone(), seed)));
+            }
+            "random" => drafters.push(Box::new(RandomDrafter::new(cfg.clone(), seed))),
+            other => bail!("unknown drafter '{other}' (oracle, random)"),
+        }
+    }
+    let sp = SpecParams {
+        budget: a.speculate_budget,
+        mode,
+    };
+    let mut refs: Vec<&mut dyn Drafter> = drafters
+        .iter_mut()
+        .map(|d| d.as_mut() as &mut dyn Drafter)
+        .collect();
+    let out = spec::generate(model, backend, tok, prompt, params, &sp, &mut refs, on_text)?;
+    Ok((out.output, (out.mode, out.metrics)))
+}
+
+fn cmd_bench_spec(
+    m: ModelArgs,
+    drafter: &str,
+    sizes: &[usize],
+    depth: usize,
+    prompt_tokens: usize,
+    tokens: usize,
+    format: Format,
+) -> Result<()> {
+    let (model, tok, backend, _) = load(&m)?;
+    let r = spec_bench::spec_bench(
+        &model,
+        &tok,
+        &backend,
+        &m.model,
+        drafter,
+        sizes,
+        depth,
+        prompt_tokens,
+        tokens,
+    )?;
+    match format {
+        Format::Json => println!("{}", serde_json::to_string(&r)?),
+        Format::Text => print!("{}", spec_bench::format_table(&r)),
     }
     Ok(())
 }

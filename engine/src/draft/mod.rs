@@ -1,0 +1,264 @@
+//! Drafters for tree-based speculative inference (SpecInfer's small speculative models, generalized): the `Drafter` trait and test drafters.
+//!
+//! A drafter proposes a token tree rooted at the sequence's last token (not yet in the LLM's KV
+//! cache) within a node budget, and is told which tokens the LLM accepted. Drafters here:
+//! - [`OracleDrafter`]: knows the true continuation (a test oracle), optionally padded with wrong
+//!   random siblings to fill a tree shape;
+//! - [`RandomDrafter`]: random guesses;
+//! - [`DistDrafter`]: expands a tree from any next-token distribution function (top-k or sampled),
+//!   the building block for model-based drafters and for distribution tests.
+
+use crate::error::Result;
+use crate::sample::Rng;
+use crate::tree::{expand, DrafterId, ExpandMode, ExpansionConfig, TokenTree};
+
+/// What a drafter is asked for.
+#[derive(Clone, Copy, Debug)]
+pub struct DraftRequest<'a> {
+    /// The sequence so far (prompt and generated tokens). Its last token is the tree's root: the
+    /// LLM sampled it but has not fed it yet.
+    pub tokens: &'a [u32],
+    /// Most draft nodes (root excluded) this drafter may propose.
+    pub budget: usize,
+    /// Deepest level worth proposing (deeper nodes are cut).
+    pub max_depth: usize,
+    /// The id to record in this drafter's proposals.
+    pub drafter: DrafterId,
+    /// The LLM's vocabulary size.
+    pub vocab: usize,
+}
+
+impl DraftRequest<'_> {
+    /// The root token.
+    pub fn root(&self) -> u32 {
+        self.tokens.last().copied().unwrap_or(0)
+    }
+}
+
+/// A source of speculated token trees.
+pub trait Drafter: Send {
+    fn name(&self) -> &str;
+
+    /// Propose a tree rooted at `req.root()`, with at most `req.budget` draft nodes and depth
+    /// `req.max_depth`. Under stochastic verification, nodes recorded as sampled must really be
+    /// draws from the distribution recorded at their parent.
+    fn propose(&mut self, req: &DraftRequest<'_>) -> Result<TokenTree>;
+
+    /// The LLM accepted `accepted` (tokens after the root, in order) and then sampled `bonus`,
+    /// the next root. Drafters with their own caches follow the sequence here.
+    fn accept(&mut self, _accepted: &[u32], _bonus: u32) {}
+}
+
+/// A test oracle: knows the sequence the LLM will produce (prompt + continuation). At each
+/// on-path node its first child is the true next token; the other children the expansion config
+/// asks for (and the children of off-path nodes) are random wrong tokens.
+#[derive(Clone, Debug)]
+pub struct OracleDrafter {
+    truth: Vec<u32>,
+    config: ExpansionConfig,
+    rng: Rng,
+}
+
+impl OracleDrafter {
+    /// `truth` = prompt followed by the expected continuation; `seed` drives the wrong siblings.
+    pub fn new(truth: Vec<u32>, config: ExpansionConfig, seed: u64) -> OracleDrafter {
+        OracleDrafter {
+            truth,
+            config,
+            rng: Rng::new(seed),
+        }
+    }
+}
+
+impl Drafter for OracleDrafter {
+    fn name(&self) -> &str {
+        "oracle"
+    }
+
+    fn propose(&mut self, req: &DraftRequest<'_>) -> Result<TokenTree> {
+        let n = req.tokens.len();
+        let on_track = self.truth.len() >= n && self.truth[..n] == *req.tokens;
+        let future: &[u32] = if on_track { &self.truth[n..] } else { &[] };
+        let width = self.config.branches().iter().copied().max().unwrap_or(1);
+        let rng = &mut self.rng;
+        let vocab = req.vocab.max(1) as u64;
+        expand(
+            &self.config,
+            req.root(),
+            req.drafter,
+            ExpandMode::TopK,
+            req.budget,
+            req.max_depth,
+            &mut Rng::new(0),
+            |path| {
+                // path = [root, t1, .., td]: on the true path when t1..td match the future.
+                let d = path.len() - 1;
+                let truth_next = (d < future.len() && path[1..] == future[..d]).then(|| future[d]);
+                let mut dist = Vec::with_capacity(width + 1);
+                if let Some(t) = truth_next {
+                    dist.push((t, 1.0));
+                }
+                // Random wrong tokens with distinct weights below the true token's.
+                for i in 0..width {
+                    let t = (rng.next_u64() % vocab) as u32;
+                    if Some(t) != truth_next {
+                        dist.push((t, 0.5 / (i + 2) as f32));
+                    }
+                }
+                if dist.is_empty() {
+                    dist.push(((rng.next_u64() % vocab) as u32, 1.0));
+                }
+                Ok(dist)
+            },
+        )
+    }
+}
+
+/// Random guesses (picked uniformly), shaped by an expansion config.
+#[derive(Clone, Debug)]
+pub struct RandomDrafter {
+    config: ExpansionConfig,
+    rng: Rng,
+}
+
+impl RandomDrafter {
+    pub fn new(config: ExpansionConfig, seed: u64) -> RandomDrafter {
+        RandomDrafter {
+            config,
+            rng: Rng::new(seed),
+        }
+    }
+}
+
+impl Drafter for RandomDrafter {
+    fn name(&self) -> &str {
+        "random"
+    }
+
+    fn propose(&mut self, req: &DraftRequest<'_>) -> Result<TokenTree> {
+        let width = self.config.branches().iter().copied().max().unwrap_or(1);
+        let vocab = req.vocab.max(1) as u64;
+        let rng = &mut self.rng;
+        expand(
+            &self.config,
+            req.root(),
+            req.drafter,
+            ExpandMode::TopK,
+            req.budget,
+            req.max_depth,
+            &mut Rng::new(0),
+            |_| {
+                Ok((0..width)
+                    .map(|i| ((rng.next_u64() % vocab) as u32, 1.0 / (i + 1) as f32))
+                    .collect())
+            },
+        )
+    }
+}
+
+/// The next-token distribution a [`DistDrafter`] expands: given the whole sequence (the request's
+/// tokens followed by the node's path below the root), (token, probability) pairs.
+pub type DistFn = dyn FnMut(&[u32]) -> Result<Vec<(u32, f32)>> + Send;
+
+/// Expands trees from a next-token distribution function: top-k children or sampled ones.
+pub struct DistDrafter {
+    name: String,
+    config: ExpansionConfig,
+    mode: ExpandMode,
+    rng: Rng,
+    dist: Box<DistFn>,
+}
+
+impl DistDrafter {
+    pub fn new(
+        name: impl Into<String>,
+        config: ExpansionConfig,
+        mode: ExpandMode,
+        seed: u64,
+        dist: Box<DistFn>,
+    ) -> DistDrafter {
+        DistDrafter {
+            name: name.into(),
+            config,
+            mode,
+            rng: Rng::new(seed),
+            dist,
+        }
+    }
+}
+
+impl Drafter for DistDrafter {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn propose(&mut self, req: &DraftRequest<'_>) -> Result<TokenTree> {
+        let dist = &mut self.dist;
+        let mut ctx = req.tokens.to_vec();
+        let base = ctx.len();
+        expand(
+            &self.config,
+            req.root(),
+            req.drafter,
+            self.mode,
+            req.budget,
+            req.max_depth,
+            &mut self.rng,
+            |path| {
+                ctx.truncate(base);
+                ctx.extend_from_slice(&path[1..]);
+                dist(&ctx)
+            },
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn oracle_puts_the_truth_first_and_respects_budget() {
+        let truth = vec![5, 6, 7, 8, 9, 10];
+        let cfg: ExpansionConfig = "2,2,2".parse().unwrap();
+        let mut o = OracleDrafter::new(truth, cfg, 1);
+        let req = DraftRequest {
+            tokens: &[5, 6],
+            budget: 5,
+            max_depth: 8,
+            drafter: 0,
+            vocab: 50,
+        };
+        let t = o.propose(&req).unwrap();
+        assert_eq!(t.root_token(), 6);
+        assert!(t.n_draft() <= 5);
+        // DFS order: node 1 is the first child of the root, the true token.
+        assert_eq!(t.node(1).token, 7);
+        assert_eq!(t.node(2).token, 8);
+        t.validate(50).unwrap();
+        // Off track: no true tokens known, still a valid tree.
+        let t = o
+            .propose(&DraftRequest {
+                tokens: &[1, 2],
+                ..req
+            })
+            .unwrap();
+        t.validate(50).unwrap();
+    }
+
+    #[test]
+    fn random_drafter_fills_the_shape() {
+        let mut r = RandomDrafter::new("4,4,4,4".parse().unwrap(), 3);
+        let t = r
+            .propose(&DraftRequest {
+                tokens: &[1],
+                budget: 400,
+                max_depth: 8,
+                drafter: 0,
+                vocab: 50_000,
+            })
+            .unwrap();
+        assert_eq!(t.n_draft(), 4 + 16 + 64 + 256);
+        assert_eq!(t.max_depth(), 4);
+    }
+}

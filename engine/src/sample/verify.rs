@@ -1,0 +1,461 @@
+//! Token tree verification (SpecInfer §4): greedy, multi-step speculative sampling (MSS), naive sampling.
+//!
+//! All three walk the tree from the root (node 0) using the LLM's logits of one verification pass,
+//! `logits: [tree.len(), vocab]` (row i = the LLM's next-token logits after node i's path), and
+//! return the accepted draft nodes plus one bonus token sampled from the LLM at the last accepted
+//! node. The output distribution equals sampling the LLM alone:
+//! - greedy: a child is accepted when it is the LLM's argmax at its parent;
+//! - MSS: the candidates of a node (one per draw of each proposing drafter, in random order) are
+//!   tried in turn, each accepted with probability min(1, p(x) / q(x)); a rejection replaces p by
+//!   norm(max(0, p - q)); if every candidate fails the bonus comes from the residual. A sampled
+//!   candidate uses the drafter's distribution recorded at the parent as q, a picked one a point
+//!   mass on itself — so merged trees of several drafters, top-k trees and random guesses all stay
+//!   lossless;
+//! - naive: sample y from the LLM at the node and accept the child with token y, if any.
+
+use std::fmt;
+use std::str::FromStr;
+
+use super::{argmax, Rng, Sampler, SamplingParams};
+use crate::error::{EngineError, Result};
+use crate::tree::{DrawKind, SparseDist, TokenTree};
+
+/// Which verification rule to use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VerifyMode {
+    Greedy,
+    /// Multi-step speculative sampling (SpecInfer).
+    Mss,
+    /// Sample from the LLM, accept a matching child (baseline).
+    Naive,
+}
+
+impl VerifyMode {
+    /// Greedy for greedy sampling parameters, MSS otherwise.
+    pub fn auto(params: &SamplingParams) -> VerifyMode {
+        if params.is_greedy() {
+            VerifyMode::Greedy
+        } else {
+            VerifyMode::Mss
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            VerifyMode::Greedy => "greedy",
+            VerifyMode::Mss => "mss",
+            VerifyMode::Naive => "naive",
+        }
+    }
+}
+
+impl fmt::Display for VerifyMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for VerifyMode {
+    type Err = EngineError;
+
+    fn from_str(s: &str) -> Result<VerifyMode> {
+        match s {
+            "greedy" => Ok(VerifyMode::Greedy),
+            "mss" => Ok(VerifyMode::Mss),
+            "naive" => Ok(VerifyMode::Naive),
+            _ => Err(EngineError::InvalidArgument(format!(
+                "unknown verification mode '{s}' (greedy, mss, naive)"
+            ))),
+        }
+    }
+}
+
+/// Result of verifying one token tree.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VerifyOutcome {
+    /// Accepted draft nodes from depth 1 down (tree indices; the root is implicit).
+    pub accepted: Vec<usize>,
+    /// Tokens of the accepted nodes.
+    pub tokens: Vec<u32>,
+    /// The LLM's token after the last accepted node; becomes the next root.
+    pub bonus: u32,
+}
+
+impl VerifyOutcome {
+    /// Rows of the verification pass whose K/V are committed: the root and the accepted nodes.
+    pub fn kv_rows(&self) -> Vec<usize> {
+        let mut rows = Vec::with_capacity(self.accepted.len() + 1);
+        rows.push(0);
+        rows.extend_from_slice(&self.accepted);
+        rows
+    }
+
+    /// Tokens this step adds to the output: the accepted tokens, then the bonus token.
+    pub fn emitted(&self) -> Vec<u32> {
+        let mut t = self.tokens.clone();
+        t.push(self.bonus);
+        t
+    }
+}
+
+fn check(tree: &TokenTree, logits: &[f32], vocab: usize) -> Result<()> {
+    if vocab == 0 || logits.len() != tree.len() * vocab {
+        return Err(EngineError::Shape(format!(
+            "verification needs [{} nodes, {vocab}] logits, got {} values",
+            tree.len(),
+            logits.len()
+        )));
+    }
+    tree.validate(vocab)
+}
+
+fn row(logits: &[f32], vocab: usize, i: usize) -> &[f32] {
+    &logits[i * vocab..(i + 1) * vocab]
+}
+
+/// Greedy verification: follow the children equal to the LLM's argmax.
+pub fn verify_greedy(tree: &TokenTree, logits: &[f32], vocab: usize) -> Result<VerifyOutcome> {
+    check(tree, logits, vocab)?;
+    let (mut accepted, mut tokens) = (Vec::new(), Vec::new());
+    let mut node = 0;
+    loop {
+        let y = argmax(row(logits, vocab, node));
+        match tree.child_with_token(node, y) {
+            Some(c) => {
+                accepted.push(c);
+                tokens.push(y);
+                node = c;
+            }
+            None => {
+                return Ok(VerifyOutcome {
+                    accepted,
+                    tokens,
+                    bonus: y,
+                })
+            }
+        }
+    }
+}
+
+/// Naive sampling: draw from the LLM (temperature / top-k / top-p of `sampler`) and accept the
+/// matching child.
+pub fn verify_naive(
+    tree: &TokenTree,
+    logits: &[f32],
+    vocab: usize,
+    sampler: &Sampler,
+    rng: &mut Rng,
+) -> Result<VerifyOutcome> {
+    check(tree, logits, vocab)?;
+    let (mut accepted, mut tokens) = (Vec::new(), Vec::new());
+    let mut node = 0;
+    let mut p = vec![0.0f64; vocab]; // [vocab]
+    loop {
+        dense(&sampler.distribution(row(logits, vocab, node)), &mut p);
+        let y = draw_dense(&p, rng);
+        match tree.child_with_token(node, y) {
+            Some(c) => {
+                accepted.push(c);
+                tokens.push(y);
+                node = c;
+            }
+            None => {
+                return Ok(VerifyOutcome {
+                    accepted,
+                    tokens,
+                    bonus: y,
+                })
+            }
+        }
+    }
+}
+
+/// Multi-step speculative sampling (SpecInfer Algorithm 2, generalized to merged trees).
+pub fn verify_mss(
+    tree: &TokenTree,
+    logits: &[f32],
+    vocab: usize,
+    sampler: &Sampler,
+    rng: &mut Rng,
+) -> Result<VerifyOutcome> {
+    check(tree, logits, vocab)?;
+    let (mut accepted, mut tokens) = (Vec::new(), Vec::new());
+    let mut node = 0;
+    let mut p = vec![0.0f64; vocab]; // [vocab] the LLM's (residual) distribution at `node`
+    let mut cands: Vec<(usize, Option<&SparseDist>)> = Vec::new(); // (child, q; None = point mass)
+    loop {
+        dense(&sampler.distribution(row(logits, vocab, node)), &mut p);
+        cands.clear();
+        for &c in tree.children(node) {
+            let props = &tree.node(c).proposals;
+            if props.is_empty() {
+                cands.push((c, None));
+            }
+            for pr in props {
+                match pr.kind {
+                    DrawKind::Picked => cands.push((c, None)),
+                    DrawKind::Sampled => {
+                        let q = tree.child_dist(node, pr.drafter).ok_or_else(|| {
+                            EngineError::InvalidArgument(format!(
+                                "node {c} was sampled by drafter {} but its parent has no \
+                                 distribution from it",
+                                pr.drafter
+                            ))
+                        })?;
+                        for _ in 0..pr.draws {
+                            cands.push((c, Some(q)));
+                        }
+                    }
+                }
+            }
+        }
+        // Random order, independent of the drawn values: i.i.d. draws stay i.i.d. in such an order
+        // (grouped by child they would not).
+        for i in (1..cands.len()).rev() {
+            let j = (rng.next_u64() % (i as u64 + 1)) as usize;
+            cands.swap(i, j);
+        }
+        let mut next = None;
+        for &(c, q) in &cands {
+            let x = tree.node(c).token;
+            let qx = match q {
+                Some(q) => q
+                    .iter()
+                    .filter(|e| e.0 == x)
+                    .map(|e| e.1 as f64)
+                    .sum::<f64>(),
+                None => 1.0,
+            };
+            let px = p[x as usize];
+            let u = rng.next_f64();
+            // Accept with probability min(1, px / qx); a token the drafter gave no mass is accepted
+            // whenever the LLM allows it (it cannot have been drawn; treat it as a pick).
+            if px > 0.0 && (qx <= 0.0 || u * qx < px) {
+                next = Some(c);
+                break;
+            }
+            residual(&mut p, q, x);
+        }
+        match next {
+            Some(c) => {
+                accepted.push(c);
+                tokens.push(tree.node(c).token);
+                node = c;
+            }
+            None => {
+                let bonus = draw_dense(&p, rng);
+                return Ok(VerifyOutcome {
+                    accepted,
+                    tokens,
+                    bonus,
+                });
+            }
+        }
+    }
+}
+
+/// p <- norm(max(0, p - q)) for q = `q` or a point mass on `x`. When the residual has no mass
+/// (p == q up to rounding: a rejection had probability ~0) p is left unchanged.
+fn residual(p: &mut [f64], q: Option<&SparseDist>, x: u32) {
+    let mut next = p.to_vec();
+    match q {
+        Some(q) => {
+            for &(t, qt) in q.iter() {
+                if let Some(v) = next.get_mut(t as usize) {
+                    *v = (*v - qt as f64).max(0.0);
+                }
+            }
+        }
+        None => next[x as usize] = (next[x as usize] - 1.0).max(0.0),
+    }
+    let s: f64 = next.iter().sum();
+    if s > 1e-9 {
+        for (d, v) in p.iter_mut().zip(next) {
+            *d = v / s;
+        }
+    }
+}
+
+/// Dense copy of a sparse distribution.
+fn dense(dist: &[(u32, f32)], out: &mut [f64]) {
+    out.fill(0.0);
+    for &(t, pr) in dist {
+        if let Some(v) = out.get_mut(t as usize) {
+            *v += pr as f64;
+        }
+    }
+}
+
+/// One draw from a dense distribution (any positive total).
+fn draw_dense(p: &[f64], rng: &mut Rng) -> u32 {
+    let total: f64 = p.iter().sum();
+    let mut u = rng.next_f64() * total;
+    let mut last = 0;
+    for (i, &v) in p.iter().enumerate() {
+        if v > 0.0 {
+            last = i;
+            u -= v;
+            if u < 0.0 {
+                return i as u32;
+            }
+        }
+    }
+    last as u32
+}
+
+/// A verification rule with its sampling parameters and random stream (seeded: deterministic).
+#[derive(Clone, Debug)]
+pub struct Verifier {
+    mode: VerifyMode,
+    sampler: Sampler,
+    rng: Rng,
+}
+
+impl Verifier {
+    /// The random stream is seeded from `params.seed`.
+    pub fn new(mode: VerifyMode, params: SamplingParams) -> Result<Verifier> {
+        // "verify": a stream apart from the sampler's.
+        let rng = Rng::new(params.seed ^ 0x7665_7269_6679);
+        Ok(Verifier {
+            mode,
+            sampler: Sampler::new(params)?,
+            rng,
+        })
+    }
+
+    pub fn mode(&self) -> VerifyMode {
+        self.mode
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        self.sampler.params()
+    }
+
+    /// Verify `tree` against its logits `[tree.len(), vocab]`.
+    pub fn verify(
+        &mut self,
+        tree: &TokenTree,
+        logits: &[f32],
+        vocab: usize,
+    ) -> Result<VerifyOutcome> {
+        match self.mode {
+            VerifyMode::Greedy => verify_greedy(tree, logits, vocab),
+            VerifyMode::Mss => verify_mss(tree, logits, vocab, &self.sampler, &mut self.rng),
+            VerifyMode::Naive => verify_naive(tree, logits, vocab, &self.sampler, &mut self.rng),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::tree::{Proposal, TreeBuilder};
+
+    fn sampling(seed: u64) -> SamplingParams {
+        SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed,
+        }
+    }
+
+    /// Logits whose softmax is `probs`.
+    fn logits_of(probs: &[f64]) -> Vec<f32> {
+        probs.iter().map(|&p| (p.max(1e-30)).ln() as f32).collect()
+    }
+
+    #[test]
+    fn greedy_follows_argmax_and_returns_bonus() {
+        // root(9) -> {1 -> {3}, 2}; LLM: after root 1, after 1 -> 3, after 3 -> 0.
+        let mut b = TreeBuilder::new(0);
+        let a = b.add_child(0, 1, Some(Proposal::picked(0, 0.5)));
+        b.add_child(a, 3, Some(Proposal::picked(0, 0.5)));
+        b.add_child(0, 2, Some(Proposal::picked(0, 0.5)));
+        let t = b.build();
+        let v = 4;
+        let mut logits = vec![0.0f32; t.len() * v];
+        let want = [1u32, 3, 0, 2]; // argmax per node in DFS order: root, 1, 3, 2
+        for (i, &w) in want.iter().enumerate() {
+            logits[i * v + w as usize] = 5.0;
+        }
+        let o = verify_greedy(&t, &logits, v).unwrap();
+        assert_eq!(o.tokens, vec![1, 3]);
+        assert_eq!(o.accepted, vec![1, 2]);
+        assert_eq!(o.bonus, 0);
+        assert_eq!(o.kv_rows(), vec![0, 1, 2]);
+        assert_eq!(o.emitted(), vec![1, 3, 0]);
+    }
+
+    #[test]
+    fn bad_shapes_are_errors() {
+        let t = TokenTree::chain(0, &[1, 2], 0);
+        assert!(verify_greedy(&t, &[0.0; 5], 4).is_err());
+        let t = TokenTree::chain(0, &[7], 0);
+        assert!(verify_greedy(&t, &[0.0; 8], 4).is_err()); // token 7 outside vocab 4
+    }
+
+    /// One level, exact check of MSS against the LLM distribution by chi-square (single drafter
+    /// with 3 sampled draws from a q far from p; plus a picked child).
+    #[test]
+    fn mss_one_level_matches_llm() {
+        let p = [0.5, 0.3, 0.15, 0.05];
+        let q: Vec<(u32, f32)> = vec![(0, 0.05), (1, 0.05), (2, 0.1), (3, 0.8)];
+        let qd: SparseDist = Arc::from(q.clone());
+        let sampler = Sampler::new(sampling(0)).unwrap();
+        let logits1 = logits_of(&p);
+        let mut rng = Rng::new(11);
+        let mut draw_rng = Rng::new(12);
+        let n = 40_000;
+        let mut counts = [0usize; 4];
+        for _ in 0..n {
+            let mut b = TreeBuilder::new(0);
+            for _ in 0..3 {
+                let mut u = draw_rng.next_f64();
+                let mut tok = 3;
+                for &(t, pr) in &q {
+                    u -= pr as f64;
+                    if u < 0.0 {
+                        tok = t;
+                        break;
+                    }
+                }
+                b.add_child(0, tok, Some(Proposal::sampled(1, q[tok as usize].1, 1)));
+            }
+            b.set_child_dist(0, 1, qd.clone());
+            if draw_rng.next_f64() < 0.5 {
+                b.add_child(0, 1, Some(Proposal::picked(2, 1.0)));
+            }
+            let t = b.build();
+            let mut logits = Vec::new();
+            for _ in 0..t.len() {
+                logits.extend_from_slice(&logits1);
+            }
+            let o = verify_mss(&t, &logits, 4, &sampler, &mut rng).unwrap();
+            let first = o.emitted()[0];
+            counts[first as usize] += 1;
+        }
+        let chi2: f64 = counts
+            .iter()
+            .zip(p)
+            .map(|(&c, pr)| (c as f64 - n as f64 * pr).powi(2) / (n as f64 * pr))
+            .sum();
+        // 3 degrees of freedom: p = 0.001 at chi2 = 16.27.
+        assert!(chi2 < 16.27, "chi2 {chi2}, counts {counts:?}");
+    }
+
+    #[test]
+    fn verifier_is_deterministic_per_seed() {
+        let t = TokenTree::chain(0, &[1, 2, 3], 0);
+        let logits: Vec<f32> = (0..t.len() * 4).map(|i| (i as f32 * 0.7).sin()).collect();
+        let run = |seed| {
+            let mut v = Verifier::new(VerifyMode::Mss, sampling(seed)).unwrap();
+            (0..20)
+                .map(|_| v.verify(&t, &logits, 4).unwrap().emitted())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(run(5), run(5));
+    }
+}

@@ -1,0 +1,628 @@
+//! Speculative generation with token trees (SpecInfer, Miao et al., ASPLOS 2024): draft a tree, verify it in one LLM pass, commit the accepted path's K/V.
+//!
+//! Sequence convention: the KV cache holds every token but the last one sampled (the *root*).
+//! A step asks the drafters for trees rooted at the root, merges them, runs one forward pass over
+//! `[root, nodes…]` (node at depth d at position `cache.len() + d`, tree attention mask), verifies
+//! (greedy / MSS / naive), then keeps the K/V rows of the root and the accepted nodes, compacted
+//! so slots equal positions, and drops the rest. The bonus token becomes the next root. Accepted
+//! tokens are never recomputed.
+
+use std::time::Instant;
+
+use crate::backend::Backend;
+use crate::draft::{DraftRequest, Drafter};
+use crate::error::{EngineError, Result};
+use crate::generate::{FinishReason, GenerateOutput, GenerateParams, StopFilter};
+use crate::kv::KvCache;
+use crate::model::Model;
+use crate::sample::verify::{Verifier, VerifyMode, VerifyOutcome};
+use crate::sample::Sampler;
+use crate::tokenizer::{StreamDecoder, Tokenizer};
+use crate::tree::{DrafterId, TokenTree};
+
+/// Speculation settings.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SpecParams {
+    /// Most draft nodes per step (root excluded), shared by the drafters.
+    pub budget: usize,
+    /// Verification rule; `None` = greedy for greedy sampling, MSS otherwise.
+    pub mode: Option<VerifyMode>,
+}
+
+impl Default for SpecParams {
+    fn default() -> Self {
+        SpecParams {
+            budget: 64,
+            mode: None,
+        }
+    }
+}
+
+/// Per-request speculation counters.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SpecMetrics {
+    /// Verification passes.
+    pub steps: usize,
+    /// Draft nodes verified (after merging).
+    pub drafted: usize,
+    /// Draft tokens accepted (bonus tokens not counted).
+    pub accepted: usize,
+    /// `accepted_by_depth[d]`: steps whose accepted path reached depth d + 1.
+    pub accepted_by_depth: Vec<usize>,
+    /// `drafted_by_depth[d]`: draft nodes proposed at depth d + 1.
+    pub drafted_by_depth: Vec<usize>,
+}
+
+impl SpecMetrics {
+    /// Mean accepted draft tokens per verification pass (each pass also emits one bonus token).
+    pub fn mean_accepted(&self) -> f64 {
+        if self.steps == 0 {
+            0.0
+        } else {
+            self.accepted as f64 / self.steps as f64
+        }
+    }
+
+    /// Per depth d (index d - 1): the fraction of steps whose accepted path reached depth d.
+    pub fn acceptance_by_depth(&self) -> Vec<f64> {
+        self.accepted_by_depth
+            .iter()
+            .map(|&a| a as f64 / self.steps.max(1) as f64)
+            .collect()
+    }
+
+    /// Count one verified step.
+    pub fn record(&mut self, tree: &TokenTree, outcome: &VerifyOutcome) {
+        self.steps += 1;
+        self.drafted += tree.n_draft();
+        self.accepted += outcome.accepted.len();
+        let by_depth = tree.nodes_by_depth();
+        grow(&mut self.drafted_by_depth, by_depth.len());
+        for (d, n) in by_depth.iter().enumerate() {
+            self.drafted_by_depth[d] += n;
+        }
+        grow(&mut self.accepted_by_depth, outcome.accepted.len());
+        for d in 0..outcome.accepted.len() {
+            self.accepted_by_depth[d] += 1;
+        }
+    }
+}
+
+fn grow(v: &mut Vec<usize>, n: usize) {
+    if v.len() < n {
+        v.resize(n, 0);
+    }
+}
+
+/// One forward pass over `[root, nodes…]` with tree attention: the tree's rows are appended to
+/// `cache` at slots `cache.len()..` (scratch until committed). Returns `[tree.len(), vocab]` logits.
+pub fn tree_logits<B: Backend>(
+    model: &Model,
+    backend: &B,
+    cache: &mut KvCache,
+    tree: &TokenTree,
+) -> Result<Vec<f32>> {
+    let mask = tree.mask();
+    let rows: Vec<usize> = (0..tree.len()).collect();
+    model.forward(
+        backend,
+        cache,
+        &tree.tokens(),
+        &tree.positions(cache.len()),
+        mask.as_batch_mask(),
+        &rows,
+    )
+}
+
+/// Verify `tree` in one pass and commit: afterwards `cache` holds the root's and the accepted
+/// nodes' K/V at their positions (`len` grows by 1 + accepted) and nothing else.
+pub fn verify_step<B: Backend>(
+    model: &Model,
+    backend: &B,
+    cache: &mut KvCache,
+    tree: &TokenTree,
+    verifier: &mut Verifier,
+) -> Result<VerifyOutcome> {
+    let base = cache.len();
+    let vocab = model.config.vocab_size;
+    let outcome = tree_logits(model, backend, cache, tree)
+        .and_then(|logits| verifier.verify(tree, &logits, vocab));
+    match outcome {
+        Ok(o) => {
+            cache.commit_rows(base, &o.kv_rows())?;
+            Ok(o)
+        }
+        Err(e) => {
+            cache.truncate(base);
+            Err(e)
+        }
+    }
+}
+
+/// A sequence being decoded speculatively: its KV cache, its tokens and its verifier.
+pub struct SpecSession<'m, B: Backend> {
+    model: &'m Model,
+    backend: &'m B,
+    cache: KvCache,
+    /// The whole sequence; the last token is the root (not in `cache`).
+    tokens: Vec<u32>,
+    verifier: Verifier,
+    budget: usize,
+    metrics: SpecMetrics,
+}
+
+impl<'m, B: Backend> SpecSession<'m, B> {
+    /// `cache` must hold the K/V of `tokens[..tokens.len() - 1]`; the last token is the first root.
+    pub fn new(
+        model: &'m Model,
+        backend: &'m B,
+        cache: KvCache,
+        tokens: Vec<u32>,
+        verifier: Verifier,
+        budget: usize,
+    ) -> Result<Self> {
+        if tokens.is_empty() || cache.len() + 1 != tokens.len() {
+            return Err(EngineError::InvalidArgument(format!(
+                "a speculative session needs the K/V of all tokens but the last ({} tokens, {} cached)",
+                tokens.len(),
+                cache.len()
+            )));
+        }
+        Ok(SpecSession {
+            model,
+            backend,
+            cache,
+            tokens,
+            verifier,
+            budget,
+            metrics: SpecMetrics::default(),
+        })
+    }
+
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    pub fn cache(&self) -> &KvCache {
+        &self.cache
+    }
+
+    pub fn metrics(&self) -> &SpecMetrics {
+        &self.metrics
+    }
+
+    pub fn verifier(&self) -> &Verifier {
+        &self.verifier
+    }
+
+    /// End the session, keeping the verifier (and its random stream) for the next one.
+    pub fn into_verifier(self) -> Verifier {
+        self.verifier
+    }
+
+    /// Ask every drafter for a tree (drafter i gets an equal share of the budget and id i),
+    /// merge them, check the result and cut it to `max_depth`.
+    pub fn draft(
+        &mut self,
+        drafters: &mut [&mut dyn Drafter],
+        max_depth: usize,
+    ) -> Result<TokenTree> {
+        let room = self.cache.capacity().saturating_sub(self.cache.len());
+        if room == 0 {
+            return Err(EngineError::ContextOverflow {
+                needed: self.cache.len() + 1,
+                limit: self.cache.capacity(),
+            });
+        }
+        let budget = self.budget.min(room - 1);
+        let vocab = self.model.config.vocab_size;
+        let root = self.tokens[self.tokens.len() - 1];
+        let n = drafters.len().max(1);
+        let mut trees = Vec::with_capacity(drafters.len() + 1);
+        trees.push(TokenTree::root_only(root));
+        for (i, d) in drafters.iter_mut().enumerate() {
+            let id = DrafterId::try_from(i)
+                .map_err(|_| EngineError::InvalidArgument("too many drafters".into()))?;
+            let share = budget / n + usize::from(i < budget % n);
+            let req = DraftRequest {
+                tokens: &self.tokens,
+                budget: share,
+                max_depth,
+                drafter: id,
+                vocab,
+            };
+            let t = d.propose(&req)?;
+            t.validate(vocab)?;
+            if t.root_token() != root {
+                return Err(EngineError::InvalidArgument(format!(
+                    "drafter '{}' proposed a tree rooted at {} instead of {root}",
+                    d.name(),
+                    t.root_token()
+                )));
+            }
+            if t.n_draft() > share {
+                return Err(EngineError::InvalidArgument(format!(
+                    "drafter '{}' proposed {} nodes over its budget of {share}",
+                    d.name(),
+                    t.n_draft()
+                )));
+            }
+            trees.push(t.truncate_depth(max_depth));
+        }
+        TokenTree::merge(&trees)
+    }
+
+    /// Verify `tree` (rooted at the current root), commit, and tell the drafters.
+    pub fn verify(
+        &mut self,
+        tree: &TokenTree,
+        drafters: &mut [&mut dyn Drafter],
+    ) -> Result<VerifyOutcome> {
+        let root = self.tokens[self.tokens.len() - 1];
+        if tree.root_token() != root {
+            return Err(EngineError::InvalidArgument(format!(
+                "tree root {} is not the sequence's last token {root}",
+                tree.root_token()
+            )));
+        }
+        let o = verify_step(
+            self.model,
+            self.backend,
+            &mut self.cache,
+            tree,
+            &mut self.verifier,
+        )?;
+        self.metrics.record(tree, &o);
+        self.tokens.extend(o.emitted());
+        for d in drafters.iter_mut() {
+            d.accept(&o.tokens, o.bonus);
+        }
+        Ok(o)
+    }
+
+    /// One speculative step: draft, merge, verify, commit. Returns the outcome; the tokens it
+    /// adds to the sequence are `outcome.emitted()`.
+    pub fn step(
+        &mut self,
+        drafters: &mut [&mut dyn Drafter],
+        max_depth: usize,
+    ) -> Result<VerifyOutcome> {
+        let tree = self.draft(drafters, max_depth)?;
+        self.verify(&tree, drafters)
+    }
+}
+
+/// Result of a speculative generation.
+#[derive(Clone, Debug)]
+pub struct SpecOutput {
+    /// Same fields as incremental generation; `decode_steps` counts the tokens decoded after the
+    /// prefill (so `decode_tok_s` is tokens per second), `metrics.steps` the verification passes.
+    pub output: GenerateOutput,
+    pub metrics: SpecMetrics,
+    pub mode: VerifyMode,
+}
+
+/// Generate like [`crate::generate::generate`] (same stop rules, same streaming), speculating
+/// with `drafters`. Under greedy sampling the tokens are exactly those of incremental decoding;
+/// under sampling their distribution is the LLM's.
+#[allow(clippy::too_many_arguments)]
+pub fn generate<B: Backend>(
+    model: &Model,
+    backend: &B,
+    tokenizer: &Tokenizer,
+    prompt: &[u32],
+    params: &GenerateParams,
+    spec: &SpecParams,
+    drafters: &mut [&mut dyn Drafter],
+    mut on_text: impl FnMut(&str),
+) -> Result<SpecOutput> {
+    if prompt.is_empty() {
+        return Err(EngineError::InvalidArgument("the prompt is empty".into()));
+    }
+    let limit = model.config.context_length;
+    if prompt.len() >= limit {
+        return Err(EngineError::ContextOverflow {
+            needed: prompt.len() + 1,
+            limit,
+        });
+    }
+    let mode = spec.mode.unwrap_or(VerifyMode::auto(&params.sampling));
+    let verifier = Verifier::new(mode, params.sampling.clone())?;
+    let mut sampler = Sampler::new(params.sampling.clone())?;
+    // The slots incremental decoding would use; tree passes need `budget + 1` scratch slots more.
+    let cap = (prompt.len() + params.max_tokens).min(limit);
+    let mut cache = KvCache::new(&model.config, cap + spec.budget + 1);
+    let mut detok = StreamDecoder::new(tokenizer, true);
+    let mut stop = StopFilter::new(&params.stop);
+    let mut text = String::new();
+    let mut tokens: Vec<u32> = Vec::new();
+    let mut emit = |s: &str, text: &mut String| {
+        if !s.is_empty() {
+            on_text(s);
+            text.push_str(s);
+        }
+    };
+
+    // Prefill exactly as incremental generation does; the first token comes from its logits.
+    let t0 = Instant::now();
+    let positions: Vec<usize> = (0..prompt.len()).collect();
+    let logits = model.forward(
+        backend,
+        &mut cache,
+        prompt,
+        &positions,
+        crate::backend::BatchMask::Causal,
+        &[prompt.len() - 1],
+    )?;
+    let prefill_secs = t0.elapsed().as_secs_f64();
+    let t1 = Instant::now();
+    let first = if params.max_tokens == 0 {
+        None
+    } else {
+        Some(sampler.sample(&logits))
+    };
+    let mut seq = prompt.to_vec();
+    seq.extend(first);
+    let mut session = SpecSession::new(model, backend, cache, seq, verifier, spec.budget)?;
+    let mut pending: Vec<u32> = first.into_iter().collect();
+    let mut finish_reason = FinishReason::Length;
+    'gen: loop {
+        for &tok in &pending {
+            tokens.push(tok);
+            if !params.ignore_eos && tokenizer.is_eog(tok) {
+                finish_reason = FinishReason::Eos;
+                break 'gen;
+            }
+            let (out, hit) = stop.push(&detok.push(tok));
+            emit(&out, &mut text);
+            if hit {
+                finish_reason = FinishReason::Stop;
+                break 'gen;
+            }
+            // Incremental decoding would have fed every token but this one: stop when that
+            // fills its `cap` slots.
+            if tokens.len() >= params.max_tokens || prompt.len() + tokens.len() > cap {
+                break 'gen;
+            }
+        }
+        if pending.is_empty() {
+            break;
+        }
+        let remaining = params.max_tokens - tokens.len();
+        let committed = prompt.len() + tokens.len() - 1;
+        let max_depth = (remaining - 1).min(cap - 1 - committed);
+        pending = session.step(drafters, max_depth)?.emitted();
+    }
+    if finish_reason != FinishReason::Stop {
+        let (out, hit) = stop.push(&detok.finish());
+        emit(&out, &mut text);
+        if hit {
+            finish_reason = FinishReason::Stop;
+        } else {
+            emit(&stop.finish(), &mut text);
+        }
+    }
+    let metrics = session.metrics().clone();
+    let decode_steps = tokens.len().saturating_sub(1);
+    Ok(SpecOutput {
+        output: GenerateOutput {
+            text,
+            tokens,
+            prompt_tokens: prompt.len(),
+            finish_reason,
+            prefill_secs,
+            decode_secs: t1.elapsed().as_secs_f64(),
+            // Tokens decoded after the prefill (as in incremental generation, where each took
+            // one pass), so `decode_tok_s` compares; `metrics.steps` counts the passes.
+            decode_steps,
+        },
+        metrics,
+        mode,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{BatchMask, CpuBackend};
+    use crate::draft::{OracleDrafter, RandomDrafter};
+    use crate::sample::{argmax, SamplingParams};
+    use crate::testing::{tiny_model, TinySpec};
+    use crate::tree::ExpansionConfig;
+
+    /// Greedy incremental decoding: the cache after `prompt` and `n` generated tokens (all fed),
+    /// and the tokens.
+    fn incremental(
+        model: &Model,
+        be: &CpuBackend,
+        prompt: &[u32],
+        n: usize,
+    ) -> (KvCache, Vec<u32>) {
+        let mut c = KvCache::new(&model.config, prompt.len() + n + 128);
+        let pos: Vec<usize> = (0..prompt.len()).collect();
+        let mut l = model
+            .forward(
+                be,
+                &mut c,
+                prompt,
+                &pos,
+                BatchMask::Causal,
+                &[prompt.len() - 1],
+            )
+            .unwrap();
+        let mut out = Vec::new();
+        for _ in 0..n {
+            let t = argmax(&l);
+            out.push(t);
+            let p = c.len();
+            l = model
+                .forward(be, &mut c, &[t], &[p], BatchMask::Causal, &[0])
+                .unwrap();
+        }
+        (c, out)
+    }
+
+    #[test]
+    fn kv_after_a_step_equals_incremental_kv() {
+        let spec = TinySpec {
+            arch: "qwen2",
+            ..TinySpec::default()
+        };
+        let model = tiny_model(&spec, 5).unwrap();
+        let be = CpuBackend::new(1).unwrap();
+        let prompt = [1u32, 2, 3, 4, 5, 6];
+        let (_, truth) = incremental(&model, &be, &prompt, 12);
+        // Session state: prompt fed, first generated token is the root.
+        let (cache, _) = incremental(&model, &be, &prompt, 0);
+        let mut seq = prompt.to_vec();
+        seq.push(truth[0]);
+        let mut full = prompt.to_vec();
+        full.extend(&truth);
+        assert!(
+            truth.windows(2).any(|w| w[0] != w[1]),
+            "a varied continuation: {truth:?}"
+        );
+        let mut oracle = OracleDrafter::new(full, "2,2,1,1,1,1,1".parse().unwrap(), 9);
+        let verifier = Verifier::new(VerifyMode::Greedy, SamplingParams::greedy()).unwrap();
+        let mut s = SpecSession::new(&model, &be, cache, seq, verifier, 64).unwrap();
+        let mut drafters: [&mut dyn Drafter; 1] = [&mut oracle];
+        let o = s.step(&mut drafters, 8).unwrap();
+        assert_eq!(o.tokens, truth[1..8].to_vec());
+        assert_eq!(o.bonus, truth[8]);
+        // Incremental decoding that fed prompt + truth[..8].
+        let (want, _) = incremental(&model, &be, &prompt, 8);
+        assert_eq!(s.cache().len(), want.len());
+        for l in 0..model.config.n_layers {
+            for slot in 0..want.len() {
+                let dk = max_diff(s.cache().k_row(l, slot), want.k_row(l, slot));
+                let dv = max_diff(s.cache().v_row(l, slot), want.v_row(l, slot));
+                assert!(dk <= 1e-5 && dv <= 1e-5, "layer {l} slot {slot}: {dk} {dv}");
+            }
+        }
+    }
+
+    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max)
+    }
+
+    #[test]
+    fn greedy_session_equals_incremental_for_any_drafter() {
+        let model = tiny_model(
+            &TinySpec {
+                vocab: 24,
+                ..TinySpec::default()
+            },
+            8,
+        )
+        .unwrap();
+        let be = CpuBackend::new(1).unwrap();
+        let prompt = [3u32, 1, 4, 1, 5];
+        let n = 30;
+        let (_, truth) = incremental(&model, &be, &prompt, n);
+        let mut full = prompt.to_vec();
+        full.extend(&truth);
+        for cfg in ["1,1,1,1", "6", "2,2,2,2,2", "1,1,3,1,1,1,1,1"] {
+            let cfg: ExpansionConfig = cfg.parse().unwrap();
+            let mut oracle = OracleDrafter::new(full.clone(), cfg.clone(), 1);
+            let mut random = RandomDrafter::new(cfg.clone(), 2);
+            let combos: Vec<Vec<&mut dyn Drafter>> = vec![vec![&mut oracle], vec![&mut random]];
+            for mut ds in combos {
+                let (cache, _) = incremental(&model, &be, &prompt, 0);
+                let mut seq = prompt.to_vec();
+                seq.push(truth[0]);
+                let v = Verifier::new(VerifyMode::Greedy, SamplingParams::greedy()).unwrap();
+                let mut s = SpecSession::new(&model, &be, cache, seq, v, 40).unwrap();
+                while s.tokens().len() < full.len() {
+                    s.step(&mut ds, 8).unwrap();
+                }
+                assert_eq!(&s.tokens()[..full.len()], &full[..], "config {cfg}");
+                assert_eq!(s.cache().len() + 1, s.tokens().len());
+            }
+        }
+        // Both drafters merged.
+        let cfg: ExpansionConfig = "2,2,2".parse().unwrap();
+        let mut oracle = OracleDrafter::new(full.clone(), cfg.clone(), 1);
+        let mut random = RandomDrafter::new(cfg, 2);
+        let mut ds: [&mut dyn Drafter; 2] = [&mut random, &mut oracle];
+        let (cache, _) = incremental(&model, &be, &prompt, 0);
+        let mut seq = prompt.to_vec();
+        seq.push(truth[0]);
+        let v = Verifier::new(VerifyMode::Greedy, SamplingParams::greedy()).unwrap();
+        let mut s = SpecSession::new(&model, &be, cache, seq, v, 28).unwrap();
+        while s.tokens().len() < full.len() {
+            s.step(&mut ds, 8).unwrap();
+        }
+        assert_eq!(&s.tokens()[..full.len()], &full[..]);
+        let m = s.metrics();
+        assert!(m.accepted > m.steps, "oracle should be accepted: {m:?}");
+        assert_eq!(
+            m.accepted_by_depth[0] as f64 / m.steps as f64,
+            m.acceptance_by_depth()[0]
+        );
+    }
+
+    #[test]
+    fn sampling_session_is_deterministic_per_seed() {
+        let model = tiny_model(&TinySpec::default(), 3).unwrap();
+        let be = CpuBackend::new(1).unwrap();
+        let run = |seed: u64, mode: VerifyMode| {
+            let (cache, _) = incremental(&model, &be, &[1, 2, 3], 0);
+            let p = SamplingParams {
+                temperature: 0.9,
+                top_k: 20,
+                top_p: 0.95,
+                seed,
+            };
+            let v = Verifier::new(mode, p).unwrap();
+            let mut s = SpecSession::new(&model, &be, cache, vec![1, 2, 3, 4], v, 16).unwrap();
+            let mut r = RandomDrafter::new("2,2,2".parse().unwrap(), seed);
+            let mut ds: [&mut dyn Drafter; 1] = [&mut r];
+            for _ in 0..10 {
+                s.step(&mut ds, 8).unwrap();
+            }
+            s.tokens().to_vec()
+        };
+        for mode in [VerifyMode::Mss, VerifyMode::Naive] {
+            assert_eq!(run(4, mode), run(4, mode));
+            assert_ne!(run(4, mode), run(5, mode));
+        }
+    }
+
+    #[test]
+    fn bad_sessions_and_trees_are_errors() {
+        let model = tiny_model(&TinySpec::default(), 3).unwrap();
+        let be = CpuBackend::new(1).unwrap();
+        let v = Verifier::new(VerifyMode::Greedy, SamplingParams::greedy()).unwrap();
+        let cache = KvCache::new(&model.config, 16);
+        assert!(SpecSession::new(&model, &be, cache.clone(), vec![], v.clone(), 4).is_err());
+        assert!(SpecSession::new(&model, &be, cache.clone(), vec![1, 2], v.clone(), 4).is_err());
+        let mut s = SpecSession::new(&model, &be, cache, vec![1], v, 4).unwrap();
+        // Wrong root.
+        assert!(s.verify(&TokenTree::chain(2, &[3], 0), &mut []).is_err());
+        // Token outside the vocabulary: error, cache untouched.
+        assert!(s.verify(&TokenTree::chain(1, &[5000], 0), &mut []).is_err());
+        assert_eq!(s.cache().len(), 0);
+        // Over budget drafter.
+        let mut r = RandomDrafter::new("8".parse().unwrap(), 1);
+        struct Greedy<'a>(&'a mut RandomDrafter);
+        impl Drafter for Greedy<'_> {
+            fn name(&self) -> &str {
+                "over-budget"
+            }
+            fn propose(&mut self, req: &DraftRequest<'_>) -> Result<TokenTree> {
+                self.0.propose(&DraftRequest {
+                    budget: 100,
+                    ..*req
+                })
+            }
+        }
+        let mut g = Greedy(&mut r);
+        assert!(s.step(&mut [&mut g], 8).is_err());
+        let o = s.step(&mut [], 8).unwrap();
+        assert!(o.accepted.is_empty());
+        assert_eq!(s.cache().len(), 1);
+    }
+}
