@@ -112,6 +112,25 @@ struct SpecArgs {
     speculate_verify: String,
 }
 
+impl SpecArgs {
+    const DRAFTERS: [&'static str; 2] = ["oracle", "random"];
+
+    /// The expansion config and verification mode, checked before the model loads.
+    fn validate(&self) -> Result<(ExpansionConfig, Option<VerifyMode>)> {
+        for d in &self.speculate {
+            if !Self::DRAFTERS.contains(&d.as_str()) {
+                bail!("unknown drafter '{d}' for --speculate (oracle, random)");
+            }
+        }
+        let cfg: ExpansionConfig = self.speculate_tree.parse()?;
+        let mode = match self.speculate_verify.as_str() {
+            "auto" => None,
+            m => Some(m.parse::<VerifyMode>()?),
+        };
+        Ok((cfg, mode))
+    }
+}
+
 #[derive(Subcommand)]
 enum ModelsCmd {
     /// Show known models and whether they are present.
@@ -225,6 +244,7 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         ignore_eos: a.ignore_eos,
     };
     params.sampling.validate()?;
+    a.spec.validate()?;
     let (model, tok, backend, _) = load(&a.model)?;
     let text = if a.chat {
         let mut msgs = Vec::new();
@@ -263,31 +283,33 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     let mut stdout = std::io::stdout().lock();
     match a.format {
         Format::Text => {
+            let spec = match &spec_metrics {
+                Some((mode, m)) => {
+                    let by_depth: Vec<String> = m
+                        .acceptance_by_depth()
+                        .iter()
+                        .map(|r| format!("{r:.2}"))
+                        .collect();
+                    format!(
+                        ", spec ({mode}): steps: {}, drafted: {}, accepted: {}, mean accepted: {:.2}/step, acceptance by depth: [{}]",
+                        m.steps,
+                        m.drafted,
+                        m.accepted,
+                        m.mean_accepted(),
+                        by_depth.join(", ")
+                    )
+                }
+                None => String::new(),
+            };
             writeln!(
                 stdout,
-                "\n[arbor] prompt tokens: {}, generated tokens: {}, prefill: {:.1} tok/s, decode: {:.1} tok/s, finish: {}",
+                "\n[arbor] prompt tokens: {}, generated tokens: {}, prefill: {:.1} tok/s, decode: {:.1} tok/s, finish: {}{spec}",
                 out.prompt_tokens,
                 out.generated_tokens(),
                 out.prefill_tok_s(),
                 out.decode_tok_s(),
                 out.finish_reason.as_str()
             )?;
-            if let Some((mode, m)) = &spec_metrics {
-                let by_depth: Vec<String> = m
-                    .acceptance_by_depth()
-                    .iter()
-                    .map(|r| format!("{r:.2}"))
-                    .collect();
-                writeln!(
-                    stdout,
-                    "[arbor] spec ({mode}): steps: {}, drafted: {}, accepted: {}, mean accepted: {:.2}/step, acceptance by depth: [{}]",
-                    m.steps,
-                    m.drafted,
-                    m.accepted,
-                    m.mean_accepted(),
-                    by_depth.join(", ")
-                )?;
-            }
         }
         Format::Json => {
             let mut j = serde_json::json!({
@@ -325,11 +347,7 @@ fn speculate(
     params: &GenerateParams,
     on_text: impl FnMut(&str),
 ) -> Result<(arbor_engine::GenerateOutput, (VerifyMode, SpecMetrics))> {
-    let cfg: ExpansionConfig = a.speculate_tree.parse()?;
-    let mode = match a.speculate_verify.as_str() {
-        "auto" => None,
-        m => Some(m.parse::<VerifyMode>()?),
-    };
+    let (cfg, mode) = a.validate()?;
     let mut drafters: Vec<Box<dyn Drafter>> = Vec::new();
     for (i, name) in a.speculate.iter().enumerate() {
         let seed = params.sampling.seed.wrapping_add(1 + i as u64);
@@ -365,6 +383,9 @@ fn cmd_bench_spec(
     tokens: usize,
     format: Format,
 ) -> Result<()> {
+    if !SpecArgs::DRAFTERS.contains(&drafter) {
+        bail!("unknown drafter '{drafter}' for bench spec (oracle, random)");
+    }
     let (model, tok, backend, _) = load(&m)?;
     let r = spec_bench::spec_bench(
         &model,

@@ -1,0 +1,135 @@
+//! End-to-end tests of `arbor generate --speculate…` and `arbor bench spec` (SpecInfer token trees): same tokens, spec metrics in the stats line and JSON.
+
+use std::process::Command;
+
+fn arbor(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_arbor"))
+        .args(args)
+        .output()
+        .expect("arbor runs")
+}
+
+fn json(args: &[&str]) -> serde_json::Value {
+    let out = arbor(args);
+    assert!(
+        out.status.success(),
+        "{args:?}: stderr {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("one JSON object")
+}
+
+const BASE: [&str; 7] = [
+    "generate",
+    "--prompt",
+    "The capital of France is",
+    "--max-tokens",
+    "16",
+    "--ignore-eos",
+    "--format=json",
+];
+
+#[test]
+fn greedy_speculation_reports_metrics_and_matches_plain_generation() {
+    let plain = json(&BASE);
+    assert!(plain.get("spec").is_none());
+    for (drafters, tree) in [
+        ("oracle", "1,1,3,1,1,1,1,1"),
+        ("random", "2,2"),
+        ("oracle,random", "2,2,2"),
+    ] {
+        let mut args = BASE.to_vec();
+        args.extend(["--speculate", drafters, "--speculate-tree", tree]);
+        let j = json(&args);
+        assert_eq!(j["tokens"], plain["tokens"], "{drafters} {tree}");
+        assert_eq!(j["text"], plain["text"]);
+        let s = &j["spec"];
+        assert_eq!(s["mode"], "greedy");
+        let steps = s["steps"].as_u64().unwrap();
+        let accepted = s["accepted"].as_u64().unwrap();
+        assert!(steps >= 1 && s["drafted"].as_u64().unwrap() >= steps);
+        assert_eq!(
+            accepted + steps,
+            15,
+            "every token after the first is accepted or a bonus"
+        );
+        let mean = s["mean_accepted"].as_f64().unwrap();
+        assert!((mean - accepted as f64 / steps as f64).abs() < 1e-9);
+        if drafters.contains("oracle") {
+            assert!(mean >= 1.0, "{s}");
+        }
+    }
+}
+
+#[test]
+fn sampled_speculation_is_reproducible_and_text_mode_prints_one_stats_line() {
+    let args = [
+        "generate",
+        "--prompt",
+        "Once upon a time",
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "0.9",
+        "--seed",
+        "7",
+        "--ignore-eos",
+        "--speculate",
+        "random",
+        "--speculate-verify",
+        "mss",
+    ];
+    let a = arbor(&args);
+    let b = arbor(&args);
+    assert!(a.status.success(), "{}", String::from_utf8_lossy(&a.stderr));
+    assert_eq!(a.stdout.len(), b.stdout.len());
+    let text = String::from_utf8(a.stdout).unwrap();
+    let last = text.trim_end().lines().last().unwrap();
+    assert!(last.starts_with("[arbor] prompt tokens:"), "{last}");
+    assert!(last.contains("spec (mss): steps:"), "{last}");
+    assert!(last.contains("mean accepted:"), "{last}");
+}
+
+#[test]
+fn bad_speculation_options_are_clear_errors() {
+    for (flag, value, needle) in [
+        ("--speculate", "psychic", "unknown drafter"),
+        ("--speculate-tree", "1,0,2", "branch factors"),
+        ("--speculate-verify", "maybe", "unknown verification mode"),
+    ] {
+        let mut args = vec!["generate", "--prompt", "x", "--speculate", "random"];
+        args.extend([flag, value]);
+        let out = arbor(&args);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn bench_spec_prints_one_row_per_tree_size() {
+    let j = json(&[
+        "bench",
+        "spec",
+        "--drafter",
+        "oracle",
+        "--tree-sizes",
+        "1,4,16",
+        "--tokens",
+        "8",
+        "--prompt-tokens",
+        "32",
+        "--format",
+        "json",
+    ]);
+    let rows = j["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 3);
+    for (row, n) in rows.iter().zip([1, 4, 16]) {
+        assert_eq!(row["tree_nodes"], n);
+        assert!(row["ms_per_pass"].as_f64().unwrap() > 0.0);
+        // The oracle's chain is always accepted: min(n, depth) tokens per pass.
+        assert!(row["mean_accepted"].as_f64().unwrap() >= (n.min(8) as f64) * 0.5);
+    }
+    let out = arbor(&["bench", "spec", "--drafter", "psychic"]);
+    assert!(!out.status.success());
+}
