@@ -206,3 +206,61 @@ fn kv_after_speculative_steps_matches_incremental() {
     }
     assert!(worst <= 1e-3, "max K/V difference {worst}");
 }
+
+/// Greedy verification under temperature sampling would not be lossless: refused.
+#[test]
+fn greedy_verification_needs_greedy_sampling() {
+    use arbor_engine::sample::SamplingParams;
+    let m = common::smollm2();
+    let be = common::backend();
+    let prompt = m.tok.encode_prompt("Hello").unwrap();
+    let p = GenerateParams {
+        sampling: SamplingParams {
+            temperature: 0.7,
+            ..SamplingParams::default()
+        },
+        ..params(4)
+    };
+    let sp = SpecParams {
+        budget: 8,
+        mode: Some(VerifyMode::Greedy),
+    };
+    let mut r = RandomDrafter::new(ExpansionConfig::chain(2), 1);
+    let e = spec::generate(
+        &m.model,
+        be,
+        &m.tok,
+        &prompt,
+        &p,
+        &sp,
+        &mut [&mut r],
+        |_| {},
+    );
+    assert!(e.is_err());
+    // MSS and naive are fine, and reproducible per seed.
+    for mode in [VerifyMode::Mss, VerifyMode::Naive] {
+        let sp = SpecParams {
+            mode: Some(mode),
+            ..sp.clone()
+        };
+        let run = || {
+            let mut r = RandomDrafter::new(ExpansionConfig::chain(2), 1);
+            spec::generate(
+                &m.model,
+                be,
+                &m.tok,
+                &prompt,
+                &p,
+                &sp,
+                &mut [&mut r],
+                |_| {},
+            )
+            .unwrap()
+            .output
+            .tokens
+        };
+        let a = run();
+        assert_eq!(a.len(), 4);
+        assert_eq!(a, run());
+    }
+}

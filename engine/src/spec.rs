@@ -327,11 +327,19 @@ pub fn generate<B: Backend>(
         });
     }
     let mode = spec.mode.unwrap_or(VerifyMode::auto(&params.sampling));
+    if mode == VerifyMode::Greedy && !params.sampling.is_greedy() {
+        return Err(EngineError::InvalidArgument(
+            "greedy verification needs greedy sampling (temperature 0); use mss or naive".into(),
+        ));
+    }
     let verifier = Verifier::new(mode, params.sampling.clone())?;
     let mut sampler = Sampler::new(params.sampling.clone())?;
     // The slots incremental decoding would use; tree passes need `budget + 1` scratch slots more.
     let cap = (prompt.len() + params.max_tokens).min(limit);
-    let mut cache = KvCache::new(&model.config, cap + spec.budget + 1);
+    let mut cache = KvCache::new(
+        &model.config,
+        cap.saturating_add(spec.budget).saturating_add(1),
+    );
     let mut detok = StreamDecoder::new(tokenizer, true);
     let mut stop = StopFilter::new(&params.stop);
     let mut text = String::new();
