@@ -81,12 +81,18 @@ impl Backend for CpuBackend {
                     *d = round_f16(x);
                 }
                 slots.clear();
-                slots.extend(0..s.n_past);
-                slots.extend(
-                    (0..s.n_tok)
-                        .filter(|&j| mask.visible(t, j))
-                        .map(|j| s.n_past + j),
-                );
+                if let BatchMask::Scratch { base, .. } = mask {
+                    let base = base.min(s.n_past);
+                    slots.extend(0..base);
+                    slots.extend((base..n_slots).filter(|&j| mask.visible_slot(t, j, s.n_past)));
+                } else {
+                    slots.extend(0..s.n_past);
+                    slots.extend(
+                        (0..s.n_tok)
+                            .filter(|&j| mask.visible(t, j))
+                            .map(|j| s.n_past + j),
+                    );
+                }
                 scores.clear();
                 let mut max = f32::NEG_INFINITY;
                 for &slot in slots.iter() {

@@ -20,6 +20,14 @@ pub enum BatchMask<'a> {
         words_per_row: usize,
         bits: &'a [u64],
     },
+    /// Tree attention over scratch slots already in the cache (a drafter expanding a token tree
+    /// one depth per pass): slots before `base` are always visible; token `t` sees slot
+    /// `base + j` (a scratch slot of an earlier pass or a new token) iff bit `j` of row `t` is set.
+    Scratch {
+        base: usize,
+        words_per_row: usize,
+        bits: &'a [u64],
+    },
 }
 
 impl BatchMask<'_> {
@@ -35,6 +43,27 @@ impl BatchMask<'_> {
                 let w = t * words_per_row + j / 64;
                 bits.get(w).is_some_and(|word| (word >> (j % 64)) & 1 == 1)
             }
+            BatchMask::Scratch { .. } => false,
+        }
+    }
+
+    /// Whether new token `t` (at slot `n_past + t`) may attend to cache slot `slot`.
+    #[inline]
+    pub fn visible_slot(&self, t: usize, slot: usize, n_past: usize) -> bool {
+        match *self {
+            BatchMask::Scratch {
+                base,
+                words_per_row,
+                bits,
+            } => {
+                if slot < base {
+                    return true;
+                }
+                let j = slot - base;
+                let w = t * words_per_row + j / 64;
+                bits.get(w).is_some_and(|word| (word >> (j % 64)) & 1 == 1)
+            }
+            _ => slot < n_past || self.visible(t, slot - n_past),
         }
     }
 }

@@ -6,7 +6,20 @@
 //!   random siblings to fill a tree shape;
 //! - [`RandomDrafter`]: random guesses;
 //! - [`DistDrafter`]: expands a tree from any next-token distribution function (top-k or sampled),
-//!   the building block for model-based drafters and for distribution tests.
+//!   the building block for model-based drafters and for distribution tests;
+//! - [`ModelDrafter`]: a small model (SSM) or the LLM's first layers ([`early_exit`]), with its
+//!   own KV cache, fixed or dynamic ([`DraftShape`]) trees;
+//! - [`NgramDrafter`]: prompt lookup.
+
+pub mod dynamic;
+pub mod early_exit;
+pub mod ngram;
+pub mod ssm;
+
+pub use dynamic::DraftShape;
+pub use early_exit::early_exit;
+pub use ngram::NgramDrafter;
+pub use ssm::{check_same_vocab, DraftSampling, ModelDrafter};
 
 use crate::error::Result;
 use crate::sample::Rng;

@@ -38,9 +38,54 @@ impl Model {
             ));
         }
         cache.reserve(n_tok)?;
-        backend.scope(|| self.forward_inner(backend, cache, tokens, positions, mask, logit_rows))
+        let n_layers = self.layers.len();
+        backend.scope(|| {
+            self.forward_inner(
+                backend, cache, tokens, positions, mask, logit_rows, n_layers,
+            )
+        })
     }
 
+    /// Like [`Model::forward`] but through the first `n_layers` layers only, then the final norm
+    /// and output head (early exit, for self-speculative drafting). `cache` must be this model's.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_early_exit<B: Backend>(
+        &self,
+        backend: &B,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        positions: &[usize],
+        mask: BatchMask<'_>,
+        logit_rows: &[usize],
+        n_layers: usize,
+    ) -> Result<Vec<f32>> {
+        if n_layers == 0 || n_layers > self.layers.len() {
+            return Err(EngineError::InvalidArgument(format!(
+                "early exit after {n_layers} layers: the model has {}",
+                self.layers.len()
+            )));
+        }
+        let n_tok = tokens.len();
+        if n_tok == 0 || positions.len() != n_tok || logit_rows.iter().any(|&r| r >= n_tok) {
+            return Err(EngineError::InvalidArgument(
+                "forward needs one position per token, at least one token, rows in the batch"
+                    .into(),
+            ));
+        }
+        if cache.kv_dim() != self.config.kv_dim() {
+            return Err(EngineError::Shape(
+                "KV cache belongs to another model".into(),
+            ));
+        }
+        cache.reserve(n_tok)?;
+        backend.scope(|| {
+            self.forward_inner(
+                backend, cache, tokens, positions, mask, logit_rows, n_layers,
+            )
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn forward_inner<B: Backend>(
         &self,
         backend: &B,
@@ -49,6 +94,7 @@ impl Model {
         positions: &[usize],
         mask: BatchMask<'_>,
         logit_rows: &[usize],
+        n_layers: usize,
     ) -> Result<Vec<f32>> {
         let c = &self.config;
         let n_tok = tokens.len();
@@ -75,7 +121,7 @@ impl Model {
             head_dim: hd,
         };
 
-        for (l, w) in self.layers.iter().enumerate() {
+        for (l, w) in self.layers.iter().enumerate().take(n_layers) {
             // Attention block.
             rms_norm(&x, &w.attn_norm, c.rms_eps, &mut xn);
             backend.matmul(&self.mat(&w.wq), &xn, n_tok, &mut q)?;

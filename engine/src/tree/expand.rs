@@ -181,7 +181,7 @@ pub(crate) fn normalized(mut dist: Vec<(u32, f32)>) -> Result<Vec<(u32, f32)>> {
 }
 
 /// One draw from a normalized sparse distribution.
-fn draw(dist: &[(u32, f32)], rng: &mut Rng) -> (u32, f32) {
+pub(crate) fn draw(dist: &[(u32, f32)], rng: &mut Rng) -> (u32, f32) {
     let total: f64 = dist.iter().map(|d| d.1 as f64).sum();
     let mut u = rng.next_f64() * total;
     for &(tok, p) in dist {

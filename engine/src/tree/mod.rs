@@ -14,6 +14,7 @@ mod mask;
 #[cfg(test)]
 mod tests;
 
+pub(crate) use expand::{draw, normalized};
 pub use expand::{expand, ExpandMode, ExpansionConfig};
 pub use mask::TreeMask;
 

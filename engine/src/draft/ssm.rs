@@ -1,0 +1,693 @@
+//! Model-based drafters (SpecInfer's small speculative models, SSMs): batched per-depth tree expansion with tree attention over the drafter's own KV cache, kept in step with the LLM's accepted tokens.
+//!
+//! The drafter keeps the K/V of a prefix of the sequence (`fed`). A proposal first rolls back to
+//! the longest common prefix of `fed` and the request's tokens and feeds the missing tokens and
+//! the root in one causal pass. It then expands the tree one depth at a time: all frontier nodes
+//! of a depth go through the model in one batched pass ([`BatchMask::Scratch`]: each node sees
+//! the prefix, its ancestors' scratch rows and itself). When the LLM accepts a path, the rows of
+//! the root and of the accepted nodes this drafter computed are compacted in place
+//! ([`KvCache::commit_rows`]); rejected branches are dropped and accepted tokens are never
+//! recomputed. Tokens the drafter did not propose (another drafter's, the last depth's leaves)
+//! are fed at the next proposal.
+//!
+//! The same drafter runs the LLM's own first layers for early-exit self-speculation
+//! ([`super::early_exit`]).
+
+use std::sync::Arc;
+
+use super::dynamic::DraftShape;
+use super::{DraftRequest, Drafter};
+use crate::backend::{Backend, BatchMask};
+use crate::error::{EngineError, Result};
+use crate::kv::KvCache;
+use crate::model::Model;
+use crate::sample::{Rng, Sampler, SamplingParams};
+use crate::tree::{draw, normalized, Proposal, TokenTree, TreeBuilder};
+
+/// How a model drafter picks children from its next-token distribution.
+#[derive(Clone, Debug, PartialEq)]
+pub enum DraftSampling {
+    /// The most likely tokens (picked proposals; right for greedy decoding, lossless under MSS).
+    TopK,
+    /// Independent draws from the drafter's distribution under these parameters (temperature,
+    /// top-k, top-p; the seed is unused), recorded so MSS checks them against the LLM.
+    Sample(SamplingParams),
+}
+
+/// Refuse a drafter whose vocabulary differs from the LLM's: the token tables (GGUF
+/// `tokenizer.ggml.tokens`) must be identical, or, for models without tables, the vocabulary
+/// sizes equal.
+pub fn check_same_vocab(llm: &Model, draft: &Model) -> Result<()> {
+    let table = |m: &Model| m.gguf().get("tokenizer.ggml.tokens").cloned();
+    let (a, b) = (table(llm), table(draft));
+    let same = match (&a, &b) {
+        (Some(a), Some(b)) => a == b,
+        (None, None) => llm.config.vocab_size == draft.config.vocab_size,
+        _ => false,
+    };
+    if !same {
+        let n = |t: &Option<crate::gguf::MetaValue>, m: &Model| {
+            t.as_ref()
+                .and_then(|t| t.as_array())
+                .map_or(m.config.vocab_size, |a| a.len())
+        };
+        return Err(EngineError::InvalidArgument(format!(
+            "the drafter's vocabulary ({} tokens) differs from the LLM's ({} tokens): a drafter \
+             must share the LLM's token table",
+            n(&b, draft),
+            n(&a, llm)
+        )));
+    }
+    Ok(())
+}
+
+/// A drafter backed by a model (a small GGUF model, or the LLM's first layers).
+pub struct ModelDrafter<'m, B: Backend> {
+    name: String,
+    model: &'m Model,
+    backend: &'m B,
+    /// Layers run (all of them for an SSM; early exit runs fewer).
+    layers: usize,
+    shape: DraftShape,
+    sampling: DraftSampling,
+    sampler: Option<Sampler>,
+    rng: Rng,
+    /// Tokens at or above this id are never proposed (the LLM's vocabulary size).
+    vocab_limit: usize,
+    cache: KvCache,
+    /// Tokens whose K/V sit at slots `0..fed.len()`.
+    fed: Vec<u32>,
+    /// The last proposal's nodes (root first): (parent, token); node `i < scratch_fed` has its
+    /// K/V at slot `base + i`.
+    scratch: Vec<(Option<usize>, u32)>,
+    scratch_fed: usize,
+    base: usize,
+}
+
+impl<'m, B: Backend> ModelDrafter<'m, B> {
+    /// A small speculative model drafting for `llm` (vocabularies must match).
+    pub fn ssm(
+        name: impl Into<String>,
+        draft: &'m Model,
+        llm: &Model,
+        backend: &'m B,
+        shape: DraftShape,
+        sampling: DraftSampling,
+        seed: u64,
+    ) -> Result<Self> {
+        check_same_vocab(llm, draft)?;
+        let layers = draft.config.n_layers;
+        Self::new(
+            name,
+            draft,
+            backend,
+            layers,
+            llm.config.vocab_size,
+            shape,
+            sampling,
+            seed,
+        )
+    }
+
+    /// A drafter running the first `layers` layers of `model` (then its final norm and head).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        name: impl Into<String>,
+        model: &'m Model,
+        backend: &'m B,
+        layers: usize,
+        vocab_limit: usize,
+        shape: DraftShape,
+        sampling: DraftSampling,
+        seed: u64,
+    ) -> Result<Self> {
+        if layers == 0 || layers > model.config.n_layers {
+            return Err(EngineError::InvalidArgument(format!(
+                "a drafter needs 1..={} layers, got {layers}",
+                model.config.n_layers
+            )));
+        }
+        let sampler = match &sampling {
+            DraftSampling::TopK => None,
+            DraftSampling::Sample(p) if p.is_greedy() => {
+                return Err(EngineError::InvalidArgument(
+                    "a sampling drafter needs a positive temperature".into(),
+                ))
+            }
+            DraftSampling::Sample(p) => Some(Sampler::new(p.clone())?),
+        };
+        Ok(ModelDrafter {
+            name: name.into(),
+            model,
+            backend,
+            layers,
+            shape,
+            sampling,
+            sampler,
+            rng: Rng::new(seed),
+            vocab_limit: vocab_limit.min(model.config.vocab_size),
+            cache: KvCache::new(&model.config, model.config.context_length),
+            fed: Vec::new(),
+            scratch: Vec::new(),
+            scratch_fed: 0,
+            base: 0,
+        })
+    }
+
+    /// The drafter's cache (committed slots `0..fed().len()`, then scratch of the last proposal).
+    pub fn cache(&self) -> &KvCache {
+        &self.cache
+    }
+
+    /// Tokens whose K/V the cache holds.
+    pub fn fed(&self) -> &[u32] {
+        &self.fed
+    }
+
+    pub fn sampling(&self) -> &DraftSampling {
+        &self.sampling
+    }
+
+    fn run(
+        &mut self,
+        tokens: &[u32],
+        positions: &[usize],
+        mask: BatchMask<'_>,
+        rows: &[usize],
+    ) -> Result<Vec<f32>> {
+        if self.layers == self.model.config.n_layers {
+            self.model
+                .forward(self.backend, &mut self.cache, tokens, positions, mask, rows)
+        } else {
+            self.model.forward_early_exit(
+                self.backend,
+                &mut self.cache,
+                tokens,
+                positions,
+                mask,
+                rows,
+                self.layers,
+            )
+        }
+    }
+
+    /// Children of one node: (token, probability) in the order to add them, and the recorded
+    /// distribution when sampled.
+    fn children(&mut self, logits: &[f32], k: usize) -> Result<ChildPick> {
+        let limit = self.vocab_limit.min(logits.len());
+        let row = &logits[..limit];
+        match &self.sampler {
+            None => Ok(ChildPick {
+                picks: top_k_probs(row, k),
+                dist: None,
+            }),
+            Some(s) => {
+                let dist = normalized(s.distribution(row))?;
+                let picks = (0..k).map(|_| draw(&dist, &mut self.rng)).collect();
+                Ok(ChildPick {
+                    picks,
+                    dist: Some(dist),
+                })
+            }
+        }
+    }
+}
+
+struct ChildPick {
+    picks: Vec<(u32, f32)>,
+    dist: Option<Vec<(u32, f32)>>,
+}
+
+/// The `k` largest logits (ties to the lower id) with their softmax probabilities.
+pub(crate) fn top_k_probs(row: &[f32], k: usize) -> Vec<(u32, f32)> {
+    let mut best: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
+    let mut max = f32::NEG_INFINITY;
+    for (i, &v) in row.iter().enumerate() {
+        if v.is_nan() {
+            continue;
+        }
+        max = max.max(v);
+        if best.len() < k || best.last().is_some_and(|b| v > b.1) {
+            let at = best.partition_point(|b| b.1 >= v);
+            best.insert(at, (i as u32, v));
+            best.truncate(k);
+        }
+    }
+    let sum: f64 = row
+        .iter()
+        .filter(|v| !v.is_nan())
+        .map(|&v| ((v - max) as f64).exp())
+        .sum();
+    best.iter()
+        .map(|&(t, v)| {
+            (
+                t,
+                (((v - max) as f64).exp() / sum.max(f64::MIN_POSITIVE)) as f32,
+            )
+        })
+        .collect()
+}
+
+/// Mask rows of new scratch nodes: bit j of a row is set for scratch node j among the node's
+/// ancestors and itself.
+fn scratch_mask(parents: &[Option<usize>], new: &[usize], total: usize) -> (usize, Vec<u64>) {
+    let words = total.div_ceil(64).max(1);
+    let mut bits = vec![0u64; new.len() * words];
+    for (r, &id) in new.iter().enumerate() {
+        let mut at = Some(id);
+        while let Some(i) = at {
+            bits[r * words + i / 64] |= 1u64 << (i % 64);
+            at = parents[i];
+        }
+    }
+    (words, bits)
+}
+
+impl<B: Backend> Drafter for ModelDrafter<'_, B> {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn propose(&mut self, req: &DraftRequest<'_>) -> Result<TokenTree> {
+        let seq = req.tokens;
+        let n = seq.len();
+        if n == 0 {
+            return Err(EngineError::InvalidArgument(
+                "a draft request needs at least the root token".into(),
+            ));
+        }
+        let root = seq[n - 1];
+        // Roll back to the longest common prefix (the last proposal's scratch goes too).
+        let keep = self
+            .fed
+            .iter()
+            .zip(&seq[..n - 1])
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(self.cache.len());
+        self.fed.truncate(keep);
+        self.cache.truncate(keep);
+        self.scratch.clear();
+        self.scratch_fed = 0;
+        let depth_limit = self.shape.depth().min(req.max_depth);
+        let max_nodes = self.shape.max_nodes().min(req.budget);
+        if n + max_nodes + 1 > self.cache.capacity() || depth_limit == 0 || max_nodes == 0 {
+            return Ok(TokenTree::root_only(root));
+        }
+        // Feed what the LLM accepted since, and the root; the root's logits start the tree.
+        let new = &seq[keep..];
+        let positions: Vec<usize> = (keep..n).collect();
+        let mut logits = self.run(new, &positions, BatchMask::Causal, &[new.len() - 1])?;
+        self.fed = seq.to_vec();
+        self.base = n - 1;
+
+        let mut b = TreeBuilder::new(root);
+        let mut parents: Vec<Option<usize>> = vec![None];
+        let mut probs: Vec<f32> = vec![1.0]; // cumulative path probability per builder node
+        let mut frontier: Vec<usize> = vec![0]; // builder ids whose logits rows are in `logits`
+        let mut remaining = max_nodes;
+        let vocab = self.model.config.vocab_size;
+        self.scratch_fed = 1;
+        for d in 1..=depth_limit {
+            let mut created: Vec<usize> = Vec::new();
+            match self.shape.clone() {
+                DraftShape::Expand(cfg) => {
+                    let k = cfg.branches()[d - 1];
+                    for (r, &node) in frontier.iter().enumerate() {
+                        if remaining == 0 {
+                            break;
+                        }
+                        let take = k.min(remaining);
+                        let pick = self.children(&logits[r * vocab..(r + 1) * vocab], take)?;
+                        let sampled = pick.dist.is_some();
+                        if !sampled {
+                            remaining -= pick.picks.len().min(remaining);
+                        } else {
+                            remaining -= take;
+                        }
+                        for (tok, p) in pick.picks {
+                            let prop = if sampled {
+                                Proposal::sampled(req.drafter, p, 1)
+                            } else {
+                                Proposal::picked(req.drafter, p)
+                            };
+                            let before = b.len();
+                            let id = b.add_child(node, tok, Some(prop));
+                            if b.len() > before {
+                                parents.push(Some(node));
+                                probs.push(probs[node] * p);
+                                created.push(id);
+                            }
+                        }
+                        if let Some(dist) = pick.dist {
+                            b.set_child_dist(node, req.drafter, Arc::from(dist));
+                        }
+                    }
+                }
+                DraftShape::Dynamic { beam, .. } => {
+                    // EAGLE-2: children of every frontier node scored by cumulative path
+                    // probability; the `beam` best of the depth are kept and expanded next.
+                    let mut cands: Vec<(f32, usize, u32, f32)> = Vec::new();
+                    for (r, &node) in frontier.iter().enumerate() {
+                        let row = &logits[r * vocab..(r + 1) * vocab];
+                        let limit = self.vocab_limit.min(row.len());
+                        for (tok, p) in top_k_probs(&row[..limit], beam) {
+                            cands.push((probs[node] * p, node, tok, p));
+                        }
+                    }
+                    cands.sort_by(|a, b| b.0.total_cmp(&a.0));
+                    for (score, node, tok, p) in cands.into_iter().take(beam) {
+                        let id = b.add_child(node, tok, Some(Proposal::picked(req.drafter, p)));
+                        parents.push(Some(node));
+                        probs.push(score);
+                        created.push(id);
+                    }
+                }
+            }
+            if created.is_empty() || d == depth_limit || remaining == 0 {
+                break;
+            }
+            // One batched pass over the new nodes (they follow every fed node in id order).
+            debug_assert_eq!(created[0], self.scratch_fed);
+            debug_assert_eq!(self.cache.len(), self.base + self.scratch_fed);
+            let (words, bits) = scratch_mask(&parents, &created, b.len());
+            let toks: Vec<u32> = created.iter().map(|&i| b.token(i)).collect();
+            let pos = vec![self.base + d; created.len()];
+            let rows: Vec<usize> = (0..created.len()).collect();
+            logits = self.run(
+                &toks,
+                &pos,
+                BatchMask::Scratch {
+                    base: self.base,
+                    words_per_row: words,
+                    bits: &bits,
+                },
+                &rows,
+            )?;
+            self.scratch_fed += created.len();
+            frontier = created;
+        }
+        self.scratch = (0..b.len()).map(|i| (parents[i], b.token(i))).collect();
+        match self.shape {
+            DraftShape::Expand(_) => Ok(b.build()),
+            DraftShape::Dynamic { .. } => {
+                // Rerank: the `max_nodes` best nodes by path probability (ancestor-closed: a
+                // child never beats its parent; ties go to the shallower node).
+                let mut order: Vec<usize> = (1..b.len()).collect();
+                order.sort_by(|&x, &y| probs[y].total_cmp(&probs[x]).then(x.cmp(&y)));
+                order.truncate(max_nodes);
+                order.sort_unstable();
+                let mut keep = vec![false; b.len()];
+                keep[0] = true;
+                let mut out = TreeBuilder::new(root);
+                let mut map = vec![0usize; b.len()];
+                for i in order {
+                    let Some(p) = parents[i] else { continue };
+                    if keep[p] {
+                        keep[i] = true;
+                        let pr = probs[i] / probs[p].max(f32::MIN_POSITIVE);
+                        map[i] = out.add_child(
+                            map[p],
+                            b.token(i),
+                            Some(Proposal::picked(req.drafter, pr.min(1.0))),
+                        );
+                    }
+                }
+                Ok(out.build())
+            }
+        }
+    }
+
+    fn accept(&mut self, accepted: &[u32], _bonus: u32) {
+        if self.scratch.is_empty() {
+            return;
+        }
+        let mut rows = vec![0usize];
+        let mut at = 0usize;
+        for &t in accepted {
+            match (1..self.scratch_fed).find(|&c| self.scratch[c] == (Some(at), t)) {
+                Some(c) => {
+                    rows.push(c);
+                    at = c;
+                }
+                None => break,
+            }
+        }
+        if self.cache.commit_rows(self.base, &rows).is_ok() {
+            self.fed.truncate(self.base + 1);
+            self.fed
+                .extend(rows[1..].iter().map(|&r| self.scratch[r].1));
+        } else {
+            // Out of step: resynchronize at the next proposal.
+            self.fed.truncate(self.base);
+            self.cache.truncate(self.base);
+        }
+        self.scratch.clear();
+        self.scratch_fed = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::CpuBackend;
+    use crate::draft::{early_exit, NgramDrafter};
+    use crate::sample::argmax;
+    use crate::sample::verify::{Verifier, VerifyMode};
+    use crate::spec::SpecSession;
+    use crate::testing::{tiny_model, TinySpec};
+
+    fn spec(vocab: usize) -> TinySpec {
+        TinySpec {
+            arch: "qwen2",
+            n_layers: 3,
+            vocab,
+            ..TinySpec::default()
+        }
+    }
+
+    /// Greedy incremental decoding: `n` tokens after `prompt`.
+    fn incremental(model: &Model, be: &CpuBackend, prompt: &[u32], n: usize) -> Vec<u32> {
+        let mut c = KvCache::new(&model.config, prompt.len() + n + 1);
+        let pos: Vec<usize> = (0..prompt.len()).collect();
+        let mut l = model
+            .forward(
+                be,
+                &mut c,
+                prompt,
+                &pos,
+                BatchMask::Causal,
+                &[prompt.len() - 1],
+            )
+            .unwrap();
+        let mut out = Vec::new();
+        for _ in 0..n {
+            let t = argmax(&l);
+            out.push(t);
+            let p = c.len();
+            l = model
+                .forward(be, &mut c, &[t], &[p], BatchMask::Causal, &[0])
+                .unwrap();
+        }
+        out
+    }
+
+    fn session<'m>(
+        model: &'m Model,
+        be: &'m CpuBackend,
+        prompt: &[u32],
+        first: u32,
+        budget: usize,
+    ) -> SpecSession<'m, CpuBackend> {
+        let mut c = KvCache::new(&model.config, 256);
+        let pos: Vec<usize> = (0..prompt.len()).collect();
+        model
+            .forward(be, &mut c, prompt, &pos, BatchMask::Causal, &[])
+            .unwrap();
+        let mut seq = prompt.to_vec();
+        seq.push(first);
+        let v = Verifier::new(VerifyMode::Greedy, SamplingParams::greedy()).unwrap();
+        SpecSession::new(model, be, c, seq, v, budget).unwrap()
+    }
+
+    /// The drafter's committed K/V equal a fresh causal prefill of the same tokens.
+    fn assert_cache_fresh(d: &ModelDrafter<'_, CpuBackend>, model: &Model, be: &CpuBackend) {
+        let fed = d.fed();
+        let mut fresh = KvCache::new(&model.config, fed.len());
+        let pos: Vec<usize> = (0..fed.len()).collect();
+        model
+            .forward_early_exit(be, &mut fresh, fed, &pos, BatchMask::Causal, &[], d.layers)
+            .unwrap();
+        let mut worst = 0.0f32;
+        for l in 0..d.layers {
+            for s in 0..fed.len() {
+                for (a, b) in d.cache().k_row(l, s).iter().zip(fresh.k_row(l, s)) {
+                    worst = worst.max((a - b).abs());
+                }
+                for (a, b) in d.cache().v_row(l, s).iter().zip(fresh.v_row(l, s)) {
+                    worst = worst.max((a - b).abs());
+                }
+            }
+        }
+        assert!(
+            worst <= 1e-4,
+            "drafter K/V differ from a fresh prefill by {worst}"
+        );
+    }
+
+    #[test]
+    fn greedy_equals_incremental_with_ssm_early_exit_ngram_and_merged() {
+        let llm = tiny_model(&spec(24), 8).unwrap();
+        // A draft model: the LLM's own weights with a different seed for part of its layers
+        // would be closer; a different random model exercises rejection.
+        let ssm = tiny_model(
+            &TinySpec {
+                n_layers: 1,
+                ..spec(24)
+            },
+            9,
+        )
+        .unwrap();
+        let be = CpuBackend::new(1).unwrap();
+        let prompt = [3u32, 1, 4, 1, 5, 9, 2, 6];
+        let n = 40;
+        let truth = incremental(&llm, &be, &prompt, n);
+        let shapes = ["1,1,3,1,1,1,1,1", "4", "2,2,2", "dynamic:12:3:6"];
+        for (si, shape) in shapes.iter().enumerate() {
+            let shape: DraftShape = shape.parse().unwrap();
+            let mk_ssm = || {
+                ModelDrafter::ssm(
+                    "ssm",
+                    &ssm,
+                    &llm,
+                    &be,
+                    shape.clone(),
+                    DraftSampling::TopK,
+                    1,
+                )
+                .unwrap()
+            };
+            let mk_ee = || early_exit(&llm, &be, 2, shape.clone(), DraftSampling::TopK, 2).unwrap();
+            let mut combos: Vec<Vec<Box<dyn Drafter + '_>>> =
+                vec![vec![Box::new(mk_ssm())], vec![Box::new(mk_ee())]];
+            if si == 0 {
+                combos.push(vec![Box::new(NgramDrafter::default())]);
+                combos.push(vec![
+                    Box::new(mk_ssm()),
+                    Box::new(NgramDrafter::default()),
+                    Box::new(mk_ee()),
+                ]);
+            }
+            for mut ds in combos {
+                let names: Vec<String> = ds.iter().map(|d| d.name().to_string()).collect();
+                let mut s = session(&llm, &be, &prompt, truth[0], 24 * ds.len());
+                let mut refs: Vec<&mut dyn Drafter> = ds
+                    .iter_mut()
+                    .map(|d| d.as_mut() as &mut dyn Drafter)
+                    .collect();
+                while s.tokens().len() < prompt.len() + n {
+                    s.step(&mut refs, 8).unwrap();
+                }
+                let got = &s.tokens()[prompt.len()..prompt.len() + n];
+                assert_eq!(got, &truth[..], "shape {shape} drafters {names:?}");
+                let m = s.metrics();
+                assert!(m.steps < n, "{names:?} {shape}: {m:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn early_exit_with_all_layers_drafts_the_llm_exactly() {
+        // All layers: the drafter is the LLM, so every greedy draft is accepted.
+        let llm = tiny_model(&spec(40), 3).unwrap();
+        let be = CpuBackend::new(1).unwrap();
+        let prompt = [7u32, 2, 9, 30];
+        let truth = incremental(&llm, &be, &prompt, 30);
+        for shape in ["1,1,1,1,1", "2,2,1,1", "dynamic:8:2:5"] {
+            let mut d =
+                early_exit(&llm, &be, 3, shape.parse().unwrap(), DraftSampling::TopK, 1).unwrap();
+            let mut s = session(&llm, &be, &prompt, truth[0], 16);
+            while s.tokens().len() < prompt.len() + 30 {
+                s.step(&mut [&mut d], 5).unwrap();
+                assert_cache_fresh(&d, &llm, &be);
+            }
+            assert_eq!(&s.tokens()[prompt.len()..prompt.len() + 30], &truth[..]);
+            let m = s.metrics();
+            let full = m.accepted_by_depth.first().copied().unwrap_or(0);
+            assert_eq!(full, m.steps, "{shape}: every step accepts: {m:?}");
+            assert!(m.mean_accepted() >= 3.0, "{shape}: {m:?}");
+        }
+    }
+
+    #[test]
+    fn ssm_kv_after_rollbacks_equals_fresh_recompute() {
+        let llm = tiny_model(&spec(24), 8).unwrap();
+        let ssm = tiny_model(
+            &TinySpec {
+                n_layers: 2,
+                ..spec(24)
+            },
+            11,
+        )
+        .unwrap();
+        let be = CpuBackend::new(1).unwrap();
+        let prompt = [3u32, 1, 4, 1, 5];
+        let truth = incremental(&llm, &be, &prompt, 25);
+        let mut d = ModelDrafter::ssm(
+            "ssm",
+            &ssm,
+            &llm,
+            &be,
+            "2,2,2,1".parse().unwrap(),
+            DraftSampling::TopK,
+            1,
+        )
+        .unwrap();
+        let mut ng = NgramDrafter::default();
+        let mut s = session(&llm, &be, &prompt, truth[0], 40);
+        let mut committed_rows = 0;
+        while s.tokens().len() < prompt.len() + 25 {
+            s.step(&mut [&mut d, &mut ng], 6).unwrap();
+            // Right after `accept`: the committed prefix is the root plus the accepted nodes
+            // the drafter had computed, all in step with the sequence.
+            assert!(s.tokens().starts_with(d.fed()));
+            assert_eq!(d.cache().len(), d.fed().len());
+            committed_rows += d.fed().len();
+            assert_cache_fresh(&d, &ssm, &be);
+        }
+        assert!(committed_rows > 0);
+        assert_eq!(&s.tokens()[prompt.len()..prompt.len() + 25], &truth[..]);
+    }
+
+    #[test]
+    fn a_different_vocabulary_is_refused() {
+        let llm = tiny_model(&spec(24), 8).unwrap();
+        let other = tiny_model(&spec(32), 9).unwrap();
+        let be = CpuBackend::new(1).unwrap();
+        let e = ModelDrafter::ssm(
+            "ssm",
+            &other,
+            &llm,
+            &be,
+            "1".parse().unwrap(),
+            DraftSampling::TopK,
+            1,
+        );
+        let msg = e.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(msg.contains("vocabulary"), "{msg}");
+        assert!(early_exit(&llm, &be, 0, "1".parse().unwrap(), DraftSampling::TopK, 1).is_err());
+        assert!(early_exit(&llm, &be, 4, "1".parse().unwrap(), DraftSampling::TopK, 1).is_err());
+    }
+
+    #[test]
+    fn top_k_probs_orders_and_normalizes() {
+        let row = [0.0f32, 3.0, 1.0, 3.0, f32::NAN, 2.0];
+        let t = top_k_probs(&row, 3);
+        assert_eq!(t.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 3, 5]);
+        let total: f32 = (0..6)
+            .filter(|&i| i != 4)
+            .map(|i| (row[i] - 3.0).exp())
+            .sum();
+        assert!((t[0].1 - 1.0 / total).abs() < 1e-6);
+    }
+}
