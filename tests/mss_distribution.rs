@@ -9,7 +9,9 @@
 
 use std::collections::HashMap;
 
-use arbor_engine::draft::{DistDrafter, Drafter};
+use arbor_engine::draft::{
+    early_exit, DistDrafter, DraftSampling, Drafter, ModelDrafter, NgramDrafter,
+};
 use arbor_engine::sample::verify::{Verifier, VerifyMode, VerifyOutcome};
 use arbor_engine::sample::{Rng, Sampler, SamplingParams};
 use arbor_engine::spec::{self, SpecSession};
@@ -434,4 +436,46 @@ fn always_accept(
         tokens,
         bonus,
     }
+}
+
+/// Real drafters merged: a small model sampling its children (with its own KV cache), the LLM's
+/// first layer picking top-k children (early exit) and prompt lookup.
+#[test]
+fn mss_real_drafters_merged_matches_llm() {
+    let params = sampling(0.9, 0, 1.0);
+    let target = llm();
+    let draft = tiny_model(&tiny_spec(), 77).unwrap();
+    let be = backend();
+    let mut ssm = ModelDrafter::ssm(
+        "ssm",
+        &draft,
+        &target,
+        &be,
+        "2,2,1".parse().unwrap(),
+        DraftSampling::Sample(sampling(1.0, 0, 1.0)),
+        5,
+    )
+    .unwrap();
+    let mut ee = early_exit(
+        &target,
+        &be,
+        1,
+        "1,1,1".parse().unwrap(),
+        DraftSampling::TopK,
+        6,
+    )
+    .unwrap();
+    let mut ng = NgramDrafter::default();
+    let (c1, c3, acc) = speculative_counts(
+        VerifyMode::Mss,
+        &params,
+        &mut [&mut ssm, &mut ee, &mut ng],
+        24,
+    );
+    eprintln!("real drafters: mean accepted {acc:.2}");
+    assert!(
+        acc > 0.3,
+        "the drafters should be accepted sometimes: {acc}"
+    );
+    assert_matches_llm("mss, ssm + early exit + ngram", &params, &c1, &c3);
 }

@@ -1,0 +1,84 @@
+//! Greedy speculative generation with real drafters (prompt lookup, early-exit self-speculation, dynamic trees, merged trees) on smollm2-135m equals incremental greedy decoding.
+
+mod common;
+
+use arbor_engine::draft::{early_exit, DraftSampling, Drafter, NgramDrafter};
+use arbor_engine::generate::{generate, GenerateParams};
+use arbor_engine::spec::{self, SpecParams};
+
+const PROMPTS: [&str; 3] = [
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    "The cat sat on the mat. The dog sat on the log. The bird sat on the",
+    "Once upon a time, in a small village,",
+];
+
+fn params(max_tokens: usize) -> GenerateParams {
+    GenerateParams {
+        max_tokens,
+        ignore_eos: true,
+        ..GenerateParams::default()
+    }
+}
+
+#[test]
+fn real_drafters_greedy_equal_incremental() {
+    let m = common::smollm2();
+    let be = common::backend();
+    let n = 24;
+    let mut total_accepted = 0;
+    for (pi, text) in PROMPTS.iter().enumerate() {
+        let prompt = m.tok.encode_prompt(text).unwrap();
+        let reference = generate(&m.model, be, &m.tok, &prompt, &params(n), |_| {}).unwrap();
+        let ee = |shape: &str| {
+            early_exit(
+                &m.model,
+                be,
+                10,
+                shape.parse().unwrap(),
+                DraftSampling::TopK,
+                1,
+            )
+            .unwrap()
+        };
+        let runs: Vec<(&str, Vec<Box<dyn Drafter + '_>>)> = vec![
+            ("ngram", vec![Box::new(NgramDrafter::default())]),
+            ("early-exit chain", vec![Box::new(ee("1,1,1,1"))]),
+            ("early-exit dynamic", vec![Box::new(ee("dynamic:12:3:6"))]),
+            (
+                "merged",
+                vec![Box::new(ee("1,1,3,1,1")), Box::new(NgramDrafter::default())],
+            ),
+        ];
+        for (name, mut ds) in runs {
+            let mut refs: Vec<&mut dyn Drafter> = ds
+                .iter_mut()
+                .map(|d| d.as_mut() as &mut dyn Drafter)
+                .collect();
+            let sp = SpecParams {
+                budget: 24,
+                mode: None,
+            };
+            let out = spec::generate(
+                &m.model,
+                be,
+                &m.tok,
+                &prompt,
+                &params(n),
+                &sp,
+                &mut refs,
+                |_| {},
+            )
+            .unwrap();
+            assert_eq!(
+                out.output.tokens, reference.tokens,
+                "prompt {pi} drafter {name}"
+            );
+            assert_eq!(
+                out.output.text, reference.text,
+                "prompt {pi} drafter {name}"
+            );
+            total_accepted += out.metrics.accepted;
+        }
+    }
+    assert!(total_accepted > 0, "real drafters are accepted sometimes");
+}
