@@ -63,27 +63,64 @@ pub fn tiny_model_gguf(spec: &TinySpec, seed: u64) -> Result<Vec<u8>> {
     let hd = spec.n_embd / spec.n_head;
     let kv = spec.n_head_kv * hd;
     w.meta("general.architecture", MetaValue::Str(a.into()))
-        .meta(&format!("{a}.block_count"), MetaValue::U32(spec.n_layers as u32))
-        .meta(&format!("{a}.context_length"), MetaValue::U32(spec.context as u32))
-        .meta(&format!("{a}.embedding_length"), MetaValue::U32(spec.n_embd as u32))
-        .meta(&format!("{a}.feed_forward_length"), MetaValue::U32(spec.n_ff as u32))
-        .meta(&format!("{a}.attention.head_count"), MetaValue::U32(spec.n_head as u32))
-        .meta(&format!("{a}.attention.head_count_kv"), MetaValue::U32(spec.n_head_kv as u32))
+        .meta(
+            &format!("{a}.block_count"),
+            MetaValue::U32(spec.n_layers as u32),
+        )
+        .meta(
+            &format!("{a}.context_length"),
+            MetaValue::U32(spec.context as u32),
+        )
+        .meta(
+            &format!("{a}.embedding_length"),
+            MetaValue::U32(spec.n_embd as u32),
+        )
+        .meta(
+            &format!("{a}.feed_forward_length"),
+            MetaValue::U32(spec.n_ff as u32),
+        )
+        .meta(
+            &format!("{a}.attention.head_count"),
+            MetaValue::U32(spec.n_head as u32),
+        )
+        .meta(
+            &format!("{a}.attention.head_count_kv"),
+            MetaValue::U32(spec.n_head_kv as u32),
+        )
         .meta(&format!("{a}.rope.freq_base"), MetaValue::F32(10000.0))
-        .meta(&format!("{a}.attention.layer_norm_rms_epsilon"), MetaValue::F32(1e-5))
-        .meta(&format!("{a}.vocab_size"), MetaValue::U32(spec.vocab as u32));
-    let mut mat = |w: &mut GgufWriter, name: &str, n_out: usize, n_in: usize, ty: GgmlType| -> Result<()> {
-        let scale = 1.0 / (n_in as f32).sqrt();
-        let mut bytes = Vec::new();
-        for _ in 0..n_out {
-            bytes.extend(encode(ty, &random_vec(&mut rng, n_in, scale * 1.7))?);
-        }
-        w.tensor(name, &[n_in as u64, n_out as u64], ty, bytes);
-        Ok(())
-    };
-    mat(&mut w, "token_embd.weight", spec.vocab, spec.n_embd, GgmlType::Q8_0)?;
+        .meta(
+            &format!("{a}.attention.layer_norm_rms_epsilon"),
+            MetaValue::F32(1e-5),
+        )
+        .meta(
+            &format!("{a}.vocab_size"),
+            MetaValue::U32(spec.vocab as u32),
+        );
+    let mut mat =
+        |w: &mut GgufWriter, name: &str, n_out: usize, n_in: usize, ty: GgmlType| -> Result<()> {
+            let scale = 1.0 / (n_in as f32).sqrt();
+            let mut bytes = Vec::new();
+            for _ in 0..n_out {
+                bytes.extend(encode(ty, &random_vec(&mut rng, n_in, scale * 1.7))?);
+            }
+            w.tensor(name, &[n_in as u64, n_out as u64], ty, bytes);
+            Ok(())
+        };
+    mat(
+        &mut w,
+        "token_embd.weight",
+        spec.vocab,
+        spec.n_embd,
+        GgmlType::Q8_0,
+    )?;
     if spec.separate_output {
-        mat(&mut w, "output.weight", spec.vocab, spec.n_embd, spec.weight_type)?;
+        mat(
+            &mut w,
+            "output.weight",
+            spec.vocab,
+            spec.n_embd,
+            spec.weight_type,
+        )?;
     }
     let t = spec.weight_type;
     for l in 0..spec.n_layers {
@@ -91,14 +128,23 @@ pub fn tiny_model_gguf(spec: &TinySpec, seed: u64) -> Result<Vec<u8>> {
         mat(&mut w, &n("attn_q.weight"), spec.n_embd, spec.n_embd, t)?;
         mat(&mut w, &n("attn_k.weight"), kv, spec.n_embd, t)?;
         mat(&mut w, &n("attn_v.weight"), kv, spec.n_embd, t)?;
-        mat(&mut w, &n("attn_output.weight"), spec.n_embd, spec.n_embd, t)?;
+        mat(
+            &mut w,
+            &n("attn_output.weight"),
+            spec.n_embd,
+            spec.n_embd,
+            t,
+        )?;
         mat(&mut w, &n("ffn_gate.weight"), spec.n_ff, spec.n_embd, t)?;
         mat(&mut w, &n("ffn_up.weight"), spec.n_ff, spec.n_embd, t)?;
         mat(&mut w, &n("ffn_down.weight"), spec.n_embd, spec.n_ff, t)?;
     }
     let mut rng = Rng::new(seed ^ 0x5eed);
     let mut vecf = |w: &mut GgufWriter, name: &str, n: usize, base: f32, scale: f32| {
-        let v: Vec<f32> = random_vec(&mut rng, n, scale).iter().map(|x| x + base).collect();
+        let v: Vec<f32> = random_vec(&mut rng, n, scale)
+            .iter()
+            .map(|x| x + base)
+            .collect();
         let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
         w.tensor(name, &[n as u64], GgmlType::F32, bytes);
     };

@@ -6,13 +6,21 @@ use crate::testing::{tiny_model, TinySpec};
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 fn specs() -> Vec<TinySpec> {
     let mut v = Vec::new();
     for arch in ["llama", "qwen2"] {
-        for ty in [GgmlType::F32, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K] {
+        for ty in [
+            GgmlType::F32,
+            GgmlType::Q8_0,
+            GgmlType::Q4_K,
+            GgmlType::Q6_K,
+        ] {
             v.push(TinySpec {
                 arch,
                 n_embd: 256,
@@ -35,7 +43,9 @@ fn batched_prefill_equals_incremental_decoding() {
     for (i, spec) in specs().into_iter().enumerate() {
         let model = tiny_model(&spec, 100 + i as u64).unwrap();
         let mut rng = Rng::new(i as u64);
-        let toks: Vec<u32> = (0..23).map(|_| (rng.next_u64() % spec.vocab as u64) as u32).collect();
+        let toks: Vec<u32> = (0..23)
+            .map(|_| (rng.next_u64() % spec.vocab as u64) as u32)
+            .collect();
         let pos: Vec<usize> = (0..toks.len()).collect();
         let rows: Vec<usize> = (0..toks.len()).collect();
         let mut c1 = KvCache::new(&model.config, 64);
@@ -49,7 +59,12 @@ fn batched_prefill_equals_incremental_decoding() {
                 .forward(&backend, &mut c2, &[tok], &[t], BatchMask::Causal, &[0])
                 .unwrap();
             let d = max_diff(&batch[t * v..(t + 1) * v], &inc);
-            assert!(d < 1e-4, "{} {:?}: position {t} differs by {d}", spec.arch, spec.weight_type);
+            assert!(
+                d < 1e-4,
+                "{} {:?}: position {t} differs by {d}",
+                spec.arch,
+                spec.weight_type
+            );
         }
         // The caches hold the same K/V.
         for l in 0..spec.n_layers {
@@ -79,21 +94,44 @@ fn bit_mask_and_chunked_prefill_agree_with_causal() {
     }
     let mut c1 = KvCache::new(&model.config, 128);
     let a = model
-        .forward(&backend, &mut c1, &toks, &pos, BatchMask::Causal, &[n - 1, 3])
+        .forward(
+            &backend,
+            &mut c1,
+            &toks,
+            &pos,
+            BatchMask::Causal,
+            &[n - 1, 3],
+        )
         .unwrap();
     let mut c2 = KvCache::new(&model.config, 128);
     let mask = BatchMask::Bits {
         words_per_row: words,
         bits: &bits,
     };
-    let b = model.forward(&backend, &mut c2, &toks, &pos, mask, &[n - 1, 3]).unwrap();
+    let b = model
+        .forward(&backend, &mut c2, &toks, &pos, mask, &[n - 1, 3])
+        .unwrap();
     assert_eq!(a, b);
     let mut c3 = KvCache::new(&model.config, 128);
     model
-        .forward(&backend, &mut c3, &toks[..30], &pos[..30], BatchMask::Causal, &[])
+        .forward(
+            &backend,
+            &mut c3,
+            &toks[..30],
+            &pos[..30],
+            BatchMask::Causal,
+            &[],
+        )
         .unwrap();
     let c = model
-        .forward(&backend, &mut c3, &toks[30..], &pos[30..], BatchMask::Causal, &[n - 31])
+        .forward(
+            &backend,
+            &mut c3,
+            &toks[30..],
+            &pos[30..],
+            BatchMask::Causal,
+            &[n - 31],
+        )
         .unwrap();
     assert!(max_diff(&a[..spec.vocab], &c) < 1e-4);
 }
@@ -105,13 +143,24 @@ fn bad_inputs_are_errors() {
     let model = tiny_model(&spec, 1).unwrap();
     let mut c = KvCache::new(&model.config, 4);
     let oov = spec.vocab as u32;
-    let e = model.forward(&backend, &mut c, &[oov], &[0], BatchMask::Causal, &[0]).unwrap_err();
+    let e = model
+        .forward(&backend, &mut c, &[oov], &[0], BatchMask::Causal, &[0])
+        .unwrap_err();
     assert_eq!(e.error_type(), "invalid_argument");
     let e = model
-        .forward(&backend, &mut c, &[1, 2, 3, 4, 5], &[0, 1, 2, 3, 4], BatchMask::Causal, &[0])
+        .forward(
+            &backend,
+            &mut c,
+            &[1, 2, 3, 4, 5],
+            &[0, 1, 2, 3, 4],
+            BatchMask::Causal,
+            &[0],
+        )
         .unwrap_err();
     assert_eq!(e.error_type(), "context_overflow");
-    let e = model.forward(&backend, &mut c, &[1], &[0], BatchMask::Causal, &[1]).unwrap_err();
+    let e = model
+        .forward(&backend, &mut c, &[1], &[0], BatchMask::Causal, &[1])
+        .unwrap_err();
     assert_eq!(e.error_type(), "invalid_argument");
     assert_eq!(c.len(), 0, "failed calls leave the cache untouched");
 }

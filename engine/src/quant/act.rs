@@ -14,7 +14,7 @@
 //!
 //! The AVX-512 kernels use a permuted record built from the natural one (see `x86_avx512`).
 
-use super::formats::{f16_round, round_ne};
+use super::formats::f16_round;
 use super::{GgmlType, KernelLevel};
 
 pub(crate) const GROUP: usize = 256;
@@ -43,15 +43,28 @@ pub(crate) fn act_kind(ty: GgmlType) -> ActKind {
 pub(crate) fn quantize_row(level: KernelLevel, ty: GgmlType, x: &[f32], out: &mut [u8]) {
     let kind = act_kind(ty);
     #[cfg(target_arch = "x86_64")]
-    if level == KernelLevel::Avx512Vnni {
-        let mut nat = [0u8; REC];
-        for (g, rec) in out.chunks_exact_mut(REC).enumerate() {
-            let xs = &x[g * GROUP..x.len().min((g + 1) * GROUP)];
-            quantize_group(kind, xs, &mut nat);
-            // SAFETY: `Avx512Vnni` is only passed here after `hw_level()` confirmed the CPU features.
-            unsafe { super::x86_avx512::lane_record(ty, &nat, rec) };
+    match level {
+        KernelLevel::Avx512Vnni => {
+            let mut nat = [0u8; REC];
+            for (g, rec) in out.chunks_exact_mut(REC).enumerate() {
+                let xs = &x[g * GROUP..x.len().min((g + 1) * GROUP)];
+                // SAFETY: SIMD levels are only passed here after `hw_level()` confirmed the features.
+                unsafe {
+                    super::x86_avx2::quantize_group(kind, xs, &mut nat);
+                    super::x86_avx512::lane_record(ty, &nat, rec);
+                }
+            }
+            return;
         }
-        return;
+        KernelLevel::Avx2 => {
+            for (g, rec) in out.chunks_exact_mut(REC).enumerate() {
+                let xs = &x[g * GROUP..x.len().min((g + 1) * GROUP)];
+                // SAFETY: as above.
+                unsafe { super::x86_avx2::quantize_group(kind, xs, rec) };
+            }
+            return;
+        }
+        KernelLevel::Scalar => {}
     }
     let _ = level;
     for (g, rec) in out.chunks_exact_mut(REC).enumerate() {
@@ -61,6 +74,7 @@ pub(crate) fn quantize_row(level: KernelLevel, ty: GgmlType, x: &[f32], out: &mu
 }
 
 /// Quantizes up to 256 values (a multiple of 32; missing blocks are zero) into one natural record.
+#[inline(always)]
 pub(crate) fn quantize_group(kind: ActKind, x: &[f32], rec: &mut [u8]) {
     let rec = &mut rec[..REC];
     rec.fill(0);
@@ -83,8 +97,12 @@ pub(crate) fn quantize_group(kind: ActKind, x: &[f32], rec: &mut [u8]) {
             let d = quantize_q8k_block(x, qs);
             put_f32(rest, OFF_D - GROUP, d);
             for j in 0..16 {
-                let s: i32 = qs[16 * j..16 * j + 16].iter().map(|&v| v as i8 as i32).sum();
-                rest[OFF_BS - GROUP + 2 * j..OFF_BS - GROUP + 2 * j + 2].copy_from_slice(&(s as i16).to_le_bytes());
+                let s: i32 = qs[16 * j..16 * j + 16]
+                    .iter()
+                    .map(|&v| v as i8 as i32)
+                    .sum();
+                rest[OFF_BS - GROUP + 2 * j..OFF_BS - GROUP + 2 * j + 2]
+                    .copy_from_slice(&(s as i16).to_le_bytes());
             }
         }
     }
@@ -113,36 +131,62 @@ fn abs_max(x: &[f32]) -> f32 {
     m.iter().fold(0.0f32, |a, &b| if b > a { b } else { a })
 }
 
+/// ggml's `nearest_int`: round to nearest, ties to even, via the float mantissa (|v| < 2^22).
+/// Pure integer ops after one add, so loops using it vectorize.
+#[inline(always)]
+fn nearest_int(v: f32) -> i32 {
+    ((v + 12582912.0).to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
+}
+
 /// Q8_0/Q8_1 block as ggml's x86 `quantize_row_q8_0/q8_1`: d = amax/127, q = round-half-even(x *
 /// 127/amax), saturated. Returns (d before f16 rounding, sum of q).
-#[inline]
+#[inline(always)]
 pub(crate) fn quantize_q8_block(x: &[f32], q: &mut [u8]) -> (f32, i32) {
     let amax = abs_max(x);
     let d = amax / 127.0;
     let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
     let mut sum = 0i32;
     for (o, &v) in q.iter_mut().zip(x) {
-        let r = (round_ne(v * id) as i32).clamp(-128, 127);
+        let r = nearest_int(v * id).clamp(-128, 127);
         sum += r;
-        *o = r as i8 as u8;
+        *o = r as u8;
     }
     (d, sum)
 }
 
 /// Q8_K block as ggml's `quantize_row_q8_K_ref`: iscale = -127/max with `max` the (first) value of
 /// largest magnitude, q = min(127, nearest_int(iscale * x)), d = 1/iscale. Returns d.
-#[inline]
+#[inline(always)]
 pub(crate) fn quantize_q8k_block(x: &[f32], q: &mut [u8]) -> f32 {
-    let amax = abs_max(x);
-    if amax == 0.0 || amax.is_nan() {
+    // Vectorizable max/min; the value of largest magnitude is then max or min, unless both have
+    // the same magnitude, where ggml's sequential scan keeps the first one.
+    let mut hi = [0f32; 8];
+    let mut lo = [0f32; 8];
+    for c in x.chunks_exact(8) {
+        for i in 0..8 {
+            hi[i] = if c[i] > hi[i] { c[i] } else { hi[i] };
+            lo[i] = if c[i] < lo[i] { c[i] } else { lo[i] };
+        }
+    }
+    let hi = hi.iter().fold(0.0f32, |a, &b| if b > a { b } else { a });
+    let lo = lo.iter().fold(0.0f32, |a, &b| if b < a { b } else { a });
+    let amax = if hi >= -lo { hi } else { -lo };
+    if amax == 0.0 || !amax.is_finite() {
         q[..GROUP].fill(0);
         return 0.0;
     }
-    let max = x.iter().copied().find(|v| v.abs() == amax).unwrap_or(amax);
+    let max = if hi != -lo {
+        if hi == amax {
+            hi
+        } else {
+            lo
+        }
+    } else {
+        x.iter().copied().find(|v| v.abs() == amax).unwrap_or(amax)
+    };
     let iscale = -127.0 / max;
     for (o, &v) in q.iter_mut().zip(x) {
-        let r = (round_ne(iscale * v) as i32).clamp(-128, 127);
-        *o = r as i8 as u8;
+        *o = nearest_int(iscale * v).clamp(-128, 127) as u8;
     }
     1.0 / iscale
 }

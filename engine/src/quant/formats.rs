@@ -31,12 +31,6 @@ fn u32_at(b: &[u8], off: usize) -> u32 {
     u32::from_le_bytes([b[off], b[off + 1], b[off + 2], b[off + 3]])
 }
 
-/// Round to nearest, ties to even (what ggml's `nearest_int` and SSE rounding do) for |v| < 2^22.
-#[inline(always)]
-pub(crate) fn round_ne(v: f32) -> f32 {
-    (v + 12582912.0) - 12582912.0
-}
-
 // ---------------------------------------------------------------------------------------------
 // Block unpacking (shared by dequantization and the scalar kernels)
 // ---------------------------------------------------------------------------------------------
@@ -491,13 +485,29 @@ fn k_affine(x: &[f32], nmax: f32) -> (f32, f32, [u8; 8], [u8; 8]) {
     let mut sc = [0u8; 8];
     let mut m = [0u8; 8];
     for j in 0..8 {
-        sc[j] = if d > 0.0 { (scale[j] / d).round().clamp(0.0, 63.0) as u8 } else { 0 };
-        m[j] = if dmin > 0.0 { (mins[j] / dmin).round().clamp(0.0, 63.0) as u8 } else { 0 };
+        sc[j] = if d > 0.0 {
+            (scale[j] / d).round().clamp(0.0, 63.0) as u8
+        } else {
+            0
+        };
+        m[j] = if dmin > 0.0 {
+            (mins[j] / dmin).round().clamp(0.0, 63.0) as u8
+        } else {
+            0
+        };
     }
     (d, dmin, sc, m)
 }
 
-fn k_quant_values(x: &[f32], d: f32, dmin: f32, sc: &[u8; 8], m: &[u8; 8], nmax: f32, q: &mut [u8; 256]) {
+fn k_quant_values(
+    x: &[f32],
+    d: f32,
+    dmin: f32,
+    sc: &[u8; 8],
+    m: &[u8; 8],
+    nmax: f32,
+    q: &mut [u8; 256],
+) {
     for j in 0..8 {
         let s = d * sc[j] as f32;
         let mn = dmin * m[j] as f32;
@@ -567,11 +577,19 @@ pub fn quantize_row_q6_k(src: &[f32], dst: &mut [u8]) -> Result<()> {
         let d = f16_round(amax / 127.0);
         let mut sc = [0i8; 16];
         for j in 0..16 {
-            sc[j] = if d > 0.0 { (scale[j] / d).round().clamp(-128.0, 127.0) as i8 } else { 0 };
+            sc[j] = if d > 0.0 {
+                (scale[j] / d).round().clamp(-128.0, 127.0) as i8
+            } else {
+                0
+            };
             let s = d * sc[j] as f32;
             for l in 0..16 {
                 let v = x[16 * j + l];
-                let qi = if s != 0.0 { (v / s).round().clamp(-32.0, 31.0) as i32 } else { 0 };
+                let qi = if s != 0.0 {
+                    (v / s).round().clamp(-32.0, 31.0) as i32
+                } else {
+                    0
+                };
                 q[16 * j + l] = (qi + 32) as u8;
             }
         }
@@ -580,8 +598,10 @@ pub fn quantize_row_q6_k(src: &[f32], dst: &mut [u8]) -> Result<()> {
             for l in 0..32 {
                 b[64 * h + l] = (y[l] & 0x0F) | ((y[l + 64] & 0x0F) << 4);
                 b[64 * h + l + 32] = (y[l + 32] & 0x0F) | ((y[l + 96] & 0x0F) << 4);
-                b[128 + 32 * h + l] =
-                    (y[l] >> 4) | ((y[l + 32] >> 4) << 2) | ((y[l + 64] >> 4) << 4) | ((y[l + 96] >> 4) << 6);
+                b[128 + 32 * h + l] = (y[l] >> 4)
+                    | ((y[l + 32] >> 4) << 2)
+                    | ((y[l + 64] >> 4) << 4)
+                    | ((y[l + 96] >> 4) << 6);
             }
         }
         for (o, &s) in b[192..208].iter_mut().zip(&sc) {

@@ -158,7 +158,7 @@ impl GgmlType {
     /// Bytes of a row of `n_elems` elements; `None` if `n_elems` is not a multiple of
     /// `block_elems()` (or the size overflows).
     pub fn row_bytes(self, n_elems: usize) -> Option<usize> {
-        if n_elems % self.block_elems() != 0 {
+        if !n_elems.is_multiple_of(self.block_elems()) {
             return None;
         }
         (n_elems / self.block_elems()).checked_mul(self.block_bytes())
@@ -227,16 +227,21 @@ impl<'a> QMatrix<'a> {
                 ty.block_elems()
             ))
         })?;
-        let need = rb
-            .checked_mul(n_out)
-            .ok_or_else(|| EngineError::Shape(format!("{ty} matrix {n_out}x{n_in} is too large")))?;
+        let need = rb.checked_mul(n_out).ok_or_else(|| {
+            EngineError::Shape(format!("{ty} matrix {n_out}x{n_in} is too large"))
+        })?;
         if data.len() != need {
             return Err(EngineError::Shape(format!(
                 "{ty} matrix {n_out}x{n_in} needs {need} bytes, got {}",
                 data.len()
             )));
         }
-        Ok(QMatrix { ty, data, n_out, n_in })
+        Ok(QMatrix {
+            ty,
+            data,
+            n_out,
+            n_in,
+        })
     }
 
     /// Bytes of one row.
@@ -293,10 +298,14 @@ impl KernelLevel {
     /// Levels this machine can run, lowest first.
     pub fn available() -> Vec<KernelLevel> {
         let hw = hw_level();
-        [KernelLevel::Scalar, KernelLevel::Avx2, KernelLevel::Avx512Vnni]
-            .into_iter()
-            .filter(|l| l.rank() <= hw.rank())
-            .collect()
+        [
+            KernelLevel::Scalar,
+            KernelLevel::Avx2,
+            KernelLevel::Avx512Vnni,
+        ]
+        .into_iter()
+        .filter(|l| l.rank() <= hw.rank())
+        .collect()
     }
 }
 
@@ -340,12 +349,21 @@ pub fn matmul(w: &QMatrix, x: &[f32], n_tok: usize, y: &mut [f32]) -> Result<()>
 
 /// `matmul` with an explicit kernel level. A level above what the CPU supports is lowered to the
 /// best supported one (never executes unsupported instructions).
-pub fn matmul_with(level: KernelLevel, w: &QMatrix, x: &[f32], n_tok: usize, y: &mut [f32]) -> Result<()> {
+pub fn matmul_with(
+    level: KernelLevel,
+    w: &QMatrix,
+    x: &[f32],
+    n_tok: usize,
+    y: &mut [f32],
+) -> Result<()> {
     if !w.ty.supported() {
         return Err(unsupported(w.ty));
     }
     let rb = w.ty.row_bytes(w.n_in).ok_or_else(|| {
-        EngineError::Shape(format!("{} row of {} elements is not a whole number of blocks", w.ty, w.n_in))
+        EngineError::Shape(format!(
+            "{} row of {} elements is not a whole number of blocks",
+            w.ty, w.n_in
+        ))
     })?;
     if rb.checked_mul(w.n_out) != Some(w.data.len()) {
         return Err(EngineError::Shape(format!(
@@ -381,7 +399,9 @@ pub fn matmul_with(level: KernelLevel, w: &QMatrix, x: &[f32], n_tok: usize, y: 
     }
     let level = level.min_with(hw_level());
     if w.ty.is_float() {
-        run_rows(w, n_tok, y, &|r0, r1, yp| float_rows(level, w, x, n_tok, r0, r1, yp));
+        run_rows(w, n_tok, y, &|r0, r1, yp| {
+            float_rows(level, w, x, n_tok, r0, r1, yp)
+        });
         return Ok(());
     }
 
@@ -403,7 +423,9 @@ pub fn matmul_with(level: KernelLevel, w: &QMatrix, x: &[f32], n_tok: usize, y: 
             }
         }
         let act_ro: &[u8] = act_bytes;
-        run_rows(w, n_tok, y, &|r0, r1, yp| quant_rows(level, w, act_ro, stride, n_tok, r0, r1, yp));
+        run_rows(w, n_tok, y, &|r0, r1, yp| {
+            quant_rows(level, w, act_ro, stride, n_tok, r0..r1, yp)
+        });
     }
     put_scratch(buf);
     Ok(())
@@ -441,7 +463,9 @@ fn run_rows(w: &QMatrix, n_tok: usize, y: &mut [f32], f: &(dyn Fn(usize, usize, 
         n_out,
     };
     let threads = rayon::current_num_threads().max(1);
-    let work = n_out.saturating_mul(w.n_in).saturating_mul(n_tok.div_ceil(4));
+    let work = n_out
+        .saturating_mul(w.n_in)
+        .saturating_mul(n_tok.div_ceil(4));
     if threads == 1 || work < (1 << 17) || n_out < 8 {
         f(0, n_out, yp);
         return;
@@ -456,13 +480,26 @@ fn run_rows(w: &QMatrix, n_tok: usize, y: &mut [f32], f: &(dyn Fn(usize, usize, 
     });
 }
 
-fn quant_rows(level: KernelLevel, w: &QMatrix, act: &[u8], stride: usize, n_tok: usize, r0: usize, r1: usize, y: YPtr) {
+fn quant_rows(
+    level: KernelLevel,
+    w: &QMatrix,
+    act: &[u8],
+    stride: usize,
+    n_tok: usize,
+    rows: std::ops::Range<usize>,
+    y: YPtr,
+) {
+    let (r0, r1) = (rows.start, rows.end);
     #[cfg(target_arch = "x86_64")]
     {
         match level {
             // SAFETY: the level was clamped to what `hw_level()` detected on this CPU.
-            KernelLevel::Avx512Vnni => return unsafe { x86_avx512::quant_rows(w, act, stride, n_tok, r0, r1, y) },
-            KernelLevel::Avx2 => return unsafe { x86_avx2::quant_rows(w, act, stride, n_tok, r0, r1, y) },
+            KernelLevel::Avx512Vnni => {
+                return unsafe { x86_avx512::quant_rows(w, act, stride, n_tok, r0, r1, y) }
+            }
+            KernelLevel::Avx2 => {
+                return unsafe { x86_avx2::quant_rows(w, act, stride, n_tok, r0, r1, y) }
+            }
             KernelLevel::Scalar => {}
         }
     }
@@ -470,12 +507,22 @@ fn quant_rows(level: KernelLevel, w: &QMatrix, act: &[u8], stride: usize, n_tok:
     scalar::quant_rows(w, act, stride, n_tok, r0, r1, y)
 }
 
-fn float_rows(level: KernelLevel, w: &QMatrix, x: &[f32], n_tok: usize, r0: usize, r1: usize, y: YPtr) {
+fn float_rows(
+    level: KernelLevel,
+    w: &QMatrix,
+    x: &[f32],
+    n_tok: usize,
+    r0: usize,
+    r1: usize,
+    y: YPtr,
+) {
     #[cfg(target_arch = "x86_64")]
     {
         match level {
             // SAFETY: the level was clamped to what `hw_level()` detected on this CPU.
-            KernelLevel::Avx512Vnni => return unsafe { x86_avx512::float_rows(w, x, n_tok, r0, r1, y) },
+            KernelLevel::Avx512Vnni => {
+                return unsafe { x86_avx512::float_rows(w, x, n_tok, r0, r1, y) }
+            }
             KernelLevel::Avx2 => return unsafe { x86_avx2::float_rows(w, x, n_tok, r0, r1, y) },
             KernelLevel::Scalar => {}
         }

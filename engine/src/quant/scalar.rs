@@ -7,7 +7,8 @@ use half::{bf16, f16};
 
 use super::act::{GROUP, OFF_BS, OFF_D, OFF_S, REC};
 use super::formats::{
-    unpack_q4_0, unpack_q4_1, unpack_q4_k, unpack_q5_0, unpack_q5_1, unpack_q5_k, unpack_q6_k, unpack_q8_0,
+    unpack_q4_0, unpack_q4_1, unpack_q4_k, unpack_q5_0, unpack_q5_1, unpack_q5_k, unpack_q6_k,
+    unpack_q8_0,
 };
 use super::{GgmlType, QMatrix, YPtr};
 
@@ -23,16 +24,30 @@ fn i16_at(b: &[u8], off: usize) -> i32 {
 
 #[inline(always)]
 fn dot_i8(a: &[i8], b: &[u8]) -> i32 {
-    a.iter().zip(b).map(|(&x, &y)| x as i32 * y as i8 as i32).sum()
+    a.iter()
+        .zip(b)
+        .map(|(&x, &y)| x as i32 * y as i8 as i32)
+        .sum()
 }
 
 #[inline(always)]
 fn dot_u8(a: &[u8], b: &[u8]) -> i32 {
-    a.iter().zip(b).map(|(&x, &y)| x as i32 * y as i8 as i32).sum()
+    a.iter()
+        .zip(b)
+        .map(|(&x, &y)| x as i32 * y as i8 as i32)
+        .sum()
 }
 
 /// Quantized rows `[r0, r1)` against natural activation records (`stride` bytes per token row).
-pub(crate) fn quant_rows(w: &QMatrix, act: &[u8], stride: usize, n_tok: usize, r0: usize, r1: usize, y: YPtr) {
+pub(crate) fn quant_rows(
+    w: &QMatrix,
+    act: &[u8],
+    stride: usize,
+    n_tok: usize,
+    r0: usize,
+    r1: usize,
+    y: YPtr,
+) {
     let rb = w.row_bytes();
     let bb = w.ty.block_bytes();
     let mut acc = vec![0f32; n_tok];
@@ -76,7 +91,8 @@ pub(crate) fn quant_rows(w: &QMatrix, act: &[u8], stride: usize, n_tok: usize, r
                         let mut sumi = 0i32;
                         let mut summ = 0i32;
                         for j in 0..8 {
-                            sumi += k.sc[j] as i32 * dot_u8(&q[32 * j..32 * j + 32], &rec[32 * j..32 * j + 32]);
+                            sumi += k.sc[j] as i32
+                                * dot_u8(&q[32 * j..32 * j + 32], &rec[32 * j..32 * j + 32]);
                             let bs = i16_at(rec, OFF_BS + 4 * j) + i16_at(rec, OFF_BS + 4 * j + 2);
                             summ += k.m[j] as i32 * bs;
                         }
@@ -93,7 +109,8 @@ pub(crate) fn quant_rows(w: &QMatrix, act: &[u8], stride: usize, n_tok: usize, r
                         let rec = &act[t * stride + g * REC..t * stride + (g + 1) * REC];
                         let mut sumi = 0i32;
                         for j in 0..16 {
-                            sumi += sc[j] as i32 * dot_i8(&q[16 * j..16 * j + 16], &rec[16 * j..16 * j + 16]);
+                            sumi += sc[j] as i32
+                                * dot_i8(&q[16 * j..16 * j + 16], &rec[16 * j..16 * j + 16]);
                         }
                         *a += (d * f32_at(rec, OFF_D)) * sumi as f32;
                     }

@@ -7,17 +7,21 @@
 
 use std::arch::x86_64::*;
 
-use super::act::{GROUP, OFF_BS, OFF_D, OFF_S, REC};
+use super::act::{self, ActKind, GROUP, OFF_BS, OFF_D, OFF_S, REC};
 use super::{GgmlType, QMatrix, YPtr};
 
 const ACC_CAP: usize = 256;
 const KB_BYTES: usize = 24 * 1024;
+/// Software prefetch distance for the weight stream, in groups.
+const PREFETCH_GROUPS: usize = 6;
 
 trait Kind {
     type W;
     const BLOCKS: usize;
     const BB: usize;
     unsafe fn unpack(p: *const u8) -> Self::W;
+    /// Zeroes the scales of blocks `nb..` of a partial group that was unpacked in place.
+    unsafe fn mask_tail(_w: &mut Self::W, _nb: usize) {}
     unsafe fn step(w: &Self::W, a: *const u8, acc: __m256) -> __m256;
 }
 
@@ -52,7 +56,10 @@ unsafe fn hsum(v: __m256) -> f32 {
 unsafe fn nibbles32(p: *const u8) -> __m256i {
     let t = _mm_loadu_si128(p as *const __m128i);
     let m4 = _mm_set1_epi8(0x0F);
-    _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(t, 4), m4), _mm_and_si128(t, m4))
+    _mm256_set_m128i(
+        _mm_and_si128(_mm_srli_epi16(t, 4), m4),
+        _mm_and_si128(t, m4),
+    )
 }
 
 /// Byte j = 0xFF where bit j of `x` is set (ggml's `bytes_from_bits_32`).
@@ -68,6 +75,15 @@ unsafe fn bytes_from_bits(x: u32) -> __m256i {
     let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(x as i32), shuf);
     let bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe));
     _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1))
+}
+
+/// `act::quantize_group` compiled with AVX2 (same code and results, vectorized 8-wide).
+///
+/// # Safety
+/// The CPU must support AVX2/FMA/F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn quantize_group(kind: ActKind, x: &[f32], rec: &mut [u8]) {
+    act::quantize_group(kind, x, rec)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -100,15 +116,35 @@ unsafe fn legacy_dm(p: *const u8, bb: usize, off_m: Option<usize>) -> (__m256, _
     )
 }
 
+/// Zeroes d and m of blocks `nb..8`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn legacy_step<const OFFSET: bool, const MINS: bool>(w: &WL, a: *const u8, acc: __m256) -> __m256 {
+unsafe fn legacy_mask_tail(w: &mut WL, nb: usize) {
+    let keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+        _mm256_set1_epi32(nb as i32),
+        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+    ));
+    w.d = _mm256_and_ps(w.d, keep);
+    w.m = _mm256_and_ps(w.m, keep);
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn legacy_step<const OFFSET: bool, const MINS: bool>(
+    w: &WL,
+    a: *const u8,
+    acc: __m256,
+) -> __m256 {
     let scale = _mm256_mul_ps(w.d, _mm256_loadu_ps(a.add(OFF_D) as *const f32));
     let ones = _mm256_set1_epi16(1);
     let mut acc = acc;
     for b in 0..8 {
         let av = _mm256_loadu_si256(a.add(32 * b) as *const __m256i);
-        let av = if OFFSET { _mm256_sign_epi8(av, w.ws[b]) } else { av };
+        let av = if OFFSET {
+            _mm256_sign_epi8(av, w.ws[b])
+        } else {
+            av
+        };
         let p = _mm256_madd_epi16(_mm256_maddubs_epi16(w.wa[b], av), ones);
         let sb = _mm256_permutevar8x32_ps(scale, _mm256_set1_epi32(b as i32));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sb, acc);
@@ -127,6 +163,11 @@ struct Q80;
 
 impl Kind for Q40 {
     type W = WL;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn mask_tail(w: &mut WL, nb: usize) {
+        legacy_mask_tail(w, nb)
+    }
     const BLOCKS: usize = 8;
     const BB: usize = 18;
     #[inline]
@@ -155,6 +196,11 @@ impl Kind for Q40 {
 
 impl Kind for Q41 {
     type W = WL;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn mask_tail(w: &mut WL, nb: usize) {
+        legacy_mask_tail(w, nb)
+    }
     const BLOCKS: usize = 8;
     const BB: usize = 20;
     #[inline]
@@ -181,6 +227,11 @@ impl Kind for Q41 {
 
 impl Kind for Q50 {
     type W = WL;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn mask_tail(w: &mut WL, nb: usize) {
+        legacy_mask_tail(w, nb)
+    }
     const BLOCKS: usize = 8;
     const BB: usize = 22;
     #[inline]
@@ -195,7 +246,10 @@ impl Kind for Q50 {
         };
         for b in 0..8 {
             let q = nibbles32(p.add(22 * b + 6));
-            let hb = _mm256_and_si256(bytes_from_bits(rd_u32(p.add(22 * b + 2))), _mm256_set1_epi8(16));
+            let hb = _mm256_and_si256(
+                bytes_from_bits(rd_u32(p.add(22 * b + 2))),
+                _mm256_set1_epi8(16),
+            );
             let s = _mm256_sub_epi8(_mm256_or_si256(q, hb), _mm256_set1_epi8(16));
             w.ws[b] = s;
             w.wa[b] = _mm256_abs_epi8(s);
@@ -211,6 +265,11 @@ impl Kind for Q50 {
 
 impl Kind for Q51 {
     type W = WL;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn mask_tail(w: &mut WL, nb: usize) {
+        legacy_mask_tail(w, nb)
+    }
     const BLOCKS: usize = 8;
     const BB: usize = 24;
     #[inline]
@@ -225,7 +284,10 @@ impl Kind for Q51 {
         };
         for b in 0..8 {
             let q = nibbles32(p.add(24 * b + 8));
-            let hb = _mm256_and_si256(bytes_from_bits(rd_u32(p.add(24 * b + 4))), _mm256_set1_epi8(16));
+            let hb = _mm256_and_si256(
+                bytes_from_bits(rd_u32(p.add(24 * b + 4))),
+                _mm256_set1_epi8(16),
+            );
             w.wa[b] = _mm256_or_si256(q, hb);
         }
         w
@@ -239,6 +301,11 @@ impl Kind for Q51 {
 
 impl Kind for Q80 {
     type W = WL;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn mask_tail(w: &mut WL, nb: usize) {
+        legacy_mask_tail(w, nb)
+    }
     const BLOCKS: usize = 8;
     const BB: usize = 34;
     #[inline]
@@ -287,8 +354,8 @@ unsafe fn k4_scales(p: *const u8, w: &mut WK) {
     let mut s = [0u8; 12];
     std::ptr::copy_nonoverlapping(p.add(4), s.as_mut_ptr(), 12);
     let (sc, m) = super::formats::k4_scales(&s);
-    for k in 0..8 {
-        w.sc[k] = _mm256_set1_epi16(sc[k] as i16);
+    for (v, &s) in w.sc.iter_mut().zip(&sc) {
+        *v = _mm256_set1_epi16(s as i16);
     }
     let mut mm = [0i16; 16];
     for j in 0..8 {
@@ -442,7 +509,15 @@ impl Kind for Q6K {
 /// The CPU must support AVX2/FMA/F16C; `act` holds `n_tok * stride` bytes of natural records for
 /// `w.ty`; `w` validated; `r1 <= w.n_out`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn quant_rows(w: &QMatrix, act: &[u8], stride: usize, n_tok: usize, r0: usize, r1: usize, y: YPtr) {
+pub(crate) unsafe fn quant_rows(
+    w: &QMatrix,
+    act: &[u8],
+    stride: usize,
+    n_tok: usize,
+    r0: usize,
+    r1: usize,
+    y: YPtr,
+) {
     debug_assert!(act.len() >= n_tok * stride);
     let a = act.as_ptr();
     match w.ty {
@@ -459,7 +534,15 @@ pub(crate) unsafe fn quant_rows(w: &QMatrix, act: &[u8], stride: usize, n_tok: u
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows<K: Kind>(w: &QMatrix, act: *const u8, stride: usize, n_tok: usize, r0: usize, r1: usize, y: YPtr) {
+unsafe fn rows<K: Kind>(
+    w: &QMatrix,
+    act: *const u8,
+    stride: usize,
+    n_tok: usize,
+    r0: usize,
+    r1: usize,
+    y: YPtr,
+) {
     let rb = w.row_bytes();
     let gbytes = K::BLOCKS * K::BB;
     let n_full = w.n_in / GROUP;
@@ -486,13 +569,29 @@ unsafe fn rows<K: Kind>(w: &QMatrix, act: *const u8, stride: usize, n_tok: usize
                     let wrow = w.data.as_ptr().add(o * rb);
                     let accs = acc.as_mut_ptr().add((o - o0) * nt);
                     for g in g0..g1 {
-                        let wp = if g < n_full {
-                            wrow.add(g * gbytes)
+                        // Weights stream from DRAM once: ask for them a few groups ahead.
+                        let pf = wrow.wrapping_add((g + PREFETCH_GROUPS) * gbytes);
+                        let mut off = 0;
+                        while off < gbytes {
+                            _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(off) as *const i8);
+                            off += 64;
+                        }
+                        let wv = if g < n_full {
+                            K::unpack(wrow.add(g * gbytes))
+                        } else if o * rb + (n_full + 1) * gbytes <= w.data.len() {
+                            // Partial last group read in place (into the next row), missing
+                            // blocks masked: their padded activations are zero.
+                            let mut wv = K::unpack(wrow.add(g * gbytes));
+                            K::mask_tail(&mut wv, tail_bytes / K::BB);
+                            wv
                         } else {
-                            std::ptr::copy_nonoverlapping(wrow.add(g * gbytes), tail.as_mut_ptr(), tail_bytes);
-                            tail.as_ptr()
+                            std::ptr::copy_nonoverlapping(
+                                wrow.add(g * gbytes),
+                                tail.as_mut_ptr(),
+                                tail_bytes,
+                            );
+                            K::unpack(tail.as_ptr())
                         };
-                        let wv = K::unpack(wp);
                         let ag = ab.add(g * REC);
                         for t in 0..nt {
                             let ap = accs.add(t);
@@ -544,7 +643,14 @@ unsafe fn load1(ty: GgmlType, p: *const u8, i: usize) -> f32 {
 /// # Safety
 /// The CPU must support AVX2/FMA/F16C; `w` validated, `x.len() == n_tok * n_in`, `r1 <= n_out`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn float_rows(w: &QMatrix, x: &[f32], n_tok: usize, r0: usize, r1: usize, y: YPtr) {
+pub(crate) unsafe fn float_rows(
+    w: &QMatrix,
+    x: &[f32],
+    n_tok: usize,
+    r0: usize,
+    r1: usize,
+    y: YPtr,
+) {
     let n_in = w.n_in;
     let bpe = w.ty.block_bytes();
     for o in r0..r1 {
@@ -557,8 +663,8 @@ pub(crate) unsafe fn float_rows(w: &QMatrix, x: &[f32], n_tok: usize, r0: usize,
             let mut i = 0;
             while i + 8 <= n_in {
                 let wv = load8(w.ty, wrow, i);
-                for j in 0..nt {
-                    a[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xp.add(j * n_in + i)), a[j]);
+                for (j, aj) in a.iter_mut().enumerate().take(nt) {
+                    *aj = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xp.add(j * n_in + i)), *aj);
                 }
                 i += 8;
             }

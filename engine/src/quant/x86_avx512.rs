@@ -15,6 +15,12 @@
 //! (built once per weight group) and per-lane activation scales `DX`. Weight offsets (Q4_0 −8, Q5_0 −16,
 //! Q8_0 −128, Q6_K −32) enter exactly as the integer start value `init = −offset · Σa` per lane.
 //!
+//! Driver (`rows`): row tiles (≤ `ACC_CAP` accumulators) × k-blocks (activations of all rows in L1)
+//! × pairs of output rows (sharing every activation load) × groups (the next group is unpacked
+//! before the current one is used, and the weight stream is prefetched `PREFETCH_GROUPS` ahead) ×
+//! activation rows. A partial last group (legacy types, `n_in % 256 != 0`) is unpacked in place
+//! with the scales of its missing blocks zeroed (a zero-padded copy only at the end of the data).
+//!
 //! Lane activation record (`REC` = 384 bytes per group):
 //! `[0,256)` A0..A3; `[256,320)` AUX: i32 `−offset·Σa` per lane, or f32 mins operand
 //! (Q4_K/Q5_K: d·Σa; Q4_1/Q5_1: s/2 of the lane's block); `[320,384)` f32 DX per lane.
@@ -28,6 +34,8 @@ use super::{GgmlType, QMatrix, YPtr};
 const ACC_CAP: usize = 256;
 /// Activation bytes of one k-block (all rows of the tile), sized to stay in L1.
 const KB_BYTES: usize = 24 * 1024;
+/// Software prefetch distance for the weight stream, in groups.
+const PREFETCH_GROUPS: usize = 6;
 
 type Layout = [[usize; 4]; 4];
 /// K-quants with 32-element sub-blocks (Q4_K, Q5_K): R0 = low nibbles of qs[0..64], etc.
@@ -62,7 +70,12 @@ const fn gather_idx(l: &Layout, r: usize) -> [i64; 8] {
 }
 
 const fn gather_all(l: &Layout) -> [[i64; 8]; 4] {
-    [gather_idx(l, 0), gather_idx(l, 1), gather_idx(l, 2), gather_idx(l, 3)]
+    [
+        gather_idx(l, 0),
+        gather_idx(l, 1),
+        gather_idx(l, 2),
+        gather_idx(l, 3),
+    ]
 }
 
 static SIG_K4: [i32; 16] = sigma(&LAYOUT_K4, 2, 0);
@@ -151,7 +164,10 @@ pub(crate) unsafe fn lane_record(ty: GgmlType, nat: &[u8; REC], out: &mut [u8]) 
     };
     let neg = _mm512_mullo_epi32(s, _mm512_set1_epi32(-off));
     let (aux, dx) = match ty {
-        GgmlType::Q4_K | GgmlType::Q5_K => (_mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(s), d0)), d0),
+        GgmlType::Q4_K | GgmlType::Q5_K => (
+            _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(s), d0)),
+            d0,
+        ),
         GgmlType::Q6_K => (neg, d0),
         GgmlType::Q4_1 | GgmlType::Q5_1 => {
             let sm = _mm512_permutexvar_ps(ld_i32x16(sig_m), dv);
@@ -173,6 +189,7 @@ pub(crate) unsafe fn lane_record(ty: GgmlType, nat: &[u8; REC], out: &mut [u8]) 
 // ---------------------------------------------------------------------------------------------
 
 /// One unpacked weight group: transposed unsigned weights, per-lane scales and mins.
+#[derive(Clone, Copy)]
 struct W {
     y: [__m512i; 4],
     ls: __m512,
@@ -188,6 +205,8 @@ trait Kind {
     const BLOCKS: usize;
     /// Bytes per block.
     const BB: usize;
+    /// Block (scale group) index of each accumulator lane, for masking a partial last group.
+    const SIG: &'static [i32; 16] = &SIG_LEG;
     /// Unpacks the group starting at `p` (`BLOCKS * BB` readable bytes).
     unsafe fn unpack(p: *const u8) -> W;
 }
@@ -224,13 +243,21 @@ unsafe fn load4x16(p: *const u8, stride: usize) -> __m512i {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn nibbles(v: __m512i) -> (__m512i, __m512i) {
     let m4 = _mm512_set1_epi8(0x0F);
-    (_mm512_and_si512(v, m4), _mm512_and_si512(_mm512_srli_epi16(v, 4), m4))
+    (
+        _mm512_and_si512(v, m4),
+        _mm512_and_si512(_mm512_srli_epi16(v, 4), m4),
+    )
 }
 
 /// Per-lane d (and m) of 8 legacy blocks: f16 at `p + b*BB + off_d` (and `+ off_m`).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn legacy_scales<const BB: usize>(p: *const u8, off_m: Option<usize>, sig: &[i32; 16], sig_m: &[i32; 16]) -> (__m512, __m512) {
+unsafe fn legacy_scales<const BB: usize>(
+    p: *const u8,
+    off_m: Option<usize>,
+    sig: &[i32; 16],
+    sig_m: &[i32; 16],
+) -> (__m512, __m512) {
     let mut h = [0u16; 16];
     for (b, v) in h.iter_mut().take(8).enumerate() {
         *v = rd_u16(p.add(b * BB));
@@ -241,7 +268,10 @@ unsafe fn legacy_scales<const BB: usize>(p: *const u8, off_m: Option<usize>, sig
         }
     }
     let v = _mm512_cvtph_ps(_mm256_loadu_si256(h.as_ptr() as *const __m256i));
-    (_mm512_permutexvar_ps(ld_i32x16(sig), v), _mm512_permutexvar_ps(ld_i32x16(sig_m), v))
+    (
+        _mm512_permutexvar_ps(ld_i32x16(sig), v),
+        _mm512_permutexvar_ps(ld_i32x16(sig_m), v),
+    )
 }
 
 /// Adds 16 to the bytes of the four legacy-layout registers whose Q5 high bit is set.
@@ -357,7 +387,10 @@ impl Kind for Q51 {
 unsafe fn q8_reg(p: *const u8, r: usize) -> __m512i {
     let lo = _mm256_loadu_si256(p.add(34 * (2 * r) + 2) as *const __m256i);
     let hi = _mm256_loadu_si256(p.add(34 * (2 * r + 1) + 2) as *const __m256i);
-    _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), _mm512_set1_epi8(-128))
+    _mm512_xor_si512(
+        _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1),
+        _mm512_set1_epi8(-128),
+    )
 }
 
 impl Kind for Q80 {
@@ -365,6 +398,7 @@ impl Kind for Q80 {
     const MINS: bool = false;
     const BLOCKS: usize = 8;
     const BB: usize = 34;
+    const SIG: &'static [i32; 16] = &SIG_NAT2;
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn unpack(p: *const u8) -> W {
@@ -398,8 +432,14 @@ unsafe fn k4_lane_scales(p: *const u8) -> (__m512, __m512) {
     let m8 = (m_lo as u64) | ((m_hi as u64) << 32);
     let v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi64x(m8 as i64, sc8 as i64)));
     (
-        _mm512_mul_ps(_mm512_permutexvar_ps(ld_i32x16(&SIG_K4), v), _mm512_set1_ps(d)),
-        _mm512_mul_ps(_mm512_permutexvar_ps(ld_i32x16(&SIG_K4_M), v), _mm512_set1_ps(-dmin)),
+        _mm512_mul_ps(
+            _mm512_permutexvar_ps(ld_i32x16(&SIG_K4), v),
+            _mm512_set1_ps(d),
+        ),
+        _mm512_mul_ps(
+            _mm512_permutexvar_ps(ld_i32x16(&SIG_K4_M), v),
+            _mm512_set1_ps(-dmin),
+        ),
     )
 }
 
@@ -471,15 +511,21 @@ impl Kind for Q6K {
         let mut r = [_mm512_setzero_si512(); 4];
         for h in 0..2 {
             let (lo, hi) = nibbles(_mm512_loadu_si512(p.add(64 * h) as *const __m512i));
-            let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(p.add(128 + 32 * h) as *const __m256i));
+            let qh =
+                _mm512_broadcast_i64x4(_mm256_loadu_si256(p.add(128 + 32 * h) as *const __m256i));
             let h0 = _mm512_and_si512(_mm512_sllv_epi16(qh, shl), m30);
             let h1 = _mm512_and_si512(_mm512_srlv_epi16(qh, shr), m30);
             r[2 * h] = _mm512_or_si512(lo, h0);
             r[2 * h + 1] = _mm512_or_si512(hi, h1);
         }
         let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(rd_u16(p.add(208)) as i32)));
-        let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(192) as *const __m128i)));
-        let ls = _mm512_mul_ps(_mm512_permutexvar_ps(ld_i32x16(&SIG_K6), sc), _mm512_set1_ps(d));
+        let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+            p.add(192) as *const __m128i
+        )));
+        let ls = _mm512_mul_ps(
+            _mm512_permutexvar_ps(ld_i32x16(&SIG_K6), sc),
+            _mm512_set1_ps(d),
+        );
         W {
             y: transpose4(r),
             ls,
@@ -491,6 +537,36 @@ impl Kind for Q6K {
 // ---------------------------------------------------------------------------------------------
 // Kernels
 // ---------------------------------------------------------------------------------------------
+
+/// Unpacks group `g` of a weight row. A partial last group (legacy types, `n_in % 256 != 0`) is
+/// unpacked in place when `in_place` says its full 256-element span is readable (it then reads
+/// into the next row) with the scales of the missing blocks zeroed; the padded activations of
+/// those lanes are zero, so they contribute exactly 0. Otherwise it is read from a zero-padded copy.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn unpack_group<K: Kind>(
+    wrow: *const u8,
+    g: usize,
+    n_full: usize,
+    tail_bytes: usize,
+    in_place: bool,
+) -> W {
+    let gbytes = K::BLOCKS * K::BB;
+    if g < n_full {
+        K::unpack(wrow.add(g * gbytes))
+    } else if in_place {
+        let mut w = K::unpack(wrow.add(g * gbytes));
+        let nb = (tail_bytes / K::BB) as i32;
+        let valid = _mm512_cmplt_epi32_mask(ld_i32x16(K::SIG), _mm512_set1_epi32(nb));
+        w.ls = _mm512_maskz_mov_ps(valid, w.ls);
+        w.lm = _mm512_maskz_mov_ps(valid, w.lm);
+        w
+    } else {
+        let mut tail = [0u8; 8 * 34];
+        std::ptr::copy_nonoverlapping(wrow.add(g * gbytes), tail.as_mut_ptr(), tail_bytes);
+        K::unpack(tail.as_ptr())
+    }
+}
 
 /// One weight group against one activation record.
 #[inline]
@@ -514,6 +590,45 @@ unsafe fn step<K: Kind>(w: &W, a: *const u8, acc: __m512) -> __m512 {
     }
 }
 
+/// Two weight groups (output rows o and o+1) against one activation record: the activation loads
+/// are shared, which halves the L1 traffic per product.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn step2<K: Kind>(
+    wa: &W,
+    wb: &W,
+    a: *const u8,
+    acc_a: __m512,
+    acc_b: __m512,
+) -> (__m512, __m512) {
+    let x0 = _mm512_loadu_si512(a as *const __m512i);
+    let x1 = _mm512_loadu_si512(a.add(64) as *const __m512i);
+    let x2 = _mm512_loadu_si512(a.add(128) as *const __m512i);
+    let x3 = _mm512_loadu_si512(a.add(192) as *const __m512i);
+    let init = if K::OFFSET {
+        _mm512_loadu_si512(a.add(256) as *const __m512i)
+    } else {
+        _mm512_setzero_si512()
+    };
+    let mut pa = _mm512_dpbusd_epi32(init, wa.y[0], x0);
+    let mut pb = _mm512_dpbusd_epi32(init, wb.y[0], x0);
+    pa = _mm512_dpbusd_epi32(pa, wa.y[1], x1);
+    pb = _mm512_dpbusd_epi32(pb, wb.y[1], x1);
+    pa = _mm512_dpbusd_epi32(pa, wa.y[2], x2);
+    pb = _mm512_dpbusd_epi32(pb, wb.y[2], x2);
+    pa = _mm512_dpbusd_epi32(pa, wa.y[3], x3);
+    pb = _mm512_dpbusd_epi32(pb, wb.y[3], x3);
+    let dx = _mm512_loadu_ps(a.add(320) as *const f32);
+    let mut acc_a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pa), _mm512_mul_ps(wa.ls, dx), acc_a);
+    let mut acc_b = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pb), _mm512_mul_ps(wb.ls, dx), acc_b);
+    if K::MINS {
+        let aux = _mm512_loadu_ps(a.add(256) as *const f32);
+        acc_a = _mm512_fmadd_ps(wa.lm, aux, acc_a);
+        acc_b = _mm512_fmadd_ps(wb.lm, aux, acc_b);
+    }
+    (acc_a, acc_b)
+}
+
 /// Quantized rows `[r0, r1)` against lane activation records.
 ///
 /// # Safety
@@ -521,7 +636,15 @@ unsafe fn step<K: Kind>(w: &W, a: *const u8, acc: __m512) -> __m512 {
 /// records built by `lane_record` for `w.ty`, `stride >= ceil(n_in/256) * REC`, `r1 <= w.n_out`,
 /// and `w` must have been validated (`data.len() == n_out * row_bytes`).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(crate) unsafe fn quant_rows(w: &QMatrix, act: &[u8], stride: usize, n_tok: usize, r0: usize, r1: usize, y: YPtr) {
+pub(crate) unsafe fn quant_rows(
+    w: &QMatrix,
+    act: &[u8],
+    stride: usize,
+    n_tok: usize,
+    r0: usize,
+    r1: usize,
+    y: YPtr,
+) {
     debug_assert!(act.len() >= n_tok * stride);
     let a = act.as_ptr();
     match w.ty {
@@ -541,14 +664,23 @@ pub(crate) unsafe fn quant_rows(w: &QMatrix, act: &[u8], stride: usize, n_tok: u
 /// `ACC_CAP` registers) and the k-block of activation records they read stay in L1; each weight
 /// group is loaded and unpacked exactly once.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn rows<K: Kind>(w: &QMatrix, act: *const u8, stride: usize, n_tok: usize, r0: usize, r1: usize, y: YPtr) {
+unsafe fn rows<K: Kind>(
+    w: &QMatrix,
+    act: *const u8,
+    stride: usize,
+    n_tok: usize,
+    r0: usize,
+    r1: usize,
+    y: YPtr,
+) {
     let rb = w.row_bytes();
     let gbytes = K::BLOCKS * K::BB;
     let n_full = w.n_in / GROUP;
     let tail_bytes = (w.n_in % GROUP) / 32 * K::BB;
     let n_groups = n_full + usize::from(tail_bytes > 0);
-    // Zero-padded copy of a partial last group (legacy types with n_in % 256 != 0).
-    let mut tail = [0u8; 8 * 34];
+    // Whether row `o`'s partial last group can be read as a whole group (it is not the end of the data).
+    let data_len = w.data.len();
+    let in_place = |o: usize| o * rb + (n_full + 1) * gbytes <= data_len;
     let mut acc = [_mm512_setzero_ps(); ACC_CAP];
     let mut t0 = 0;
     while t0 < n_tok {
@@ -565,17 +697,57 @@ unsafe fn rows<K: Kind>(w: &QMatrix, act: *const u8, stride: usize, n_tok: usize
             let mut g0 = 0;
             while g0 < n_groups {
                 let g1 = (g0 + kb).min(n_groups);
-                for o in o0..o1 {
+                let mut o = o0;
+                // Pairs of output rows share every activation load.
+                while o + 2 <= o1 {
+                    let wra = w.data.as_ptr().add(o * rb);
+                    let wrb = wra.add(rb);
+                    let acc_a = acc.as_mut_ptr().add((o - o0) * nt);
+                    let acc_b = acc_a.add(nt);
+                    // Unpack group g+1 before the row loop of group g, so its load/shuffle latency overlaps.
+                    let mut nxt = (
+                        unpack_group::<K>(wra, g0, n_full, tail_bytes, in_place(o)),
+                        unpack_group::<K>(wrb, g0, n_full, tail_bytes, in_place(o + 1)),
+                    );
+                    for g in g0..g1 {
+                        let (wa, wb) = nxt;
+                        // Weights stream from DRAM once: ask for them a few groups ahead.
+                        let pf = (g + PREFETCH_GROUPS) * K::BLOCKS * K::BB;
+                        _mm_prefetch::<_MM_HINT_T0>(wra.wrapping_add(pf) as *const i8);
+                        _mm_prefetch::<_MM_HINT_T0>(wrb.wrapping_add(pf) as *const i8);
+                        if K::BLOCKS * K::BB > 64 {
+                            _mm_prefetch::<_MM_HINT_T0>(wra.wrapping_add(pf + 64) as *const i8);
+                            _mm_prefetch::<_MM_HINT_T0>(wrb.wrapping_add(pf + 64) as *const i8);
+                        }
+                        if K::BLOCKS * K::BB > 128 {
+                            _mm_prefetch::<_MM_HINT_T0>(wra.wrapping_add(pf + 128) as *const i8);
+                            _mm_prefetch::<_MM_HINT_T0>(wrb.wrapping_add(pf + 128) as *const i8);
+                        }
+                        if K::BLOCKS * K::BB > 192 {
+                            _mm_prefetch::<_MM_HINT_T0>(wra.wrapping_add(pf + 192) as *const i8);
+                            _mm_prefetch::<_MM_HINT_T0>(wrb.wrapping_add(pf + 192) as *const i8);
+                        }
+                        if g + 1 < g1 {
+                            nxt = (
+                                unpack_group::<K>(wra, g + 1, n_full, tail_bytes, in_place(o)),
+                                unpack_group::<K>(wrb, g + 1, n_full, tail_bytes, in_place(o + 1)),
+                            );
+                        }
+                        let ag = ab.add(g * REC);
+                        for t in 0..nt {
+                            let (pa, pb) = (acc_a.add(t), acc_b.add(t));
+                            let (va, vb) = step2::<K>(&wa, &wb, ag.add(t * stride), *pa, *pb);
+                            *pa = va;
+                            *pb = vb;
+                        }
+                    }
+                    o += 2;
+                }
+                if o < o1 {
                     let wrow = w.data.as_ptr().add(o * rb);
                     let accs = acc.as_mut_ptr().add((o - o0) * nt);
                     for g in g0..g1 {
-                        let wp = if g < n_full {
-                            wrow.add(g * gbytes)
-                        } else {
-                            std::ptr::copy_nonoverlapping(wrow.add(g * gbytes), tail.as_mut_ptr(), tail_bytes);
-                            tail.as_ptr()
-                        };
-                        let wv = K::unpack(wp);
+                        let wv = unpack_group::<K>(wrow, g, n_full, tail_bytes, in_place(o));
                         let ag = ab.add(g * REC);
                         for t in 0..nt {
                             let ap = accs.add(t);
@@ -659,7 +831,14 @@ impl FKind for Bf16W {
 /// # Safety
 /// The CPU must support the enabled features; `w` validated, `x.len() == n_tok * n_in`, `r1 <= n_out`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(crate) unsafe fn float_rows(w: &QMatrix, x: &[f32], n_tok: usize, r0: usize, r1: usize, y: YPtr) {
+pub(crate) unsafe fn float_rows(
+    w: &QMatrix,
+    x: &[f32],
+    n_tok: usize,
+    r0: usize,
+    r1: usize,
+    y: YPtr,
+) {
     match w.ty {
         GgmlType::F32 => frows::<F32W>(w, x, n_tok, r0, r1, y),
         GgmlType::F16 => frows::<F16W>(w, x, n_tok, r0, r1, y),
@@ -694,17 +873,24 @@ unsafe fn frows<K: FKind>(w: &QMatrix, x: &[f32], n_tok: usize, r0: usize, r1: u
 /// y[t0 + j, o] = dot(w row, x row t0 + j) for j < N; two accumulators per row hide FMA latency.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn fdot<K: FKind, const N: usize>(wrow: *const u8, xp: *const f32, n_in: usize, y: YPtr, t0: usize, o: usize) {
+unsafe fn fdot<K: FKind, const N: usize>(
+    wrow: *const u8,
+    xp: *const f32,
+    n_in: usize,
+    y: YPtr,
+    t0: usize,
+    o: usize,
+) {
     let mut a0 = [_mm512_setzero_ps(); N];
     let mut a1 = [_mm512_setzero_ps(); N];
     let mut i = 0;
     while i + 32 <= n_in {
         let w0 = K::load(wrow, i, 16);
         let w1 = K::load(wrow, i + 16, 16);
-        for j in 0..N {
+        for (j, (c0, c1)) in a0.iter_mut().zip(a1.iter_mut()).enumerate() {
             let xr = xp.add(j * n_in + i);
-            a0[j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), a0[j]);
-            a1[j] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr.add(16)), a1[j]);
+            *c0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), *c0);
+            *c1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr.add(16)), *c1);
         }
         i += 32;
     }
@@ -712,13 +898,13 @@ unsafe fn fdot<K: FKind, const N: usize>(wrow: *const u8, xp: *const f32, n_in: 
         let n = (n_in - i).min(16);
         let wv = K::load(wrow, i, n);
         let m = ((1u32 << n) - 1) as u16;
-        for j in 0..N {
+        for (j, c0) in a0.iter_mut().enumerate() {
             let xv = _mm512_maskz_loadu_ps(m, xp.add(j * n_in + i));
-            a0[j] = _mm512_fmadd_ps(wv, xv, a0[j]);
+            *c0 = _mm512_fmadd_ps(wv, xv, *c0);
         }
         i += n;
     }
-    for j in 0..N {
-        y.write(t0 + j, o, _mm512_reduce_add_ps(_mm512_add_ps(a0[j], a1[j])));
+    for (j, (c0, c1)) in a0.iter().zip(&a1).enumerate() {
+        y.write(t0 + j, o, _mm512_reduce_add_ps(_mm512_add_ps(*c0, *c1)));
     }
 }
