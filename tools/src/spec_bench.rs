@@ -6,7 +6,10 @@
 
 use std::time::Instant;
 
-use arbor_engine::draft::{Drafter, OracleDrafter, RandomDrafter};
+use arbor_engine::draft::{
+    early_exit, DraftSampling, DraftShape, Drafter, ModelDrafter, NgramDrafter, OracleDrafter,
+    RandomDrafter,
+};
 use arbor_engine::generate::{generate, GenerateParams};
 use arbor_engine::sample::verify::{Verifier, VerifyMode};
 use arbor_engine::sample::SamplingParams;
@@ -181,6 +184,359 @@ pub fn format_table(r: &SpecBench) -> String {
             row.mean_accepted,
             row.ms_per_token,
             row.speedup
+        ));
+    }
+    s
+}
+
+/// A real drafter named on the command line: `ngram[:N]` (prompt lookup, longest n-gram N),
+/// `early-exit:L` (the LLM's first L layers) or a draft model (registry name or GGUF path).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DraftSpec {
+    Ngram(usize),
+    EarlyExit(usize),
+    Model(String),
+}
+
+impl std::str::FromStr for DraftSpec {
+    type Err = EngineError;
+
+    fn from_str(s: &str) -> Result<DraftSpec> {
+        let num = |x: &str, what: &str| {
+            x.parse::<usize>()
+                .ok()
+                .filter(|&n| n > 0)
+                .ok_or_else(|| EngineError::InvalidArgument(format!("drafter '{s}': {what}")))
+        };
+        if s == "ngram" {
+            return Ok(DraftSpec::Ngram(NgramDrafter::default().max_n));
+        }
+        if let Some(n) = s.strip_prefix("ngram:") {
+            return Ok(DraftSpec::Ngram(num(n, "expected ngram:N with N >= 1")?));
+        }
+        if let Some(l) = s.strip_prefix("early-exit:") {
+            return Ok(DraftSpec::EarlyExit(num(l, "expected early-exit:LAYERS")?));
+        }
+        if s == "early-exit" {
+            return Err(EngineError::InvalidArgument(
+                "early-exit needs a layer count: early-exit:L".into(),
+            ));
+        }
+        if s.is_empty() {
+            return Err(EngineError::InvalidArgument("empty drafter name".into()));
+        }
+        Ok(DraftSpec::Model(s.to_string()))
+    }
+}
+
+/// Build drafters for `llm`: draft models come from `ssms` (loaded by the caller, in the order
+/// of the `DraftSpec::Model` entries). Children are the drafters' top-k (lossless under greedy and
+/// MSS verification alike).
+pub fn build_drafters<'m>(
+    specs: &[DraftSpec],
+    llm: &'m Model,
+    ssms: &'m [Model],
+    backend: &'m CpuBackend,
+    shape: &DraftShape,
+    seed: u64,
+) -> Result<Vec<Box<dyn Drafter + 'm>>> {
+    let mut out: Vec<Box<dyn Drafter + 'm>> = Vec::new();
+    let mut next_ssm = ssms.iter();
+    for (i, s) in specs.iter().enumerate() {
+        let seed = seed.wrapping_add(1 + i as u64);
+        match s {
+            DraftSpec::Ngram(n) => {
+                let d = NgramDrafter::default();
+                let max_len = shape.depth().max(1);
+                out.push(Box::new(NgramDrafter::new(*n, 1, max_len, d.max_matches)?));
+            }
+            DraftSpec::EarlyExit(l) => out.push(Box::new(early_exit(
+                llm,
+                backend,
+                *l,
+                shape.clone(),
+                DraftSampling::TopK,
+                seed,
+            )?)),
+            DraftSpec::Model(name) => {
+                let m = next_ssm.next().ok_or_else(|| {
+                    EngineError::InvalidArgument(format!("draft model '{name}' is not loaded"))
+                })?;
+                out.push(Box::new(ModelDrafter::ssm(
+                    name.clone(),
+                    m,
+                    llm,
+                    backend,
+                    shape.clone(),
+                    DraftSampling::TopK,
+                    seed,
+                )?));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The fixed prompt set of the drafter benchmark: (kind, text).
+pub const SUITE_PROMPTS: [(&str, &str); 3] = [
+    (
+        "code",
+        "```python\nclass Stack:\n    \"\"\"A simple stack.\"\"\"\n\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n        self.items.append(item)\n\n    def pop(self):\n        if not self.items:\n            raise IndexError(\"pop from empty stack\")\n        return self.items.pop()\n\n\nclass Queue:\n    \"\"\"A simple queue.\"\"\"\n\n    def __init__(self):\n",
+    ),
+    (
+        "chat",
+        "User: What are three tips for writing readable Python code?\nAssistant: Here are three tips:\n1.",
+    ),
+    (
+        "summarization",
+        "Article: The city council met on Tuesday to discuss the new bike lane plan. The plan adds \
+         twelve kilometres of protected bike lanes downtown, funded by a state grant. Council \
+         members praised the safety benefits, while some shop owners worried about parking. The \
+         council approved the plan by a vote of seven to two, and construction starts in spring.\n\
+         Summary: The city council",
+    ),
+];
+
+/// One configuration of the drafter benchmark at one temperature.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct SuiteRow {
+    pub config: String,
+    pub temperature: f32,
+    /// Decode tokens per second, over all prompts.
+    pub decode_tok_s: f64,
+    /// Mean accepted draft tokens per verification pass (0 for incremental).
+    pub mean_accepted: f64,
+    /// Decode speed over incremental decoding at the same temperature.
+    pub speedup: f64,
+    /// Same for the code prompt alone.
+    pub code_speedup: f64,
+    /// Greedy: whether every output equals incremental output (None under sampling).
+    pub equal: Option<bool>,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct SuiteBench {
+    pub model: String,
+    pub draft_model: String,
+    pub threads: usize,
+    pub tokens: usize,
+    pub rows: Vec<SuiteRow>,
+}
+
+/// `arbor bench spec --suite`: incremental vs real drafters over [`SUITE_PROMPTS`], greedy and
+/// T = 0.7. Configs: (name, drafters, tree, budget).
+#[allow(clippy::too_many_arguments)]
+pub fn suite_bench(
+    llm: &Model,
+    tok: &Tokenizer,
+    backend: &CpuBackend,
+    model_name: &str,
+    ssm: Option<(&str, &Model)>,
+    early_exit_layers: usize,
+    tokens: usize,
+    temperatures: &[f32],
+) -> Result<SuiteBench> {
+    use arbor_engine::spec::{self, SpecParams};
+    let ssm_name = ssm.map(|s| s.0.to_string());
+    let mut configs: Vec<(String, Vec<DraftSpec>, DraftShape, usize)> = Vec::new();
+    let ee = DraftSpec::EarlyExit(early_exit_layers);
+    let ng = DraftSpec::Ngram(3);
+    let tree: DraftShape = "1,1,3,1,1,1,1,1".parse()?;
+    if let Some(n) = &ssm_name {
+        let m = || DraftSpec::Model(n.clone());
+        configs.push(("ssm chain k=4".into(), vec![m()], "1,1,1,1".parse()?, 4));
+        configs.push((
+            "ssm tree [1,1,3,1,1,1,1,1]".into(),
+            vec![m()],
+            tree.clone(),
+            20,
+        ));
+        configs.push((
+            "ssm + ngram + early-exit".into(),
+            vec![m(), ng.clone(), ee.clone()],
+            tree.clone(),
+            60,
+        ));
+        configs.push((
+            "ssm dynamic:16".into(),
+            vec![m()],
+            "dynamic:16".parse()?,
+            16,
+        ));
+    }
+    configs.push((
+        format!("early-exit:{early_exit_layers} chain k=4"),
+        vec![ee.clone()],
+        "1,1,1,1".parse()?,
+        4,
+    ));
+    configs.push((
+        "prompt lookup".into(),
+        vec![ng.clone()],
+        "1,1,1,1,1,1,1,1".parse()?,
+        16,
+    ));
+    let prompts: Vec<Vec<u32>> = SUITE_PROMPTS
+        .iter()
+        .map(|(_, t)| tok.encode_prompt(t))
+        .collect::<Result<_>>()?;
+    let mut rows = Vec::new();
+    for &temp in temperatures {
+        let params = GenerateParams {
+            max_tokens: tokens,
+            ignore_eos: true,
+            sampling: SamplingParams {
+                temperature: temp,
+                top_k: 0,
+                top_p: 1.0,
+                seed: 7,
+            },
+            ..GenerateParams::default()
+        };
+        // Incremental baseline.
+        let mut base_out = Vec::new();
+        let (mut secs, mut toks, mut code_tok_s) = (0.0, 0usize, 0.0);
+        for (i, p) in prompts.iter().enumerate() {
+            let o = generate(llm, backend, tok, p, &params, |_| {})?;
+            secs += o.decode_secs;
+            toks += o.decode_steps;
+            if i == 0 {
+                code_tok_s = o.decode_tok_s();
+            }
+            base_out.push(o.tokens);
+        }
+        let base_tok_s = toks as f64 / secs.max(1e-9);
+        rows.push(SuiteRow {
+            config: "incremental".into(),
+            temperature: temp,
+            decode_tok_s: base_tok_s,
+            mean_accepted: 0.0,
+            speedup: 1.0,
+            code_speedup: 1.0,
+            equal: (temp == 0.0).then_some(true),
+        });
+        for (name, specs, shape, budget) in &configs {
+            let ssm_models: Vec<&Model> = ssm.iter().map(|s| s.1).collect();
+            let (mut secs, mut toks, mut acc, mut steps, mut equal, mut code) =
+                (0.0, 0usize, 0usize, 0usize, true, 0.0);
+            for (i, p) in prompts.iter().enumerate() {
+                let mut ds = build_drafters_ref(specs, llm, &ssm_models, backend, shape, 1)?;
+                let mut refs: Vec<&mut dyn Drafter> = ds
+                    .iter_mut()
+                    .map(|d| d.as_mut() as &mut dyn Drafter)
+                    .collect();
+                let sp = SpecParams {
+                    budget: *budget,
+                    mode: None,
+                };
+                let o = spec::generate(llm, backend, tok, p, &params, &sp, &mut refs, |_| {})?;
+                secs += o.output.decode_secs;
+                toks += o.output.decode_steps;
+                acc += o.metrics.accepted;
+                steps += o.metrics.steps;
+                equal &= o.output.tokens == base_out[i];
+                if i == 0 {
+                    code = o.output.decode_tok_s();
+                }
+            }
+            let tok_s = toks as f64 / secs.max(1e-9);
+            let equal = (temp == 0.0).then_some(equal);
+            if equal == Some(false) {
+                return Err(EngineError::InvalidArgument(format!(
+                    "greedy output of '{name}' differs from incremental output"
+                )));
+            }
+            rows.push(SuiteRow {
+                config: name.clone(),
+                temperature: temp,
+                decode_tok_s: tok_s,
+                mean_accepted: acc as f64 / steps.max(1) as f64,
+                speedup: tok_s / base_tok_s,
+                code_speedup: code / code_tok_s.max(1e-9),
+                equal,
+            });
+        }
+    }
+    Ok(SuiteBench {
+        model: model_name.to_string(),
+        draft_model: ssm_name.unwrap_or_else(|| "-".into()),
+        threads: backend.threads(),
+        tokens,
+        rows,
+    })
+}
+
+/// [`build_drafters`] over borrowed draft models.
+fn build_drafters_ref<'m>(
+    specs: &[DraftSpec],
+    llm: &'m Model,
+    ssms: &[&'m Model],
+    backend: &'m CpuBackend,
+    shape: &DraftShape,
+    seed: u64,
+) -> Result<Vec<Box<dyn Drafter + 'm>>> {
+    let mut out: Vec<Box<dyn Drafter + 'm>> = Vec::new();
+    for (i, s) in specs.iter().enumerate() {
+        match s {
+            DraftSpec::Model(name) => {
+                let m = ssms.first().ok_or_else(|| {
+                    EngineError::InvalidArgument(format!("draft model '{name}' is not loaded"))
+                })?;
+                out.push(Box::new(ModelDrafter::ssm(
+                    name.clone(),
+                    m,
+                    llm,
+                    backend,
+                    shape.clone(),
+                    DraftSampling::TopK,
+                    seed.wrapping_add(1 + i as u64),
+                )?));
+            }
+            other => out.extend(build_drafters(
+                std::slice::from_ref(other),
+                llm,
+                &[],
+                backend,
+                shape,
+                seed.wrapping_add(i as u64),
+            )?),
+        }
+    }
+    Ok(out)
+}
+
+/// The text table of `arbor bench spec --suite`.
+pub fn format_suite(r: &SuiteBench) -> String {
+    let mut s = format!(
+        "model: {}  draft model: {}  threads: {}  tokens per prompt: {}  prompts: {}\n\
+         {:<28} {:>5} {:>10} {:>14} {:>8} {:>13} {:>12}\n",
+        r.model,
+        r.draft_model,
+        r.threads,
+        r.tokens,
+        SUITE_PROMPTS.map(|p| p.0).join(", "),
+        "config",
+        "T",
+        "decode t/s",
+        "accepted/pass",
+        "speedup",
+        "code speedup",
+        "greedy equal"
+    );
+    for row in &r.rows {
+        s.push_str(&format!(
+            "{:<28} {:>5.1} {:>10.2} {:>14.2} {:>7.2}x {:>12.2}x {:>12}\n",
+            row.config,
+            row.temperature,
+            row.decode_tok_s,
+            row.mean_accepted,
+            row.speedup,
+            row.code_speedup,
+            match row.equal {
+                Some(true) => "yes",
+                Some(false) => "NO",
+                None => "-",
+            }
         ));
     }
     s

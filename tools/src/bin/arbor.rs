@@ -6,13 +6,13 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use arbor_engine::draft::{Drafter, OracleDrafter, RandomDrafter};
+use arbor_engine::draft::{DraftShape, Drafter, OracleDrafter, RandomDrafter};
 use arbor_engine::sample::verify::VerifyMode;
 use arbor_engine::spec::{self, SpecMetrics, SpecParams};
-use arbor_engine::tree::ExpansionConfig;
 use arbor_engine::{
     generate, ChatMessage, CpuBackend, GenerateParams, Model, SamplingParams, Tokenizer,
 };
+use arbor_tools::spec_bench::DraftSpec;
 use arbor_tools::{bench, fetch, spec_bench};
 
 #[derive(Parser)]
@@ -97,12 +97,15 @@ struct GenerateArgs {
 /// Speculative decoding with token trees (SpecInfer).
 #[derive(Args)]
 struct SpecArgs {
-    /// Speculate with these drafters (comma-separated, trees merged): oracle (knows the
-    /// continuation: runs incremental generation first), random.
-    #[arg(long, value_delimiter = ',')]
+    /// Speculate with these drafters (repeatable or comma-separated; their trees are merged):
+    /// a draft model with the LLM's vocabulary (registry name or GGUF path), ngram[:N] (prompt
+    /// lookup), early-exit:L (the LLM's first L layers), oracle (knows the continuation: runs
+    /// incremental generation first), random.
+    #[arg(long, visible_alias = "draft", value_delimiter = ',')]
     speculate: Vec<String>,
-    /// Expansion config: branch factor per depth.
-    #[arg(long, default_value = "1,1,3,1,1,1,1,1")]
+    /// Tree shape: an expansion config (branch factor per depth) or dynamic:N[:BEAM[:DEPTH]]
+    /// (EAGLE-2 dynamic tree of N nodes by cumulative draft probability).
+    #[arg(long, visible_alias = "tree", default_value = "1,1,3,1,1,1,1,1")]
     speculate_tree: String,
     /// Most draft nodes per verification pass (all drafters together).
     #[arg(long, default_value_t = 64)]
@@ -115,19 +118,34 @@ struct SpecArgs {
 impl SpecArgs {
     const DRAFTERS: [&'static str; 2] = ["oracle", "random"];
 
-    /// The expansion config and verification mode, checked before the model loads.
-    fn validate(&self) -> Result<(ExpansionConfig, Option<VerifyMode>)> {
+    /// The tree shape, real drafters and verification mode, checked before the model loads.
+    fn validate(&self) -> Result<(DraftShape, Vec<DraftSpec>, Option<VerifyMode>)> {
+        let cfg: DraftShape = self.speculate_tree.parse()?;
+        let mut real = Vec::new();
         for d in &self.speculate {
-            if !Self::DRAFTERS.contains(&d.as_str()) {
-                bail!("unknown drafter '{d}' for --speculate (oracle, random)");
+            if Self::DRAFTERS.contains(&d.as_str()) {
+                if cfg.is_dynamic() {
+                    bail!("drafter '{d}' needs an expansion config, not a dynamic tree");
+                }
+            } else {
+                let spec = d.parse::<DraftSpec>()?;
+                if let DraftSpec::Model(name) = &spec {
+                    let known = fetch::known_models().iter().any(|m| m.name == name);
+                    if !known && !std::path::Path::new(name).is_file() {
+                        bail!(
+                            "unknown drafter '{name}' (a known model or GGUF path, ngram[:N], \
+                             early-exit:L, oracle, random)"
+                        );
+                    }
+                }
+                real.push(spec);
             }
         }
-        let cfg: ExpansionConfig = self.speculate_tree.parse()?;
         let mode = match self.speculate_verify.as_str() {
             "auto" => None,
             m => Some(m.parse::<VerifyMode>()?),
         };
-        Ok((cfg, mode))
+        Ok((cfg, real, mode))
     }
 }
 
@@ -171,9 +189,22 @@ enum BenchCmd {
         depth: usize,
         #[arg(long, default_value_t = 128)]
         prompt_tokens: usize,
-        /// Tokens generated per tree size.
+        /// Tokens generated per tree size (per prompt with --suite).
         #[arg(long, default_value_t = 32)]
         tokens: usize,
+        /// Real drafters instead: incremental vs SSM chain / tree / merged / dynamic, early exit
+        /// and prompt lookup over a fixed prompt set (code, chat, summarization).
+        #[arg(long)]
+        suite: bool,
+        /// Draft model for --suite (same vocabulary as --model).
+        #[arg(long)]
+        draft_model: Option<String>,
+        /// Early-exit layers for --suite.
+        #[arg(long, default_value_t = 8)]
+        early_exit: usize,
+        /// Temperatures for --suite (comma-separated; 0 = greedy, checked against incremental).
+        #[arg(long, value_delimiter = ',', default_value = "0,0.7")]
+        temperatures: Vec<f32>,
         #[arg(long, value_enum, default_value_t = Format::Text)]
         format: Format,
     },
@@ -201,12 +232,30 @@ fn run(cli: Cli) -> Result<()> {
             } => cmd_bench_decode(model, prompt_tokens, decode_tokens, reps, format),
             BenchCmd::Spec {
                 model,
+                tokens,
+                suite: true,
+                draft_model,
+                early_exit,
+                temperatures,
+                format,
+                ..
+            } => cmd_bench_suite(
+                model,
+                draft_model,
+                early_exit,
+                tokens,
+                &temperatures,
+                format,
+            ),
+            BenchCmd::Spec {
+                model,
                 drafter,
                 tree_sizes,
                 depth,
                 prompt_tokens,
                 tokens,
                 format,
+                ..
             } => cmd_bench_spec(
                 model,
                 &drafter,
@@ -347,10 +396,22 @@ fn speculate(
     params: &GenerateParams,
     on_text: impl FnMut(&str),
 ) -> Result<(arbor_engine::GenerateOutput, (VerifyMode, SpecMetrics))> {
-    let (cfg, mode) = a.validate()?;
-    let mut drafters: Vec<Box<dyn Drafter>> = Vec::new();
+    let (shape, real, mode) = a.validate()?;
+    let mut ssms = Vec::new();
+    for d in &real {
+        if let DraftSpec::Model(name) = d {
+            let path = fetch::resolve_model(name)?;
+            ssms.push(Model::open(&path).with_context(|| format!("loading {}", path.display()))?);
+        }
+    }
+    let mut drafters =
+        spec_bench::build_drafters(&real, model, &ssms, backend, &shape, params.sampling.seed)?;
     for (i, name) in a.speculate.iter().enumerate() {
         let seed = params.sampling.seed.wrapping_add(1 + i as u64);
+        let cfg = match &shape {
+            DraftShape::Expand(c) => c.clone(),
+            DraftShape::Dynamic { .. } => continue,
+        };
         match name.as_str() {
             "oracle" => {
                 let reference = generate(model, backend, tok, prompt, params, |_| {})?;
@@ -359,7 +420,7 @@ fn speculate(
                 drafters.push(Box::new(OracleDrafter::new(truth, cfg.clone(), seed)));
             }
             "random" => drafters.push(Box::new(RandomDrafter::new(cfg.clone(), seed))),
-            other => bail!("unknown drafter '{other}' (oracle, random)"),
+            _ => {}
         }
     }
     let sp = SpecParams {
@@ -401,6 +462,43 @@ fn cmd_bench_spec(
     match format {
         Format::Json => println!("{}", serde_json::to_string(&r)?),
         Format::Text => print!("{}", spec_bench::format_table(&r)),
+    }
+    Ok(())
+}
+
+fn cmd_bench_suite(
+    m: ModelArgs,
+    draft_model: Option<String>,
+    early_exit: usize,
+    tokens: usize,
+    temperatures: &[f32],
+    format: Format,
+) -> Result<()> {
+    if tokens == 0 || temperatures.is_empty() || temperatures.iter().any(|t| t.is_nan() || *t < 0.0)
+    {
+        bail!("--tokens must be positive and --temperatures non-negative");
+    }
+    let (model, tok, backend, _) = load(&m)?;
+    let ssm = match &draft_model {
+        Some(name) => {
+            let path = fetch::resolve_model(name)?;
+            Some(Model::open(&path).with_context(|| format!("loading {}", path.display()))?)
+        }
+        None => None,
+    };
+    let r = spec_bench::suite_bench(
+        &model,
+        &tok,
+        &backend,
+        &m.model,
+        draft_model.as_deref().zip(ssm.as_ref()),
+        early_exit,
+        tokens,
+        temperatures,
+    )?;
+    match format {
+        Format::Json => println!("{}", serde_json::to_string(&r)?),
+        Format::Text => print!("{}", spec_bench::format_suite(&r)),
     }
     Ok(())
 }

@@ -1,0 +1,81 @@
+//! End-to-end tests of `arbor generate --draft …` with real drafters (SSM, prompt lookup, early exit; merged and dynamic trees): same tokens as plain generation, acceptance reported.
+
+use std::process::Command;
+
+fn arbor(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_arbor"))
+        .args(args)
+        .output()
+        .expect("arbor runs")
+}
+
+fn json(args: &[&str]) -> serde_json::Value {
+    let out = arbor(args);
+    assert!(
+        out.status.success(),
+        "{args:?}: stderr {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("one JSON object")
+}
+
+const BASE: [&str; 9] = [
+    "generate",
+    "--model",
+    "smollm2-135m",
+    "--prompt",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n",
+    "--max-tokens",
+    "16",
+    "--ignore-eos",
+    "--format=json",
+];
+
+#[test]
+fn real_drafters_match_plain_generation_and_report_acceptance() {
+    let plain = json(&BASE);
+    for extra in [
+        &[
+            "--draft",
+            "ngram",
+            "--draft",
+            "early-exit:8",
+            "--tree",
+            "1,1,3,1,1",
+        ][..],
+        &["--draft", "smollm2-135m", "--tree", "dynamic:8"][..],
+    ] {
+        let mut args = BASE.to_vec();
+        args.extend(extra);
+        let j = json(&args);
+        assert_eq!(j["tokens"], plain["tokens"], "{extra:?}");
+        let s = &j["spec"];
+        assert_eq!(s["mode"], "greedy");
+        assert!(s["mean_accepted"].as_f64().is_some(), "{s}");
+        if extra.contains(&"smollm2-135m") {
+            // The LLM drafting for itself: (almost) everything is accepted.
+            assert!(s["mean_accepted"].as_f64().unwrap() >= 2.0, "{s}");
+        }
+    }
+}
+
+#[test]
+fn bad_drafters_and_trees_are_refused() {
+    for extra in [
+        &["--draft", "early-exit"][..],
+        &["--draft", "early-exit:0"][..],
+        &["--draft", "ngram:x"][..],
+        &["--draft", "ngram", "--tree", "dynamic:0"][..],
+        &["--draft", "oracle", "--tree", "dynamic:8"][..],
+        &["--draft", "early-exit:999"][..],
+    ] {
+        let mut args = BASE.to_vec();
+        args.extend(extra);
+        let out = arbor(&args);
+        assert!(!out.status.success(), "{extra:?} should fail");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("error"),
+            "{extra:?}"
+        );
+    }
+}
