@@ -8,6 +8,9 @@ use crate::model::{Model, RopeStyle};
 
 pub use crate::backend::BatchMask;
 
+/// Longest causal batch run as one pass; longer ones are split (see `Model::forward`).
+const PREFILL_CHUNK: usize = 64;
+
 impl Model {
     /// Run the model over `tokens` (new tokens appended to `cache` at slots `cache.len()..`),
     /// token `t` at RoPE position `positions[t]`, attending per `mask`.
@@ -39,11 +42,43 @@ impl Model {
         }
         cache.reserve(n_tok)?;
         let n_layers = self.layers.len();
-        backend.scope(|| {
-            self.forward_inner(
-                backend, cache, tokens, positions, mask, logit_rows, n_layers,
-            )
-        })
+        if !matches!(mask, BatchMask::Causal) || n_tok <= PREFILL_CHUNK {
+            return backend.scope(|| {
+                self.forward_inner(
+                    backend, cache, tokens, positions, mask, logit_rows, n_layers,
+                )
+            });
+        }
+        // Long causal batches (prompt prefill) run in chunks: the matmul kernels are tuned for up
+        // to 64 activation rows, and a chunk attends to earlier chunks through the cache exactly
+        // as a single pass would.
+        let vocab = self.config.vocab_size;
+        let mut logits = vec![0.0f32; logit_rows.len() * vocab]; // [logit_rows.len(), vocab]
+        for start in (0..n_tok).step_by(PREFILL_CHUNK) {
+            let end = (start + PREFILL_CHUNK).min(n_tok);
+            let (out_idx, local): (Vec<usize>, Vec<usize>) = logit_rows
+                .iter()
+                .enumerate()
+                .filter(|(_, &r)| (start..end).contains(&r))
+                .map(|(i, &r)| (i, r - start))
+                .unzip();
+            let chunk = backend.scope(|| {
+                self.forward_inner(
+                    backend,
+                    cache,
+                    &tokens[start..end],
+                    &positions[start..end],
+                    BatchMask::Causal,
+                    &local,
+                    n_layers,
+                )
+            })?;
+            for (j, &i) in out_idx.iter().enumerate() {
+                logits[i * vocab..(i + 1) * vocab]
+                    .copy_from_slice(&chunk[j * vocab..(j + 1) * vocab]);
+            }
+        }
+        Ok(logits)
     }
 
     /// Like [`Model::forward`] but through the first `n_layers` layers only, then the final norm
