@@ -570,9 +570,11 @@ fn cmd_bench_decode(
                 "forward over N new tokens at context {} (median of {reps}):",
                 r.context
             );
+            println!("  (logits for all N / for the last token only)");
             for n in ["1", "4", "16", "64"] {
                 let ms = r.forward_ms.get(n).copied().unwrap_or(f64::NAN);
-                println!("  N={n:>3}: {ms:8.2} ms");
+                let last = r.forward_last_ms.get(n).copied().unwrap_or(f64::NAN);
+                println!("  N={n:>3}: {ms:8.2} ms / {last:8.2} ms");
             }
         }
     }
