@@ -77,11 +77,12 @@ impl Backend for CpuBackend {
                 let (t, h) = (idx / s.n_head, idx % s.n_head);
                 let kvh = h / group;
                 // Q at f16 precision, like the K it meets (llama.cpp's K·Q runs in f16).
-                for (d, &x) in qh.iter_mut().zip(&q[idx * hd..(idx + 1) * hd]) {
-                    *d = round_f16(x);
-                }
+                qh.copy_from_slice(&q[idx * hd..(idx + 1) * hd]);
+                simd::round_f16_slice(qh);
                 slots.clear();
-                if let BatchMask::Scratch { base, .. } = mask {
+                if let BatchMask::Causal = mask {
+                    slots.extend(0..s.n_past + t + 1);
+                } else if let BatchMask::Scratch { base, .. } = mask {
                     let base = base.min(s.n_past);
                     slots.extend(0..base);
                     slots.extend((base..n_slots).filter(|&j| mask.visible_slot(t, j, s.n_past)));
@@ -107,20 +108,18 @@ impl Backend for CpuBackend {
                     sum += *sc;
                 }
                 let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
+                for sc in scores.iter_mut() {
+                    *sc *= inv;
+                }
+                // Attention weights at f16 precision (llama.cpp multiplies them with V in f16).
+                simd::round_f16_slice(scores);
                 o.fill(0.0);
                 for (&slot, &p) in slots.iter().zip(scores.iter()) {
-                    let vr = &v[slot * kv_dim + kvh * hd..slot * kv_dim + (kvh + 1) * hd];
-                    let p = round_f16(p * inv);
-                    simd::axpy(o, p, vr);
+                    let off = slot * kv_dim + kvh * hd;
+                    simd::axpy(o, p, &v[off..off + hd]);
                 }
             },
         );
         Ok(())
     }
-}
-
-/// Round to the nearest f16 value (K/V are kept at f16 precision, as in llama.cpp's cache).
-#[inline]
-pub fn round_f16(x: f32) -> f32 {
-    half::f16::from_f32(x).to_f32()
 }

@@ -61,6 +61,22 @@ pub fn axpy(y: &mut [f32], s: f32, x: &[f32]) {
     }
 }
 
+/// Round every value to the nearest f16 (in place): K/V, Q and attention weights are kept at f16
+/// precision, as in llama.cpp's default cache.
+#[inline]
+pub fn round_f16_slice(x: &mut [f32]) {
+    match level() {
+        // SAFETY: the level was chosen from CPUID (AVX-512F includes the f16 conversions).
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 => unsafe { x86::round_f16_avx512(x) },
+        _ => {
+            for v in x.iter_mut() {
+                *v = half::f16::from_f32(*v).to_f32();
+            }
+        }
+    }
+}
+
 pub fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
@@ -121,6 +137,23 @@ mod x86 {
             i += 1;
         }
         s
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn round_f16_avx512(x: &mut [f32]) {
+        let n = x.len();
+        let mut i = 0;
+        while i + 16 <= n {
+            let p = x.as_mut_ptr().add(i);
+            let h = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                _mm512_loadu_ps(p),
+            );
+            _mm512_storeu_ps(p, _mm512_cvtph_ps(h));
+            i += 16;
+        }
+        for v in &mut x[i..] {
+            *v = half::f16::from_f32(*v).to_f32();
+        }
     }
 
     #[target_feature(enable = "avx512f")]
@@ -214,6 +247,13 @@ mod tests {
             for (p, q) in y1.iter().zip(&y2) {
                 assert!((p - q).abs() <= 1e-6);
             }
+            let mut r1: Vec<f32> = a.iter().map(|v| v * 1000.0).collect();
+            let r2: Vec<f32> = r1
+                .iter()
+                .map(|&v| half::f16::from_f32(v).to_f32())
+                .collect();
+            round_f16_slice(&mut r1);
+            assert_eq!(r1, r2, "n={n}");
         }
     }
 }

@@ -1,6 +1,6 @@
 //! The decoder forward pass (llama / qwen2), read top to bottom like llama2.c, over a batch of new tokens.
 
-use crate::backend::cpu::round_f16;
+use crate::backend::simd;
 use crate::backend::{AttentionShape, Backend};
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
@@ -170,12 +170,10 @@ impl Model {
             // The cache keeps K/V at f16 precision (llama.cpp's default cache type).
             let (kc, vc) = cache.layer_mut(l);
             let slots = n_past * kv_dim..(n_past + n_tok) * kv_dim;
-            for (d, &s) in kc[slots.clone()].iter_mut().zip(&k) {
-                *d = round_f16(s);
-            }
-            for (d, &s) in vc[slots].iter_mut().zip(&v) {
-                *d = round_f16(s);
-            }
+            kc[slots.clone()].copy_from_slice(&k);
+            simd::round_f16_slice(&mut kc[slots.clone()]);
+            vc[slots.clone()].copy_from_slice(&v);
+            simd::round_f16_slice(&mut vc[slots]);
             backend.attention(shape, mask, &q, kc, vc, &mut att)?;
             backend.matmul(&self.mat(&w.wo), &att, n_tok, &mut proj)?;
             add_in_place(&mut x, &proj);
