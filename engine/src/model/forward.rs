@@ -24,6 +24,48 @@ impl Model {
         mask: BatchMask<'_>,
         logit_rows: &[usize],
     ) -> Result<Vec<f32>> {
+        let n_layers = self.layers.len();
+        self.forward_layers(
+            backend, cache, tokens, positions, mask, logit_rows, n_layers,
+        )
+    }
+
+    /// Like [`Model::forward`] but through the first `n_layers` layers only, then the final norm
+    /// and output head (early exit, for self-speculative drafting). `cache` must be this model's.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_early_exit<B: Backend>(
+        &self,
+        backend: &B,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        positions: &[usize],
+        mask: BatchMask<'_>,
+        logit_rows: &[usize],
+        n_layers: usize,
+    ) -> Result<Vec<f32>> {
+        if n_layers == 0 || n_layers > self.layers.len() {
+            return Err(EngineError::InvalidArgument(format!(
+                "early exit after {n_layers} layers: the model has {}",
+                self.layers.len()
+            )));
+        }
+        self.forward_layers(
+            backend, cache, tokens, positions, mask, logit_rows, n_layers,
+        )
+    }
+
+    /// Validate the batch, then run it through `n_layers` layers (long causal batches in chunks).
+    #[allow(clippy::too_many_arguments)]
+    fn forward_layers<B: Backend>(
+        &self,
+        backend: &B,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        positions: &[usize],
+        mask: BatchMask<'_>,
+        logit_rows: &[usize],
+        n_layers: usize,
+    ) -> Result<Vec<f32>> {
         let n_tok = tokens.len();
         if n_tok == 0 || positions.len() != n_tok {
             return Err(EngineError::InvalidArgument(
@@ -41,7 +83,6 @@ impl Model {
             ));
         }
         cache.reserve(n_tok)?;
-        let n_layers = self.layers.len();
         if !matches!(mask, BatchMask::Causal) || n_tok <= PREFILL_CHUNK {
             return backend.scope(|| {
                 self.forward_inner(
@@ -79,45 +120,6 @@ impl Model {
             }
         }
         Ok(logits)
-    }
-
-    /// Like [`Model::forward`] but through the first `n_layers` layers only, then the final norm
-    /// and output head (early exit, for self-speculative drafting). `cache` must be this model's.
-    #[allow(clippy::too_many_arguments)]
-    pub fn forward_early_exit<B: Backend>(
-        &self,
-        backend: &B,
-        cache: &mut KvCache,
-        tokens: &[u32],
-        positions: &[usize],
-        mask: BatchMask<'_>,
-        logit_rows: &[usize],
-        n_layers: usize,
-    ) -> Result<Vec<f32>> {
-        if n_layers == 0 || n_layers > self.layers.len() {
-            return Err(EngineError::InvalidArgument(format!(
-                "early exit after {n_layers} layers: the model has {}",
-                self.layers.len()
-            )));
-        }
-        let n_tok = tokens.len();
-        if n_tok == 0 || positions.len() != n_tok || logit_rows.iter().any(|&r| r >= n_tok) {
-            return Err(EngineError::InvalidArgument(
-                "forward needs one position per token, at least one token, rows in the batch"
-                    .into(),
-            ));
-        }
-        if cache.kv_dim() != self.config.kv_dim() {
-            return Err(EngineError::Shape(
-                "KV cache belongs to another model".into(),
-            ));
-        }
-        cache.reserve(n_tok)?;
-        backend.scope(|| {
-            self.forward_inner(
-                backend, cache, tokens, positions, mask, logit_rows, n_layers,
-            )
-        })
     }
 
     #[allow(clippy::too_many_arguments)]
