@@ -47,6 +47,27 @@ impl Backend for CpuBackend {
         quant::matmul(w, x, n_tok, y)
     }
 
+    fn matmul_many(
+        &self,
+        ws: &[QMatrix],
+        x: &[f32],
+        n_tok: usize,
+        outs: &mut [&mut [f32]],
+    ) -> Result<()> {
+        // Decode-sized batches: one parallel region for all of them, so the worker threads wake
+        // once per group instead of once per matrix (the wake-ups dominated small matmuls).
+        // Larger batches are compute-bound and keep each matmul's own row split.
+        if n_tok > 4 {
+            for (w, y) in ws.iter().zip(outs.iter_mut()) {
+                quant::matmul(w, x, n_tok, y)?;
+            }
+            return Ok(());
+        }
+        ws.par_iter()
+            .zip(outs.par_iter_mut())
+            .try_for_each(|(w, y)| quant::matmul(w, x, n_tok, y))
+    }
+
     fn attention(
         &self,
         s: AttentionShape,

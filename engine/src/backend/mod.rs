@@ -88,6 +88,21 @@ pub trait Backend: Send + Sync {
     /// y[t, o] = sum_k W[o, k] x[t, k].  x: [n_tok, n_in], y: [n_tok, n_out].
     fn matmul(&self, w: &QMatrix, x: &[f32], n_tok: usize, y: &mut [f32]) -> Result<()>;
 
+    /// Several matmuls of the same input (e.g. Q, K and V): `outs[i] = ws[i] x`.
+    /// Backends may run them concurrently; the default runs them in turn.
+    fn matmul_many(
+        &self,
+        ws: &[QMatrix],
+        x: &[f32],
+        n_tok: usize,
+        outs: &mut [&mut [f32]],
+    ) -> Result<()> {
+        for (w, y) in ws.iter().zip(outs.iter_mut()) {
+            self.matmul(w, x, n_tok, y)?;
+        }
+        Ok(())
+    }
+
     /// Scaled dot-product attention of new tokens over slots `0..n_past + n_tok` of one layer.
     /// q: [n_tok, n_head * head_dim]; k, v: [slots, n_head_kv * head_dim]; out like q.
     fn attention(

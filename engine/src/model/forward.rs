@@ -161,9 +161,12 @@ impl Model {
         for (l, w) in self.layers.iter().enumerate().take(n_layers) {
             // Attention block.
             rms_norm(&x, &w.attn_norm, c.rms_eps, &mut xn);
-            backend.matmul(&self.mat(&w.wq), &xn, n_tok, &mut q)?;
-            backend.matmul(&self.mat(&w.wk), &xn, n_tok, &mut k)?;
-            backend.matmul(&self.mat(&w.wv), &xn, n_tok, &mut v)?;
+            backend.matmul_many(
+                &[self.mat(&w.wq), self.mat(&w.wk), self.mat(&w.wv)],
+                &xn,
+                n_tok,
+                &mut [&mut q, &mut k, &mut v],
+            )?;
             add_bias(&mut q, w.bq.as_deref());
             add_bias(&mut k, w.bk.as_deref());
             add_bias(&mut v, w.bv.as_deref());
@@ -182,8 +185,12 @@ impl Model {
 
             // Feed-forward block (SwiGLU).
             rms_norm(&x, &w.ffn_norm, c.rms_eps, &mut xn);
-            backend.matmul(&self.mat(&w.w_gate), &xn, n_tok, &mut gate)?;
-            backend.matmul(&self.mat(&w.w_up), &xn, n_tok, &mut up)?;
+            backend.matmul_many(
+                &[self.mat(&w.w_gate), self.mat(&w.w_up)],
+                &xn,
+                n_tok,
+                &mut [&mut gate, &mut up],
+            )?;
             for (g, u) in gate.iter_mut().zip(&up) {
                 *g = silu(*g) * u;
             }
