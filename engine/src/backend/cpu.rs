@@ -2,7 +2,7 @@
 
 use rayon::prelude::*;
 
-use super::simd::{self, dot};
+use super::simd;
 use super::{AttentionShape, Backend, BatchMask};
 use crate::error::{EngineError, Result};
 use crate::quant::{self, QMatrix};
@@ -115,14 +115,7 @@ impl Backend for CpuBackend {
                             .map(|j| s.n_past + j),
                     );
                 }
-                scores.clear();
-                let mut max = f32::NEG_INFINITY;
-                for &slot in slots.iter() {
-                    let kr = &k[slot * kv_dim + kvh * hd..slot * kv_dim + (kvh + 1) * hd];
-                    let sc = dot(qh, kr) * scale;
-                    max = max.max(sc);
-                    scores.push(sc);
-                }
+                let max = simd::attn_scores(qh, k, slots, kv_dim, kvh * hd, scale, scores);
                 let mut sum = 0.0f32;
                 for sc in scores.iter_mut() {
                     *sc = (*sc - max).exp();
@@ -134,11 +127,7 @@ impl Backend for CpuBackend {
                 }
                 // Attention weights at f16 precision (llama.cpp multiplies them with V in f16).
                 simd::round_f16_slice(scores);
-                o.fill(0.0);
-                for (&slot, &p) in slots.iter().zip(scores.iter()) {
-                    let off = slot * kv_dim + kvh * hd;
-                    simd::axpy(o, p, &v[off..off + hd]);
-                }
+                simd::attn_weighted_sum(scores, v, slots, kv_dim, kvh * hd, o);
             },
         );
         Ok(())

@@ -77,6 +77,61 @@ pub fn round_f16_slice(x: &mut [f32]) {
     }
 }
 
+/// Attention scores over cache rows: `scores[i] = dot(q, rows[slots[i]]) * scale`, where row `s`
+/// is `k[s * stride + off..][..q.len()]`. Returns the maximum score.
+pub fn attn_scores(
+    q: &[f32],
+    k: &[f32],
+    slots: &[usize],
+    stride: usize,
+    off: usize,
+    scale: f32,
+    scores: &mut Vec<f32>,
+) -> f32 {
+    let hd = q.len();
+    scores.clear();
+    #[cfg(target_arch = "x86_64")]
+    if level() == Level::Avx512
+        && hd % 16 == 0
+        && slots.iter().all(|&s| s * stride + off + hd <= k.len())
+    {
+        // SAFETY: AVX-512F detected; every row read was bounds-checked just above.
+        return unsafe { x86::attn_scores_avx512(q, k, slots, stride, off, scale, scores) };
+    }
+    let mut max = f32::NEG_INFINITY;
+    for &s in slots {
+        let sc = dot(q, &k[s * stride + off..s * stride + off + hd]) * scale;
+        max = max.max(sc);
+        scores.push(sc);
+    }
+    max
+}
+
+/// Attention output: `o = sum_i p[i] * rows[slots[i]]` with rows laid out as in [`attn_scores`].
+pub fn attn_weighted_sum(
+    p: &[f32],
+    v: &[f32],
+    slots: &[usize],
+    stride: usize,
+    off: usize,
+    o: &mut [f32],
+) {
+    let hd = o.len();
+    #[cfg(target_arch = "x86_64")]
+    if level() == Level::Avx512
+        && hd % 16 == 0
+        && hd <= 256
+        && slots.iter().all(|&s| s * stride + off + hd <= v.len())
+    {
+        // SAFETY: AVX-512F detected; every row read was bounds-checked just above.
+        return unsafe { x86::attn_weighted_sum_avx512(p, v, slots, stride, off, o) };
+    }
+    o.fill(0.0);
+    for (&s, &w) in slots.iter().zip(p) {
+        axpy(o, w, &v[s * stride + off..s * stride + off + hd]);
+    }
+}
+
 pub fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
@@ -137,6 +192,63 @@ mod x86 {
             i += 1;
         }
         s
+    }
+
+    /// SAFETY (caller): AVX-512F present, `q.len() % 16 == 0`, every row in bounds.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn attn_scores_avx512(
+        q: &[f32],
+        k: &[f32],
+        slots: &[usize],
+        stride: usize,
+        off: usize,
+        scale: f32,
+        scores: &mut Vec<f32>,
+    ) -> f32 {
+        let hd = q.len();
+        let mut max = f32::NEG_INFINITY;
+        for &s in slots {
+            let row = k.as_ptr().add(s * stride + off);
+            let mut acc = _mm512_setzero_ps();
+            let mut i = 0;
+            while i < hd {
+                acc = _mm512_fmadd_ps(
+                    _mm512_loadu_ps(q.as_ptr().add(i)),
+                    _mm512_loadu_ps(row.add(i)),
+                    acc,
+                );
+                i += 16;
+            }
+            let sc = _mm512_reduce_add_ps(acc) * scale;
+            max = max.max(sc);
+            scores.push(sc);
+        }
+        max
+    }
+
+    /// SAFETY (caller): AVX-512F present, `o.len() % 16 == 0 && o.len() <= 256`, rows in bounds.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn attn_weighted_sum_avx512(
+        p: &[f32],
+        v: &[f32],
+        slots: &[usize],
+        stride: usize,
+        off: usize,
+        o: &mut [f32],
+    ) {
+        let chunks = o.len() / 16;
+        // The output stays in registers across all slots.
+        let mut acc = [_mm512_setzero_ps(); 16];
+        for (&s, &w) in slots.iter().zip(p) {
+            let row = v.as_ptr().add(s * stride + off);
+            let wv = _mm512_set1_ps(w);
+            for (c, a) in acc.iter_mut().enumerate().take(chunks) {
+                *a = _mm512_fmadd_ps(wv, _mm512_loadu_ps(row.add(c * 16)), *a);
+            }
+        }
+        for (c, a) in acc.iter().enumerate().take(chunks) {
+            _mm512_storeu_ps(o.as_mut_ptr().add(c * 16), *a);
+        }
     }
 
     #[target_feature(enable = "avx512f")]
@@ -254,6 +366,34 @@ mod tests {
                 .collect();
             round_f16_slice(&mut r1);
             assert_eq!(r1, r2, "n={n}");
+        }
+        // Attention helpers against the portable formulas, hd 64 and 128, scattered slots.
+        for hd in [64usize, 128, 48] {
+            let stride = hd * 3;
+            let rows = 40;
+            let k: Vec<f32> = (0..rows * stride)
+                .map(|_| rng.next_f64() as f32 - 0.5)
+                .collect();
+            let q: Vec<f32> = (0..hd).map(|_| rng.next_f64() as f32 - 0.5).collect();
+            let slots = [0usize, 3, 4, 17, 39, 22];
+            let off = hd;
+            let mut sc = Vec::new();
+            let max = attn_scores(&q, &k, &slots, stride, off, 0.125, &mut sc);
+            for (i, &s) in slots.iter().enumerate() {
+                let r = dot_portable(&q, &k[s * stride + off..s * stride + off + hd]) * 0.125;
+                assert!((sc[i] - r).abs() < 1e-5, "hd {hd} slot {s}");
+            }
+            assert_eq!(max, sc.iter().copied().fold(f32::NEG_INFINITY, f32::max));
+            let mut o = vec![1.0f32; hd];
+            attn_weighted_sum(&sc, &k, &slots, stride, off, &mut o);
+            for d in 0..hd {
+                let r: f32 = slots
+                    .iter()
+                    .zip(&sc)
+                    .map(|(&s, &w)| w * k[s * stride + off + d])
+                    .sum();
+                assert!((o[d] - r).abs() < 1e-5, "hd {hd} dim {d}");
+            }
         }
     }
 }
