@@ -92,7 +92,7 @@ pub fn attn_scores(
     scores.clear();
     #[cfg(target_arch = "x86_64")]
     if level() == Level::Avx512
-        && hd % 16 == 0
+        && hd.is_multiple_of(16)
         && slots.iter().all(|&s| s * stride + off + hd <= k.len())
     {
         // SAFETY: AVX-512F detected; every row read was bounds-checked just above.
@@ -119,7 +119,7 @@ pub fn attn_weighted_sum(
     let hd = o.len();
     #[cfg(target_arch = "x86_64")]
     if level() == Level::Avx512
-        && hd % 16 == 0
+        && hd.is_multiple_of(16)
         && hd <= 256
         && slots.iter().all(|&s| s * stride + off + hd <= v.len())
     {
