@@ -188,7 +188,11 @@ pub fn fetch_into(
     let dir = home.join("models");
     let dest = dir.join(format!("{}.gguf", m.name));
     std::fs::create_dir_all(&dir).map_err(io_err(&dir))?;
-    let work = dir.join(format!(".fetch-{}-{}", m.name, std::process::id()));
+    // Unique per process and per call, so concurrent fetches (parallel tests) never share files;
+    // each installs by an atomic rename of an identical, verified file.
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let work = dir.join(format!(".fetch-{}-{}-{call}", m.name, std::process::id()));
     let _cleanup = RemoveOnDrop(work.clone());
     std::fs::create_dir_all(&work).map_err(io_err(&work))?;
     let partial = work.join("model.partial");
