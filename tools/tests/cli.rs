@@ -1,13 +1,8 @@
 //! End-to-end tests of the `arbor` binary: JSON output, streaming text, clear errors and exit codes.
 
-use std::process::Command;
+mod common;
 
-fn arbor(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_arbor"))
-        .args(args)
-        .output()
-        .expect("arbor runs")
-}
+use common::arbor;
 
 #[test]
 fn generate_json_reports_tokens_and_rates() {

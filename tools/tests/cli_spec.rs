@@ -1,23 +1,8 @@
 //! End-to-end tests of `arbor generate --speculate…` and `arbor bench spec` (SpecInfer token trees): same tokens, spec metrics in the stats line and JSON.
 
-use std::process::Command;
+mod common;
 
-fn arbor(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_arbor"))
-        .args(args)
-        .output()
-        .expect("arbor runs")
-}
-
-fn json(args: &[&str]) -> serde_json::Value {
-    let out = arbor(args);
-    assert!(
-        out.status.success(),
-        "{args:?}: stderr {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("one JSON object")
-}
+use common::{arbor, json};
 
 const BASE: [&str; 7] = [
     "generate",
