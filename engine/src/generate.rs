@@ -136,6 +136,104 @@ impl<'a> StopFilter<'a> {
     }
 }
 
+/// Turns generated tokens into streamed text: end-of-generation tokens, incremental
+/// detokenization and stop strings. Shared by incremental and speculative generation, so both
+/// end and stream exactly alike.
+pub(crate) struct TokenSink<'a, F: FnMut(&str)> {
+    tokenizer: &'a Tokenizer,
+    ignore_eos: bool,
+    detok: StreamDecoder<'a>,
+    stop: StopFilter<'a>,
+    on_text: F,
+    text: String,
+    pub(crate) tokens: Vec<u32>,
+}
+
+impl<'a, F: FnMut(&str)> TokenSink<'a, F> {
+    pub(crate) fn new(tokenizer: &'a Tokenizer, params: &'a GenerateParams, on_text: F) -> Self {
+        TokenSink {
+            tokenizer,
+            ignore_eos: params.ignore_eos,
+            detok: StreamDecoder::new(tokenizer, true),
+            stop: StopFilter::new(&params.stop),
+            on_text,
+            text: String::new(),
+            tokens: Vec::new(),
+        }
+    }
+
+    fn emit(&mut self, s: &str) {
+        if !s.is_empty() {
+            (self.on_text)(s);
+            self.text.push_str(s);
+        }
+    }
+
+    /// Take one generated token; `Some(reason)` when generation must end here.
+    pub(crate) fn push(&mut self, tok: u32) -> Option<FinishReason> {
+        self.tokens.push(tok);
+        if !self.ignore_eos && self.tokenizer.is_eog(tok) {
+            return Some(FinishReason::Eos);
+        }
+        let (out, hit) = self.stop.push(&self.detok.push(tok));
+        self.emit(&out);
+        hit.then_some(FinishReason::Stop)
+    }
+
+    /// Flush held-back text; returns (text, tokens, final finish reason).
+    pub(crate) fn finish(mut self, reason: FinishReason) -> (String, Vec<u32>, FinishReason) {
+        let mut reason = reason;
+        if reason != FinishReason::Stop {
+            let rest = std::mem::replace(&mut self.detok, StreamDecoder::new(self.tokenizer, true));
+            let (out, hit) = self.stop.push(&rest.finish());
+            self.emit(&out);
+            if hit {
+                reason = FinishReason::Stop;
+            } else {
+                let held = std::mem::replace(&mut self.stop, StopFilter::new(&[])).finish();
+                self.emit(&held);
+            }
+        }
+        (self.text, self.tokens, reason)
+    }
+}
+
+/// Reject prompts no generation can start from.
+pub(crate) fn check_prompt(model: &Model, prompt: &[u32]) -> Result<()> {
+    if prompt.is_empty() {
+        return Err(EngineError::InvalidArgument("the prompt is empty".into()));
+    }
+    let limit = model.config.context_length;
+    if prompt.len() >= limit {
+        return Err(EngineError::ContextOverflow {
+            needed: prompt.len() + 1,
+            limit,
+        });
+    }
+    Ok(())
+}
+
+/// Run the prompt through the model in one (chunked) pass; returns the last position's logits
+/// and the seconds it took.
+pub(crate) fn prefill<B: Backend>(
+    model: &Model,
+    backend: &B,
+    cache: &mut KvCache,
+    prompt: &[u32],
+) -> Result<(Vec<f32>, f64)> {
+    let t0 = Instant::now();
+    let positions: Vec<usize> = (0..prompt.len()).collect();
+    let logits = model.forward(
+        backend,
+        cache,
+        prompt,
+        &positions,
+        BatchMask::Causal,
+        &[prompt.len() - 1],
+    )?;
+    Ok((logits, t0.elapsed().as_secs_f64()))
+}
+
 /// Generate from `prompt` token ids, calling `on_text` with each piece of new text as it becomes final.
 pub fn generate<B: Backend>(
     model: &Model,
@@ -143,79 +241,32 @@ pub fn generate<B: Backend>(
     tokenizer: &Tokenizer,
     prompt: &[u32],
     params: &GenerateParams,
-    mut on_text: impl FnMut(&str),
+    on_text: impl FnMut(&str),
 ) -> Result<GenerateOutput> {
-    if prompt.is_empty() {
-        return Err(EngineError::InvalidArgument("the prompt is empty".into()));
-    }
-    let limit = model.config.context_length;
+    check_prompt(model, prompt)?;
     let needed = prompt.len() + params.max_tokens;
-    if prompt.len() >= limit {
-        return Err(EngineError::ContextOverflow {
-            needed: prompt.len() + 1,
-            limit,
-        });
-    }
     let mut sampler = Sampler::new(params.sampling.clone())?;
-    let mut cache = KvCache::new(&model.config, needed.min(limit));
-    let mut detok = StreamDecoder::new(tokenizer, true);
-    let mut stop = StopFilter {
-        stops: &params.stop,
-        pending: String::new(),
-    };
-    let mut text = String::new();
-    let mut tokens = Vec::new();
-    let mut emit = |s: &str, text: &mut String| {
-        if !s.is_empty() {
-            on_text(s);
-            text.push_str(s);
-        }
-    };
-
-    let t0 = Instant::now();
-    let positions: Vec<usize> = (0..prompt.len()).collect();
-    let mut logits = model.forward(
-        backend,
-        &mut cache,
-        prompt,
-        &positions,
-        BatchMask::Causal,
-        &[prompt.len() - 1],
-    )?;
-    let prefill_secs = t0.elapsed().as_secs_f64();
+    let mut cache = KvCache::new(&model.config, needed.min(model.config.context_length));
+    let mut sink = TokenSink::new(tokenizer, params, on_text);
+    let (mut logits, prefill_secs) = prefill(model, backend, &mut cache, prompt)?;
 
     let t1 = Instant::now();
     let mut decode_steps = 0;
     let mut finish_reason = FinishReason::Length;
-    while tokens.len() < params.max_tokens {
+    while sink.tokens.len() < params.max_tokens {
         let tok = sampler.sample(&logits);
-        tokens.push(tok);
-        if !params.ignore_eos && tokenizer.is_eog(tok) {
-            finish_reason = FinishReason::Eos;
+        if let Some(reason) = sink.push(tok) {
+            finish_reason = reason;
             break;
         }
-        let (out, hit) = stop.push(&detok.push(tok));
-        emit(&out, &mut text);
-        if hit {
-            finish_reason = FinishReason::Stop;
-            break;
-        }
-        if tokens.len() == params.max_tokens || cache.len() >= cache.capacity() {
+        if sink.tokens.len() == params.max_tokens || cache.len() >= cache.capacity() {
             break;
         }
         let pos = cache.len();
         logits = model.forward(backend, &mut cache, &[tok], &[pos], BatchMask::Causal, &[0])?;
         decode_steps += 1;
     }
-    if finish_reason != FinishReason::Stop {
-        let (out, hit) = stop.push(&detok.finish());
-        emit(&out, &mut text);
-        if hit {
-            finish_reason = FinishReason::Stop;
-        } else {
-            emit(&stop.finish(), &mut text);
-        }
-    }
+    let (text, tokens, finish_reason) = sink.finish(finish_reason);
     Ok(GenerateOutput {
         text,
         tokens,

@@ -12,12 +12,14 @@ use std::time::Instant;
 use crate::backend::Backend;
 use crate::draft::{DraftRequest, Drafter};
 use crate::error::{EngineError, Result};
-use crate::generate::{FinishReason, GenerateOutput, GenerateParams, StopFilter};
+use crate::generate::{
+    check_prompt, prefill, FinishReason, GenerateOutput, GenerateParams, TokenSink,
+};
 use crate::kv::KvCache;
 use crate::model::Model;
 use crate::sample::verify::{Verifier, VerifyMode, VerifyOutcome};
 use crate::sample::Sampler;
-use crate::tokenizer::{StreamDecoder, Tokenizer};
+use crate::tokenizer::Tokenizer;
 use crate::tree::{DrafterId, TokenTree};
 
 /// Speculation settings.
@@ -314,18 +316,10 @@ pub fn generate<B: Backend>(
     params: &GenerateParams,
     spec: &SpecParams,
     drafters: &mut [&mut dyn Drafter],
-    mut on_text: impl FnMut(&str),
+    on_text: impl FnMut(&str),
 ) -> Result<SpecOutput> {
-    if prompt.is_empty() {
-        return Err(EngineError::InvalidArgument("the prompt is empty".into()));
-    }
+    check_prompt(model, prompt)?;
     let limit = model.config.context_length;
-    if prompt.len() >= limit {
-        return Err(EngineError::ContextOverflow {
-            needed: prompt.len() + 1,
-            limit,
-        });
-    }
     let mode = spec.mode.unwrap_or(VerifyMode::auto(&params.sampling));
     if mode == VerifyMode::Greedy && !params.sampling.is_greedy() {
         return Err(EngineError::InvalidArgument(
@@ -340,29 +334,9 @@ pub fn generate<B: Backend>(
         &model.config,
         cap.saturating_add(spec.budget).saturating_add(1),
     );
-    let mut detok = StreamDecoder::new(tokenizer, true);
-    let mut stop = StopFilter::new(&params.stop);
-    let mut text = String::new();
-    let mut tokens: Vec<u32> = Vec::new();
-    let mut emit = |s: &str, text: &mut String| {
-        if !s.is_empty() {
-            on_text(s);
-            text.push_str(s);
-        }
-    };
-
+    let mut sink = TokenSink::new(tokenizer, params, on_text);
     // Prefill exactly as incremental generation does; the first token comes from its logits.
-    let t0 = Instant::now();
-    let positions: Vec<usize> = (0..prompt.len()).collect();
-    let logits = model.forward(
-        backend,
-        &mut cache,
-        prompt,
-        &positions,
-        crate::backend::BatchMask::Causal,
-        &[prompt.len() - 1],
-    )?;
-    let prefill_secs = t0.elapsed().as_secs_f64();
+    let (logits, prefill_secs) = prefill(model, backend, &mut cache, prompt)?;
     let t1 = Instant::now();
     let first = if params.max_tokens == 0 {
         None
@@ -376,40 +350,27 @@ pub fn generate<B: Backend>(
     let mut finish_reason = FinishReason::Length;
     'gen: loop {
         for &tok in &pending {
-            tokens.push(tok);
-            if !params.ignore_eos && tokenizer.is_eog(tok) {
-                finish_reason = FinishReason::Eos;
-                break 'gen;
-            }
-            let (out, hit) = stop.push(&detok.push(tok));
-            emit(&out, &mut text);
-            if hit {
-                finish_reason = FinishReason::Stop;
+            if let Some(reason) = sink.push(tok) {
+                finish_reason = reason;
                 break 'gen;
             }
             // Incremental decoding would have fed every token but this one: stop when that
             // fills its `cap` slots.
-            if tokens.len() >= params.max_tokens || prompt.len() + tokens.len() > cap {
+            let n = sink.tokens.len();
+            if n >= params.max_tokens || prompt.len() + n > cap {
                 break 'gen;
             }
         }
         if pending.is_empty() {
             break;
         }
-        let remaining = params.max_tokens - tokens.len();
-        let committed = prompt.len() + tokens.len() - 1;
+        let n = sink.tokens.len();
+        let remaining = params.max_tokens - n;
+        let committed = prompt.len() + n - 1;
         let max_depth = (remaining - 1).min(cap - 1 - committed);
         pending = session.step(drafters, max_depth)?.emitted();
     }
-    if finish_reason != FinishReason::Stop {
-        let (out, hit) = stop.push(&detok.finish());
-        emit(&out, &mut text);
-        if hit {
-            finish_reason = FinishReason::Stop;
-        } else {
-            emit(&stop.finish(), &mut text);
-        }
-    }
+    let (text, tokens, finish_reason) = sink.finish(finish_reason);
     let metrics = session.metrics().clone();
     let decode_steps = tokens.len().saturating_sub(1);
     Ok(SpecOutput {
@@ -432,9 +393,9 @@ pub fn generate<B: Backend>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::{BatchMask, CpuBackend};
+    use crate::backend::CpuBackend;
     use crate::draft::{OracleDrafter, RandomDrafter};
-    use crate::sample::{argmax, SamplingParams};
+    use crate::sample::SamplingParams;
     use crate::testing::{tiny_model, TinySpec};
     use crate::tree::ExpansionConfig;
 
@@ -446,28 +407,7 @@ mod tests {
         prompt: &[u32],
         n: usize,
     ) -> (KvCache, Vec<u32>) {
-        let mut c = KvCache::new(&model.config, prompt.len() + n + 128);
-        let pos: Vec<usize> = (0..prompt.len()).collect();
-        let mut l = model
-            .forward(
-                be,
-                &mut c,
-                prompt,
-                &pos,
-                BatchMask::Causal,
-                &[prompt.len() - 1],
-            )
-            .unwrap();
-        let mut out = Vec::new();
-        for _ in 0..n {
-            let t = argmax(&l);
-            out.push(t);
-            let p = c.len();
-            l = model
-                .forward(be, &mut c, &[t], &[p], BatchMask::Causal, &[0])
-                .unwrap();
-        }
-        (c, out)
+        crate::testing::greedy_incremental(model, be, prompt, n, 128).unwrap()
     }
 
     #[test]

@@ -1,8 +1,10 @@
 //! Tiny random-weight llama/qwen2 models built in memory, for exactness tests that run in milliseconds.
 
+use crate::backend::{Backend, BatchMask};
 use crate::error::Result;
 use crate::gguf::writer::GgufWriter;
 use crate::gguf::{GgufFile, MetaValue};
+use crate::kv::KvCache;
 use crate::model::Model;
 use crate::quant::{self, GgmlType};
 use crate::sample::Rng;
@@ -165,4 +167,33 @@ pub fn tiny_model_gguf(spec: &TinySpec, seed: u64) -> Result<Vec<u8>> {
 /// A random model ready to run.
 pub fn tiny_model(spec: &TinySpec, seed: u64) -> Result<Model> {
     Model::from_gguf(GgufFile::from_bytes(tiny_model_gguf(spec, seed)?)?)
+}
+
+/// Greedy incremental decoding of `n` tokens after `prompt`, every generated token fed: the
+/// reference speculative decoding must reproduce. The cache keeps `extra` spare slots.
+pub fn greedy_incremental<B: Backend>(
+    model: &Model,
+    backend: &B,
+    prompt: &[u32],
+    n: usize,
+    extra: usize,
+) -> Result<(KvCache, Vec<u32>)> {
+    let mut cache = KvCache::new(&model.config, prompt.len() + n + extra);
+    let pos: Vec<usize> = (0..prompt.len()).collect();
+    let mut logits = model.forward(
+        backend,
+        &mut cache,
+        prompt,
+        &pos,
+        BatchMask::Causal,
+        &[prompt.len() - 1],
+    )?;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = crate::sample::argmax(&logits);
+        out.push(t);
+        let p = cache.len();
+        logits = model.forward(backend, &mut cache, &[t], &[p], BatchMask::Causal, &[0])?;
+    }
+    Ok((cache, out))
 }

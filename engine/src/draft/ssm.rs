@@ -452,7 +452,6 @@ mod tests {
     use super::*;
     use crate::backend::CpuBackend;
     use crate::draft::{early_exit, NgramDrafter};
-    use crate::sample::argmax;
     use crate::sample::verify::{Verifier, VerifyMode};
     use crate::spec::SpecSession;
     use crate::testing::{tiny_model, TinySpec};
@@ -468,28 +467,9 @@ mod tests {
 
     /// Greedy incremental decoding: `n` tokens after `prompt`.
     fn incremental(model: &Model, be: &CpuBackend, prompt: &[u32], n: usize) -> Vec<u32> {
-        let mut c = KvCache::new(&model.config, prompt.len() + n + 1);
-        let pos: Vec<usize> = (0..prompt.len()).collect();
-        let mut l = model
-            .forward(
-                be,
-                &mut c,
-                prompt,
-                &pos,
-                BatchMask::Causal,
-                &[prompt.len() - 1],
-            )
-            .unwrap();
-        let mut out = Vec::new();
-        for _ in 0..n {
-            let t = argmax(&l);
-            out.push(t);
-            let p = c.len();
-            l = model
-                .forward(be, &mut c, &[t], &[p], BatchMask::Causal, &[0])
-                .unwrap();
-        }
-        out
+        crate::testing::greedy_incremental(model, be, prompt, n, 1)
+            .unwrap()
+            .1
     }
 
     fn session<'m>(
