@@ -113,13 +113,13 @@ fn row(logits: &[f32], vocab: usize, i: usize) -> &[f32] {
     &logits[i * vocab..(i + 1) * vocab]
 }
 
-/// Greedy verification: follow the children equal to the LLM's argmax.
-pub fn verify_greedy(tree: &TokenTree, logits: &[f32], vocab: usize) -> Result<VerifyOutcome> {
-    check(tree, logits, vocab)?;
+/// Walk down from the root: at each node pick the LLM's token; follow the child holding it, or
+/// stop there with it as the bonus token.
+fn walk(tree: &TokenTree, mut pick: impl FnMut(usize) -> u32) -> VerifyOutcome {
     let (mut accepted, mut tokens) = (Vec::new(), Vec::new());
     let mut node = 0;
     loop {
-        let y = argmax(row(logits, vocab, node));
+        let y = pick(node);
         match tree.child_with_token(node, y) {
             Some(c) => {
                 accepted.push(c);
@@ -127,14 +127,20 @@ pub fn verify_greedy(tree: &TokenTree, logits: &[f32], vocab: usize) -> Result<V
                 node = c;
             }
             None => {
-                return Ok(VerifyOutcome {
+                return VerifyOutcome {
                     accepted,
                     tokens,
                     bonus: y,
-                })
+                }
             }
         }
     }
+}
+
+/// Greedy verification: follow the children equal to the LLM's argmax.
+pub fn verify_greedy(tree: &TokenTree, logits: &[f32], vocab: usize) -> Result<VerifyOutcome> {
+    check(tree, logits, vocab)?;
+    Ok(walk(tree, |node| argmax(row(logits, vocab, node))))
 }
 
 /// Naive sampling: draw from the LLM (temperature / top-k / top-p of `sampler`) and accept the
@@ -147,27 +153,11 @@ pub fn verify_naive(
     rng: &mut Rng,
 ) -> Result<VerifyOutcome> {
     check(tree, logits, vocab)?;
-    let (mut accepted, mut tokens) = (Vec::new(), Vec::new());
-    let mut node = 0;
     let mut p = vec![0.0f64; vocab]; // [vocab]
-    loop {
+    Ok(walk(tree, |node| {
         dense(&sampler.distribution(row(logits, vocab, node)), &mut p);
-        let y = draw_dense(&p, rng);
-        match tree.child_with_token(node, y) {
-            Some(c) => {
-                accepted.push(c);
-                tokens.push(y);
-                node = c;
-            }
-            None => {
-                return Ok(VerifyOutcome {
-                    accepted,
-                    tokens,
-                    bonus: y,
-                })
-            }
-        }
-    }
+        draw_dense(&p, rng)
+    }))
 }
 
 /// Multi-step speculative sampling (SpecInfer Algorithm 2, generalized to merged trees).
