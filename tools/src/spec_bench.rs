@@ -235,13 +235,13 @@ impl std::str::FromStr for DraftSpec {
 pub fn build_drafters<'m>(
     specs: &[DraftSpec],
     llm: &'m Model,
-    ssms: &'m [Model],
+    ssms: &[&'m Model],
     backend: &'m CpuBackend,
     shape: &DraftShape,
     seed: u64,
 ) -> Result<Vec<Box<dyn Drafter + 'm>>> {
     let mut out: Vec<Box<dyn Drafter + 'm>> = Vec::new();
-    let mut next_ssm = ssms.iter();
+    let mut next_ssm = ssms.iter().copied();
     for (i, s) in specs.iter().enumerate() {
         let seed = seed.wrapping_add(1 + i as u64);
         match s {
@@ -420,7 +420,7 @@ pub fn suite_bench(
             let (mut secs, mut toks, mut acc, mut steps, mut equal, mut code) =
                 (0.0, 0usize, 0usize, 0usize, true, 0.0);
             for (i, p) in prompts.iter().enumerate() {
-                let mut ds = build_drafters_ref(specs, llm, &ssm_models, backend, shape, 1)?;
+                let mut ds = build_drafters(specs, llm, &ssm_models, backend, shape, 1)?;
                 let mut refs: Vec<&mut dyn Drafter> = ds
                     .iter_mut()
                     .map(|d| d.as_mut() as &mut dyn Drafter)
@@ -464,45 +464,6 @@ pub fn suite_bench(
         tokens,
         rows,
     })
-}
-
-/// [`build_drafters`] over borrowed draft models.
-fn build_drafters_ref<'m>(
-    specs: &[DraftSpec],
-    llm: &'m Model,
-    ssms: &[&'m Model],
-    backend: &'m CpuBackend,
-    shape: &DraftShape,
-    seed: u64,
-) -> Result<Vec<Box<dyn Drafter + 'm>>> {
-    let mut out: Vec<Box<dyn Drafter + 'm>> = Vec::new();
-    for (i, s) in specs.iter().enumerate() {
-        match s {
-            DraftSpec::Model(name) => {
-                let m = ssms.first().ok_or_else(|| {
-                    EngineError::InvalidArgument(format!("draft model '{name}' is not loaded"))
-                })?;
-                out.push(Box::new(ModelDrafter::ssm(
-                    name.clone(),
-                    m,
-                    llm,
-                    backend,
-                    shape.clone(),
-                    DraftSampling::TopK,
-                    seed.wrapping_add(1 + i as u64),
-                )?));
-            }
-            other => out.extend(build_drafters(
-                std::slice::from_ref(other),
-                llm,
-                &[],
-                backend,
-                shape,
-                seed.wrapping_add(i as u64),
-            )?),
-        }
-    }
-    Ok(out)
 }
 
 /// The text table of `arbor bench spec --suite`.

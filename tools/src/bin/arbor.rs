@@ -404,8 +404,15 @@ fn speculate(
             ssms.push(Model::open(&path).with_context(|| format!("loading {}", path.display()))?);
         }
     }
-    let mut drafters =
-        spec_bench::build_drafters(&real, model, &ssms, backend, &shape, params.sampling.seed)?;
+    let ssm_refs: Vec<&Model> = ssms.iter().collect();
+    let mut drafters = spec_bench::build_drafters(
+        &real,
+        model,
+        &ssm_refs,
+        backend,
+        &shape,
+        params.sampling.seed,
+    )?;
     for (i, name) in a.speculate.iter().enumerate() {
         let seed = params.sampling.seed.wrapping_add(1 + i as u64);
         let cfg = match &shape {
