@@ -1,8 +1,10 @@
-//! Greedy speculative generation with real drafters (prompt lookup, early-exit self-speculation, dynamic trees, merged trees) on smollm2-135m equals incremental greedy decoding.
+//! Greedy speculative generation with real drafters (prompt lookup, early-exit self-speculation, dynamic trees, merged trees, SPACE) on smollm2-135m equals incremental greedy decoding.
 
 mod common;
 
-use arbor_engine::draft::{early_exit, DraftSampling, Drafter, NgramDrafter};
+use arbor_engine::draft::{
+    early_exit, DraftSampling, Drafter, NgramDrafter, SpaceDrafter, SpaceMode,
+};
 use arbor_engine::generate::{generate, GenerateParams};
 use arbor_engine::spec::{self, SpecParams};
 
@@ -26,6 +28,7 @@ fn real_drafters_greedy_equal_incremental() {
     let be = common::backend();
     let n = 24;
     let mut total_accepted = 0;
+    let mut space_accepted = 0;
     for (pi, text) in PROMPTS.iter().enumerate() {
         let prompt = m.tok.encode_prompt(text).unwrap();
         let reference = generate(&m.model, be, &m.tok, &prompt, &params(n), |_| {}).unwrap();
@@ -40,6 +43,10 @@ fn real_drafters_greedy_equal_incremental() {
             )
             .unwrap()
         };
+        let vocab = m.model.config.vocab_size;
+        let space = |mode| -> Box<dyn Drafter> {
+            Box::new(SpaceDrafter::new(4, mode, DraftSampling::TopK, vocab, 1).unwrap())
+        };
         let runs: Vec<(&str, Vec<Box<dyn Drafter + '_>>)> = vec![
             ("ngram", vec![Box::new(NgramDrafter::default())]),
             ("early-exit chain", vec![Box::new(ee("1,1,1,1"))]),
@@ -47,6 +54,13 @@ fn real_drafters_greedy_equal_incremental() {
             (
                 "merged",
                 vec![Box::new(ee("1,1,3,1,1")), Box::new(NgramDrafter::default())],
+            ),
+            ("space training-free k=4", vec![space(SpaceMode::Jacobi)]),
+            // SmolLM2 has no trained mask token: any id is lossless, if rarely accepted.
+            ("space mask token k=4", vec![space(SpaceMode::MaskToken(0))]),
+            (
+                "space + ngram merged",
+                vec![space(SpaceMode::Jacobi), Box::new(NgramDrafter::default())],
             ),
         ];
         for (name, mut ds) in runs {
@@ -78,7 +92,15 @@ fn real_drafters_greedy_equal_incremental() {
                 "prompt {pi} drafter {name}"
             );
             total_accepted += out.metrics.accepted;
+            if name.starts_with("space") {
+                space_accepted += out.metrics.accepted;
+                assert!(out.metrics.placeholder_rows > 0, "{name}: placeholders ran");
+            }
         }
     }
     assert!(total_accepted > 0, "real drafters are accepted sometimes");
+    assert!(
+        space_accepted > 0,
+        "SPACE candidates are accepted sometimes"
+    );
 }

@@ -10,7 +10,8 @@
 use std::collections::HashMap;
 
 use arbor_engine::draft::{
-    early_exit, DistDrafter, DraftSampling, Drafter, ModelDrafter, NgramDrafter,
+    early_exit, DistDrafter, DraftSampling, Drafter, ModelDrafter, NgramDrafter, SpaceDrafter,
+    SpaceMode,
 };
 use arbor_engine::sample::verify::{Verifier, VerifyMode, VerifyOutcome};
 use arbor_engine::sample::{Rng, Sampler, SamplingParams};
@@ -357,6 +358,40 @@ fn naive_sampling_matches_llm() {
     assert_matches_llm("naive", &params, &c1, &c3);
 }
 
+/// SPACE, training-free (Jacobi placeholders) with sampled candidates: each candidate is a draw
+/// from its placeholder row's distribution, so a rejection draws from norm(max(0, p - q)).
+#[test]
+fn space_jacobi_sampled_matches_llm() {
+    let params = sampling(1.0, 0, 1.0);
+    let mut d = SpaceDrafter::new(
+        3,
+        SpaceMode::Jacobi,
+        DraftSampling::Sample(params.clone()),
+        VOCAB,
+        3,
+    )
+    .unwrap();
+    let (c1, c3, acc) = speculative_counts(VerifyMode::Mss, &params, &mut [&mut d], 8);
+    eprintln!("space jacobi: mean accepted {acc:.2}");
+    assert!(
+        acc > 0.1,
+        "SPACE candidates should be accepted sometimes: {acc}"
+    );
+    assert_matches_llm("mss, SPACE training-free", &params, &c1, &c3);
+}
+
+/// SPACE with a mask token and picked (top-1) candidates, under temperature and top-k, merged
+/// with a sampling drafter.
+#[test]
+fn space_mask_token_matches_llm() {
+    let params = sampling(0.8, 6, 1.0);
+    let mut d =
+        SpaceDrafter::new(2, SpaceMode::MaskToken(7), DraftSampling::TopK, VOCAB, 4).unwrap();
+    let mut other = synthetic_drafter("2,1", ExpandMode::Sample, 13, 9, 2.0);
+    let (c1, c3, _) = speculative_counts(VerifyMode::Mss, &params, &mut [&mut d, &mut other], 8);
+    assert_matches_llm("mss, SPACE mask token + synthetic", &params, &c1, &c3);
+}
+
 /// The test has power: a verifier that accepts a proposed child regardless of the ratio (here:
 /// always the first candidate of a node) produces the drafter's distribution, which the same
 /// chi-square test rejects; the real MSS on the very same trees passes.
@@ -403,6 +438,77 @@ fn always_accept_bug_is_detected() {
     assert!(
         p_bad < 1e-6,
         "always-accept must be detected: p {p_bad}, counts {bad:?}"
+    );
+}
+
+/// The SPACE paper's reference code draws from p after a rejection instead of from the residual
+/// norm(max(0, p - q)). That rule is biased, and the same chi-square test catches it on a
+/// one-candidate chain; MSS on the very same drafts passes.
+#[test]
+fn resampling_from_p_after_rejection_is_detected() {
+    let params = sampling(1.0, 0, 1.0);
+    let model = llm();
+    let be = backend();
+    let mut base = KvCache::new(&model.config, 64);
+    let n = PROMPT.len() - 1;
+    let pos: Vec<usize> = (0..n).collect();
+    model
+        .forward(&be, &mut base, &PROMPT[..n], &pos, BatchMask::Causal, &[])
+        .unwrap();
+    let mut d = synthetic_drafter("1", ExpandMode::Sample, 31, 5, 3.0);
+    let mut verifier = Verifier::new(
+        VerifyMode::Mss,
+        SamplingParams {
+            seed: 3,
+            ..params.clone()
+        },
+    )
+    .unwrap();
+    let sampler = Sampler::new(params.clone()).unwrap();
+    let mut rng = Rng::new(4);
+    let (mut good, mut bad) = (vec![0usize; VOCAB], vec![0usize; VOCAB]);
+    for _ in 0..SAMPLES {
+        let mut s =
+            SpecSession::new(&model, &be, base.clone(), PROMPT.to_vec(), verifier, 1).unwrap();
+        let tree = s.draft(&mut [&mut d], 1).unwrap();
+        let mut c = base.clone();
+        let logits = spec::tree_logits(&model, &be, &mut c, &tree).unwrap();
+        let child = tree.children(0)[0];
+        let x = tree.node(child).token;
+        let q = tree
+            .child_dist(0, tree.node(child).proposals[0].drafter)
+            .unwrap();
+        let qx = q.iter().find(|e| e.0 == x).map_or(0.0, |e| e.1 as f64);
+        let p = sampler.distribution(&logits[..VOCAB]);
+        let px = p.iter().find(|e| e.0 == x).map_or(0.0, |e| e.1 as f64);
+        let first = if rng.next_f64() < (px / qx).min(1.0) {
+            x
+        } else {
+            // The bug: a fresh draw from p.
+            let mut u = rng.next_f64();
+            let mut y = p[0].0;
+            for &(t, pt) in &p {
+                u -= pt as f64;
+                if u < 0.0 {
+                    y = t;
+                    break;
+                }
+            }
+            y
+        };
+        bad[first as usize] += 1;
+        let o = s.verify(&tree, &mut [&mut d]).unwrap();
+        good[o.emitted()[0] as usize] += 1;
+        verifier = s.into_verifier();
+    }
+    let (p1, _) = exact(&model, &be, &params);
+    let (_, _, p_good) = chi_square(&good, &p1);
+    let (x_bad, _, p_bad) = chi_square(&bad, &p1);
+    eprintln!("resample-from-p: chi2 {x_bad:.1}, p {p_bad:e}; mss p {p_good:.3}");
+    assert!(p_good > 0.001, "mss: p {p_good}, counts {good:?}");
+    assert!(
+        p_bad < 1e-6,
+        "resampling from p must be detected: p {p_bad}, counts {bad:?}"
     );
 }
 

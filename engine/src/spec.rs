@@ -10,7 +10,7 @@
 use std::time::Instant;
 
 use crate::backend::Backend;
-use crate::draft::{DraftRequest, Drafter};
+use crate::draft::{DraftRequest, Drafter, GroupLogits, PlaceholderGroup};
 use crate::error::{EngineError, Result};
 use crate::generate::{
     check_prompt, prefill, FinishReason, GenerateOutput, GenerateParams, TokenSink,
@@ -20,7 +20,7 @@ use crate::model::Model;
 use crate::sample::verify::{Verifier, VerifyMode, VerifyOutcome};
 use crate::sample::Sampler;
 use crate::tokenizer::Tokenizer;
-use crate::tree::{DrafterId, TokenTree};
+use crate::tree::{DrafterId, TokenTree, TreeMask};
 
 /// Speculation settings.
 #[derive(Clone, Debug, PartialEq)]
@@ -53,6 +53,8 @@ pub struct SpecMetrics {
     pub accepted_by_depth: Vec<usize>,
     /// `drafted_by_depth[d]`: draft nodes proposed at depth d + 1.
     pub drafted_by_depth: Vec<usize>,
+    /// SPACE placeholder rows run alongside the trees (never verified).
+    pub placeholder_rows: usize,
 }
 
 impl SpecMetrics {
@@ -133,6 +135,79 @@ pub fn verify_step<B: Backend>(
         Ok(o) => {
             cache.commit_rows(base, &o.kv_rows())?;
             Ok(o)
+        }
+        Err(e) => {
+            cache.truncate(base);
+            Err(e)
+        }
+    }
+}
+
+/// [`verify_step`] with SPACE placeholder groups appended to the pass (rows after the tree's, each
+/// group a chain hanging off its anchor node; see [`crate::draft::space`]). The tree's rows never
+/// see a placeholder, so verification is exactly that of the tree alone; placeholder K/V rows are
+/// dropped. Returns the outcome and, per group, its logits `[len, vocab]` when the group hangs
+/// off the last accepted node (the only ones a drafter can use; the others' output head is
+/// skipped).
+pub fn verify_step_with_placeholders<B: Backend>(
+    model: &Model,
+    backend: &B,
+    cache: &mut KvCache,
+    tree: &TokenTree,
+    groups: &[&PlaceholderGroup],
+    verifier: &mut Verifier,
+) -> Result<(VerifyOutcome, Vec<Option<Vec<f32>>>)> {
+    let base = cache.len();
+    let vocab = model.config.vocab_size;
+    let t = tree.len();
+    let mut tokens = tree.tokens();
+    let mut positions = tree.positions(base);
+    let mut parents: Vec<Option<usize>> = tree.nodes().iter().map(|n| n.parent).collect();
+    let mut starts = Vec::with_capacity(groups.len());
+    for g in groups {
+        if g.anchor >= t || g.tokens.is_empty() {
+            return Err(EngineError::InvalidArgument(format!(
+                "placeholder group at node {} of a {t}-node tree with {} tokens",
+                g.anchor,
+                g.tokens.len()
+            )));
+        }
+        if let Some(&bad) = g.tokens.iter().find(|&&x| x as usize >= vocab) {
+            return Err(EngineError::InvalidArgument(format!(
+                "placeholder token {bad} outside the vocabulary ({vocab})"
+            )));
+        }
+        starts.push(tokens.len());
+        let pos0 = base + tree.node(g.anchor).depth + 1;
+        for (j, &x) in g.tokens.iter().enumerate() {
+            parents.push(Some(if j == 0 { g.anchor } else { tokens.len() - 1 }));
+            tokens.push(x);
+            positions.push(pos0 + j);
+        }
+    }
+    let mask = TreeMask::from_parents(&parents);
+    let run = |cache: &mut KvCache, verifier: &mut Verifier| {
+        let hidden =
+            model.forward_hidden(backend, cache, &tokens, &positions, mask.as_batch_mask())?;
+        let rows: Vec<usize> = (0..t).collect();
+        let logits = model.logits_of(backend, &hidden, &rows)?;
+        let o = verifier.verify(tree, &logits, vocab)?;
+        let last = o.accepted.last().copied().unwrap_or(0);
+        let mut out = Vec::with_capacity(groups.len());
+        for (g, &start) in groups.iter().zip(&starts) {
+            out.push(if g.anchor == last {
+                let rows: Vec<usize> = (start..start + g.tokens.len()).collect();
+                Some(model.logits_of(backend, &hidden, &rows)?)
+            } else {
+                None
+            });
+        }
+        Ok((o, out))
+    };
+    match run(cache, verifier) {
+        Ok((o, out)) => {
+            cache.commit_rows(base, &o.kv_rows())?;
+            Ok((o, out))
         }
         Err(e) => {
             cache.truncate(base);
@@ -267,16 +342,57 @@ impl<'m, B: Backend> SpecSession<'m, B> {
                 tree.root_token()
             )));
         }
-        let o = verify_step(
-            self.model,
-            self.backend,
-            &mut self.cache,
-            tree,
-            &mut self.verifier,
-        )?;
+        // SPACE placeholder groups: (drafter, index in its list, group).
+        let mut groups: Vec<(usize, usize, PlaceholderGroup)> = Vec::new();
+        for (i, d) in drafters.iter_mut().enumerate() {
+            for (j, g) in d.placeholders(tree).into_iter().enumerate() {
+                groups.push((i, j, g));
+            }
+        }
+        let extra: usize = groups.iter().map(|g| g.2.tokens.len()).sum();
+        let room = self.cache.capacity().saturating_sub(self.cache.len());
+        if tree.len() + extra > room {
+            groups.clear(); // no scratch room for them: verify the tree alone
+        }
+        let (o, group_logits) = if groups.is_empty() {
+            let o = verify_step(
+                self.model,
+                self.backend,
+                &mut self.cache,
+                tree,
+                &mut self.verifier,
+            )?;
+            (o, Vec::new())
+        } else {
+            let refs: Vec<&PlaceholderGroup> = groups.iter().map(|g| &g.2).collect();
+            verify_step_with_placeholders(
+                self.model,
+                self.backend,
+                &mut self.cache,
+                tree,
+                &refs,
+                &mut self.verifier,
+            )?
+        };
         self.metrics.record(tree, &o);
+        if !groups.is_empty() {
+            self.metrics.placeholder_rows += extra;
+        }
         self.tokens.extend(o.emitted());
-        for d in drafters.iter_mut() {
+        let vocab = self.model.config.vocab_size;
+        for (i, d) in drafters.iter_mut().enumerate() {
+            let seen = groups
+                .iter()
+                .zip(&group_logits)
+                .find_map(|((di, j, _), l)| match l {
+                    Some(l) if *di == i => Some(GroupLogits {
+                        group: *j,
+                        logits: l,
+                        vocab,
+                    }),
+                    _ => None,
+                });
+            d.observe(seen);
             d.accept(&o.tokens, o.bonus);
         }
         Ok(o)
@@ -330,9 +446,12 @@ pub fn generate<B: Backend>(
     let mut sampler = Sampler::new(params.sampling.clone())?;
     // The slots incremental decoding would use; tree passes need `budget + 1` scratch slots more.
     let cap = (prompt.len() + params.max_tokens).min(limit);
+    let placeholders: usize = drafters.iter().map(|d| d.max_placeholder_rows()).sum();
     let mut cache = KvCache::new(
         &model.config,
-        cap.saturating_add(spec.budget).saturating_add(1),
+        cap.saturating_add(spec.budget)
+            .saturating_add(1)
+            .saturating_add(placeholders),
     );
     let mut sink = TokenSink::new(tokenizer, params, on_text);
     // Prefill exactly as incremental generation does; the first token comes from its logits.

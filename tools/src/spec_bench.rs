@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use arbor_engine::draft::{
     early_exit, DraftSampling, DraftShape, Drafter, ModelDrafter, NgramDrafter, OracleDrafter,
-    RandomDrafter,
+    RandomDrafter, SpaceDrafter, SpaceMode,
 };
 use arbor_engine::generate::{generate, GenerateParams};
 use arbor_engine::sample::verify::{Verifier, VerifyMode};
@@ -190,12 +190,18 @@ pub fn format_table(r: &SpecBench) -> String {
 }
 
 /// A real drafter named on the command line: `ngram[:N]` (prompt lookup, longest n-gram N),
-/// `early-exit:L` (the LLM's first L layers) or a draft model (registry name or GGUF path).
+/// `early-exit:L` (the LLM's first L layers), `space[:K]` (SPACE, training-free) or a draft model
+/// (registry name or GGUF path).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DraftSpec {
     Ngram(usize),
     EarlyExit(usize),
     Model(String),
+    /// SPACE with `k` candidates per pass: training-free (Jacobi) or with a mask token id.
+    Space {
+        k: usize,
+        mask: Option<u32>,
+    },
 }
 
 impl std::str::FromStr for DraftSpec {
@@ -216,6 +222,15 @@ impl std::str::FromStr for DraftSpec {
         }
         if let Some(l) = s.strip_prefix("early-exit:") {
             return Ok(DraftSpec::EarlyExit(num(l, "expected early-exit:LAYERS")?));
+        }
+        if s == "space" {
+            return Ok(DraftSpec::Space { k: 4, mask: None });
+        }
+        if let Some(k) = s.strip_prefix("space:") {
+            return Ok(DraftSpec::Space {
+                k: num(k, "expected space:K with K >= 1")?,
+                mask: None,
+            });
         }
         if s == "early-exit" {
             return Err(EngineError::InvalidArgument(
@@ -258,6 +273,16 @@ pub fn build_drafters<'m>(
                 DraftSampling::TopK,
                 seed,
             )?)),
+            DraftSpec::Space { k, mask } => {
+                let mode = mask.map_or(SpaceMode::Jacobi, SpaceMode::MaskToken);
+                out.push(Box::new(SpaceDrafter::new(
+                    *k,
+                    mode,
+                    DraftSampling::TopK,
+                    llm.config.vocab_size,
+                    seed,
+                )?));
+            }
             DraftSpec::Model(name) => {
                 let m = next_ssm.next().ok_or_else(|| {
                     EngineError::InvalidArgument(format!("draft model '{name}' is not loaded"))
@@ -375,6 +400,12 @@ pub fn suite_bench(
         vec![ng.clone()],
         "1,1,1,1,1,1,1,1".parse()?,
         16,
+    ));
+    configs.push((
+        "SPACE training-free k=4".into(),
+        vec![DraftSpec::Space { k: 4, mask: None }],
+        "1,1,1,1".parse()?,
+        4,
     ));
     let prompts: Vec<Vec<u32>> = SUITE_PROMPTS
         .iter()

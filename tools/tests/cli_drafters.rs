@@ -1,4 +1,4 @@
-//! End-to-end tests of `arbor generate --draft …` with real drafters (SSM, prompt lookup, early exit; merged and dynamic trees): same tokens as plain generation, acceptance reported.
+//! End-to-end tests of `arbor generate --draft …` with real drafters (SSM, prompt lookup, early exit, SPACE; merged and dynamic trees): same tokens as plain generation, acceptance reported.
 
 mod common;
 
@@ -29,10 +29,15 @@ fn real_drafters_match_plain_generation_and_report_acceptance() {
             "1,1,3,1,1",
         ][..],
         &["--draft", "smollm2-135m", "--tree", "dynamic:8"][..],
+        &["--space", "--space-k", "3"][..],
+        &["--space", "--space-mask-token", "0", "--draft", "ngram"][..],
     ] {
         let mut args = BASE.to_vec();
         args.extend(extra);
         let j = json(&args);
+        if extra.contains(&"--space") {
+            assert!(j["spec"]["placeholder_rows"].as_u64().unwrap() > 0, "{j}");
+        }
         assert_eq!(j["tokens"], plain["tokens"], "{extra:?}");
         let s = &j["spec"];
         assert_eq!(s["mode"], "greedy");
@@ -53,6 +58,9 @@ fn bad_drafters_and_trees_are_refused() {
         &["--draft", "ngram", "--tree", "dynamic:0"][..],
         &["--draft", "oracle", "--tree", "dynamic:8"][..],
         &["--draft", "early-exit:999"][..],
+        &["--space", "--space-k", "0"][..],
+        &["--space", "--space-mask-token", "99999999"][..],
+        &["--space-k", "3"][..],
     ] {
         let mut args = BASE.to_vec();
         args.extend(extra);

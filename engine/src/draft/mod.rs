@@ -9,16 +9,20 @@
 //!   the building block for model-based drafters and for distribution tests;
 //! - [`ModelDrafter`]: a small model (SSM) or the LLM's first layers ([`early_exit`]), with its
 //!   own KV cache, fixed or dynamic ([`DraftShape`]) trees;
-//! - [`NgramDrafter`]: prompt lookup.
+//! - [`NgramDrafter`]: prompt lookup;
+//! - [`SpaceDrafter`]: SPACE auto-correct decoding (drafts from placeholder rows of the LLM's own
+//!   verification pass).
 
 pub mod dynamic;
 pub mod early_exit;
 pub mod ngram;
+pub mod space;
 pub mod ssm;
 
 pub use dynamic::DraftShape;
 pub use early_exit::early_exit;
 pub use ngram::NgramDrafter;
+pub use space::{SpaceDrafter, SpaceMode};
 pub use ssm::{check_same_vocab, DraftSampling, ModelDrafter};
 
 use crate::error::Result;
@@ -60,6 +64,44 @@ pub trait Drafter: Send {
     /// The LLM accepted `accepted` (tokens after the root, in order) and then sampled `bonus`,
     /// the next root. Drafters with their own caches follow the sequence here.
     fn accept(&mut self, _accepted: &[u32], _bonus: u32) {}
+
+    /// Placeholder rows to append to the verification pass of `tree` (the merged tree about to
+    /// be verified), SPACE-style: each group is a chain hanging off one tree node. They are never
+    /// verified or committed; [`Drafter::observe`] gets the logits of the group hanging off the
+    /// last accepted node. Default: none.
+    fn placeholders(&mut self, _tree: &TokenTree) -> Vec<PlaceholderGroup> {
+        Vec::new()
+    }
+
+    /// Most placeholder rows [`Drafter::placeholders`] ever returns (callers reserve KV scratch
+    /// slots for them).
+    fn max_placeholder_rows(&self) -> usize {
+        0
+    }
+
+    /// After each verification pass, before [`Drafter::accept`]: the logits of this drafter's
+    /// placeholder group anchored at the last accepted node (the root when nothing was accepted),
+    /// or `None` when it had no group there (or its groups did not fit in the pass).
+    fn observe(&mut self, _group: Option<GroupLogits<'_>>) {}
+}
+
+/// A chain of placeholder tokens hanging off tree node `anchor`: token `j` sits at the position
+/// after the anchor plus `j` and attends to the committed prefix, the anchor's path and the
+/// group's earlier tokens only (never to other groups or other tree branches).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlaceholderGroup {
+    pub anchor: usize,
+    pub tokens: Vec<u32>,
+}
+
+/// The LLM's logits over one placeholder group, returned to the drafter that asked for it.
+#[derive(Clone, Copy, Debug)]
+pub struct GroupLogits<'a> {
+    /// Index of the group in the list the drafter returned.
+    pub group: usize,
+    /// `[group length, vocab]`, row `j` = the LLM's next-token logits after placeholder `j`.
+    pub logits: &'a [f32],
+    pub vocab: usize,
 }
 
 /// A test oracle: knows the sequence the LLM will produce (prompt + continuation). At each

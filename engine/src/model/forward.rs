@@ -54,18 +54,56 @@ impl Model {
         )
     }
 
-    /// Validate the batch, then run it through `n_layers` layers (long causal batches in chunks).
-    #[allow(clippy::too_many_arguments)]
-    fn forward_layers<B: Backend>(
+    /// Run the whole model over a batch like [`Model::forward`] (one pass, no chunking) but return
+    /// the final hidden states `[n_tok, n_embd]` (before the output norm) instead of logits, so the
+    /// caller computes logits later for the rows it turns out to need ([`Model::logits_of`]; SPACE
+    /// verifies the tree first, then reads only the placeholder group after the accepted path).
+    pub fn forward_hidden<B: Backend>(
         &self,
         backend: &B,
         cache: &mut KvCache,
         tokens: &[u32],
         positions: &[usize],
         mask: BatchMask<'_>,
-        logit_rows: &[usize],
-        n_layers: usize,
     ) -> Result<Vec<f32>> {
+        self.check_batch(cache, tokens, positions, &[])?;
+        cache.reserve(tokens.len())?;
+        let n_layers = self.layers.len();
+        backend.scope(|| self.layers_inner(backend, cache, tokens, positions, mask, n_layers))
+    }
+
+    /// Logits `[rows.len(), vocab]` of the listed rows of `hidden` (`[n, n_embd]`, from
+    /// [`Model::forward_hidden`]): final norm and output head.
+    pub fn logits_of<B: Backend>(
+        &self,
+        backend: &B,
+        hidden: &[f32],
+        rows: &[usize],
+    ) -> Result<Vec<f32>> {
+        let d = self.config.n_embd;
+        let n = hidden.len() / d.max(1);
+        if hidden.len() != n * d {
+            return Err(EngineError::Shape(format!(
+                "hidden states of {} values are not rows of {d}",
+                hidden.len()
+            )));
+        }
+        if let Some(&r) = rows.iter().find(|&&r| r >= n) {
+            return Err(EngineError::InvalidArgument(format!(
+                "logit row {r} is outside the batch of {n}"
+            )));
+        }
+        backend.scope(|| self.head(backend, hidden, rows))
+    }
+
+    /// Check a batch's shapes against `cache` and this model.
+    fn check_batch(
+        &self,
+        cache: &KvCache,
+        tokens: &[u32],
+        positions: &[usize],
+        logit_rows: &[usize],
+    ) -> Result<()> {
         let n_tok = tokens.len();
         if n_tok == 0 || positions.len() != n_tok {
             return Err(EngineError::InvalidArgument(
@@ -82,6 +120,23 @@ impl Model {
                 "KV cache belongs to another model".into(),
             ));
         }
+        Ok(())
+    }
+
+    /// Validate the batch, then run it through `n_layers` layers (long causal batches in chunks).
+    #[allow(clippy::too_many_arguments)]
+    fn forward_layers<B: Backend>(
+        &self,
+        backend: &B,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        positions: &[usize],
+        mask: BatchMask<'_>,
+        logit_rows: &[usize],
+        n_layers: usize,
+    ) -> Result<Vec<f32>> {
+        let n_tok = tokens.len();
+        self.check_batch(cache, tokens, positions, logit_rows)?;
         cache.reserve(n_tok)?;
         if !matches!(mask, BatchMask::Causal) || n_tok <= PREFILL_CHUNK {
             return backend.scope(|| {
@@ -131,6 +186,20 @@ impl Model {
         positions: &[usize],
         mask: BatchMask<'_>,
         logit_rows: &[usize],
+        n_layers: usize,
+    ) -> Result<Vec<f32>> {
+        let x = self.layers_inner(backend, cache, tokens, positions, mask, n_layers)?;
+        self.head(backend, &x, logit_rows)
+    }
+
+    /// The decoder layers: returns the residual stream `[n_tok, n_embd]` after `n_layers` layers.
+    fn layers_inner<B: Backend>(
+        &self,
+        backend: &B,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        positions: &[usize],
+        mask: BatchMask<'_>,
         n_layers: usize,
     ) -> Result<Vec<f32>> {
         let c = &self.config;
@@ -198,8 +267,13 @@ impl Model {
             add_in_place(&mut x, &proj);
         }
         cache.advance(n_tok);
+        Ok(x)
+    }
 
-        // Output head, only for the rows asked for.
+    /// Final norm and output head for the rows `logit_rows` of the residual stream `x`.
+    fn head<B: Backend>(&self, backend: &B, x: &[f32], logit_rows: &[usize]) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let d = c.n_embd;
         let n_out = logit_rows.len();
         if n_out == 0 {
             return Ok(Vec::new());

@@ -99,7 +99,7 @@ struct GenerateArgs {
 struct SpecArgs {
     /// Speculate with these drafters (repeatable or comma-separated; their trees are merged):
     /// a draft model with the LLM's vocabulary (registry name or GGUF path), ngram[:N] (prompt
-    /// lookup), early-exit:L (the LLM's first L layers), oracle (knows the continuation: runs
+    /// lookup), early-exit:L (the LLM's first L layers), space[:K] (SPACE, training-free), oracle (knows the continuation: runs
     /// incremental generation first), random.
     #[arg(long, visible_alias = "draft", value_delimiter = ',')]
     speculate: Vec<String>,
@@ -113,6 +113,18 @@ struct SpecArgs {
     /// Verification: auto (greedy when --temperature 0, else mss), greedy, mss, naive.
     #[arg(long, default_value = "auto")]
     speculate_verify: String,
+    /// SPACE auto-correct decoding: each verification pass also drafts the next candidates from
+    /// placeholder groups (training-free: the previous pass's own predictions fill them). Merges
+    /// with any --draft drafters.
+    #[arg(long)]
+    space: bool,
+    /// SPACE candidates per pass (and placeholders per group).
+    #[arg(long, default_value_t = 4, requires = "space")]
+    space_k: usize,
+    /// SPACE mask-token mode: fill placeholders with this token id (for models fine-tuned
+    /// semi-autoregressively) instead of the training-free predictions.
+    #[arg(long, requires = "space")]
+    space_mask_token: Option<u32>,
 }
 
 impl SpecArgs {
@@ -134,12 +146,21 @@ impl SpecArgs {
                     if !known && !std::path::Path::new(name).is_file() {
                         bail!(
                             "unknown drafter '{name}' (a known model or GGUF path, ngram[:N], \
-                             early-exit:L, oracle, random)"
+                             early-exit:L, space[:K], oracle, random)"
                         );
                     }
                 }
                 real.push(spec);
             }
+        }
+        if self.space {
+            if self.space_k == 0 || self.space_k > 32 {
+                bail!("--space-k must be between 1 and 32");
+            }
+            real.push(DraftSpec::Space {
+                k: self.space_k,
+                mask: self.space_mask_token,
+            });
         }
         let mode = match self.speculate_verify.as_str() {
             "auto" => None,
@@ -320,7 +341,7 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
             let _ = stdout.flush();
         }
     };
-    let (out, spec_metrics) = if a.spec.speculate.is_empty() {
+    let (out, spec_metrics) = if a.spec.speculate.is_empty() && !a.spec.space {
         (
             generate(&model, &backend, &tok, &prompt, &params, on_text)?,
             None,
@@ -378,6 +399,7 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
                     "accepted": m.accepted,
                     "mean_accepted": m.mean_accepted(),
                     "acceptance_by_depth": m.acceptance_by_depth(),
+                    "placeholder_rows": m.placeholder_rows,
                 });
             }
             writeln!(stdout, "{j}")?;
