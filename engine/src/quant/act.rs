@@ -44,7 +44,7 @@ pub(crate) fn quantize_row(level: KernelLevel, ty: GgmlType, x: &[f32], out: &mu
     let kind = act_kind(ty);
     #[cfg(target_arch = "x86_64")]
     match level {
-        KernelLevel::Avx512Vnni => {
+        KernelLevel::Avx512Vnni | KernelLevel::Amx => {
             let mut nat = [0u8; REC];
             for (g, rec) in out.chunks_exact_mut(REC).enumerate() {
                 let xs = &x[g * GROUP..x.len().min((g + 1) * GROUP)];

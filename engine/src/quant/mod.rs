@@ -9,13 +9,17 @@
 //! * `x86_avx2` — AVX2 `maddubs`/`madd`, activations in natural order;
 //! * `x86_avx512` — AVX-512 VNNI `dpbusd`; activations are stored permuted so that every 32-bit lane
 //!   of the accumulator covers exactly one 16-element chunk of one scale group, which lets all four
-//!   64-byte registers of a 256-element group accumulate into one register.
+//!   64-byte registers of a 256-element group accumulate into one register;
+//! * `amx` — AMX int8 tiles (`tdpbssd`, 16 output × 16 activation rows per scale sub-block) for
+//!   Q4_K/Q6_K/Q8_0 matmuls with at least `amx::MIN_TOK` activation rows, when the OS grants AMX.
 //!
 //! Every kernel unpacks each weight group once and dots it against all activation rows of the call
 //! (the activation rows, the accumulators and a k-block of the activations stay in L1/L2), so
 //! multiplying 16 rows costs far less than 16 single-row calls.
 
 mod act;
+#[cfg(target_arch = "x86_64")]
+mod amx;
 mod formats;
 mod scalar;
 #[cfg(test)]
@@ -256,26 +260,38 @@ pub enum KernelLevel {
     Scalar,
     Avx2,
     Avx512Vnni,
+    /// AVX-512 VNNI plus AMX int8 tiles for quantized matmuls with many activation rows (x86_64
+    /// Linux, only when CPUID reports AMX-INT8 and the kernel grants the tile state).
+    Amx,
 }
 
 impl KernelLevel {
-    /// The best level this CPU supports (runtime CPUID), lowered by the environment variable
-    /// `ARBOR_KERNEL=scalar|avx2|avx512` if set (it can never raise it).
+    /// The best level this CPU supports (runtime CPUID, and for AMX the OS grant), chosen by the
+    /// environment variable `ARBOR_KERNEL=scalar|avx2|avx512|amx` (it can never exceed the hardware):
+    ///
+    /// * unset (or `avx512`): at most `Avx512Vnni`. AMX is opt-in for now because its f32 sums are
+    ///   ordered differently from the VNNI kernels that single-row decode uses, so a batched
+    ///   forward is no longer bit-identical to incremental decoding (the model tests compare the
+    ///   f16 KV caches of both at 1e-5);
+    /// * `amx`: `Amx` where granted — AMX tiles for quantized matmuls of `amx::MIN_TOK` or more rows;
+    /// * `avx2`, `scalar`: those kernels only.
     pub fn detect() -> KernelLevel {
         let hw = hw_level();
         match std::env::var("ARBOR_KERNEL").ok().as_deref().map(str::trim) {
             Some(s) if s.eq_ignore_ascii_case("scalar") => KernelLevel::Scalar,
             Some(s) if s.eq_ignore_ascii_case("avx2") => hw.min_with(KernelLevel::Avx2),
-            _ => hw,
+            Some(s) if s.eq_ignore_ascii_case("amx") => hw,
+            _ => hw.min_with(KernelLevel::Avx512Vnni),
         }
     }
 
-    /// Short name ("scalar", "avx2", "avx512").
+    /// Short name ("scalar", "avx2", "avx512", "amx").
     pub fn name(self) -> &'static str {
         match self {
             KernelLevel::Scalar => "scalar",
             KernelLevel::Avx2 => "avx2",
             KernelLevel::Avx512Vnni => "avx512",
+            KernelLevel::Amx => "amx",
         }
     }
 
@@ -284,6 +300,7 @@ impl KernelLevel {
             KernelLevel::Scalar => 0,
             KernelLevel::Avx2 => 1,
             KernelLevel::Avx512Vnni => 2,
+            KernelLevel::Amx => 3,
         }
     }
 
@@ -302,6 +319,7 @@ impl KernelLevel {
             KernelLevel::Scalar,
             KernelLevel::Avx2,
             KernelLevel::Avx512Vnni,
+            KernelLevel::Amx,
         ]
         .into_iter()
         .filter(|l| l.rank() <= hw.rank())
@@ -325,7 +343,9 @@ fn detect_hw() -> KernelLevel {
         && is_x86_feature_detected!("avx512bw")
         && is_x86_feature_detected!("avx512vl")
         && is_x86_feature_detected!("avx512vnni");
-    if avx512 {
+    if avx512 && amx::granted() {
+        KernelLevel::Amx
+    } else if avx512 {
         KernelLevel::Avx512Vnni
     } else if avx2 {
         KernelLevel::Avx2
@@ -398,6 +418,12 @@ pub fn matmul_with(
         return Ok(());
     }
     let level = level.min_with(hw_level());
+    #[cfg(target_arch = "x86_64")]
+    if level == KernelLevel::Amx && n_tok >= amx::MIN_TOK && amx::matmul(w, x, n_tok, y) {
+        return Ok(());
+    }
+    // Everything the AMX path does not cover runs the VNNI kernels.
+    let level = level.min_with(KernelLevel::Avx512Vnni);
     if w.ty.is_float() {
         run_rows(w, n_tok, y, &|r0, r1, yp| {
             float_rows(level, w, x, n_tok, r0, r1, yp)
@@ -494,7 +520,7 @@ fn quant_rows(
     {
         match level {
             // SAFETY: the level was clamped to what `hw_level()` detected on this CPU.
-            KernelLevel::Avx512Vnni => {
+            KernelLevel::Avx512Vnni | KernelLevel::Amx => {
                 return unsafe { x86_avx512::quant_rows(w, act, stride, n_tok, r0, r1, y) }
             }
             KernelLevel::Avx2 => {
@@ -520,7 +546,7 @@ fn float_rows(
     {
         match level {
             // SAFETY: the level was clamped to what `hw_level()` detected on this CPU.
-            KernelLevel::Avx512Vnni => {
+            KernelLevel::Avx512Vnni | KernelLevel::Amx => {
                 return unsafe { x86_avx512::float_rows(w, x, n_tok, r0, r1, y) }
             }
             KernelLevel::Avx2 => return unsafe { x86_avx2::float_rows(w, x, n_tok, r0, r1, y) },

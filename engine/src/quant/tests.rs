@@ -564,7 +564,7 @@ fn timing() {
         let bytes = mats[0].len();
         for level in levels() {
             let mut line = format!("{ty} {n_out}x{n_in} {:>6}:", level.name());
-            for n_tok in [1usize, 4, 16, 64] {
+            for n_tok in [1usize, 4, 8, 16, 32, 64] {
                 if level == KernelLevel::Scalar && n_tok > 4 {
                     continue;
                 }
@@ -590,6 +590,93 @@ fn timing() {
                 }
             }
             eprintln!("{line}");
+        }
+    }
+}
+
+/// The AMX kernels agree with the scalar reference (same tolerance as `simd_matches_scalar`) for
+/// every covered type, activation row counts around the 16-row tile and output row counts that
+/// are not a multiple of 16, on one and on several threads.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn amx_matches_scalar() {
+    if !amx::granted() {
+        eprintln!(
+            "skipping amx_matches_scalar: AMX int8 is not available or not granted by the OS"
+        );
+        return;
+    }
+    let mut rng = StdRng::seed_from_u64(8);
+    let pools: Vec<rayon::ThreadPool> = [1, 3]
+        .iter()
+        .map(|&n| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(n)
+                .build()
+                .unwrap()
+        })
+        .collect();
+    for ty in [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0] {
+        for n_in in [256usize, 768] {
+            for (n_out, raw) in [(37usize, true), (75, false), (16, true)] {
+                let data = random_matrix(&mut rng, ty, n_out, n_in, raw);
+                let w = QMatrix::new(ty, &data, n_out, n_in).unwrap();
+                let wf = dequant_matrix(ty, &data, n_out, n_in);
+                for n_tok in [1usize, 5, 16, 17, 33, 64] {
+                    let x = activations(&mut rng, n_tok, n_in);
+                    let mut want = vec![0f32; n_tok * n_out];
+                    matmul_with(KernelLevel::Scalar, &w, &x, n_tok, &mut want).unwrap();
+                    for pool in &pools {
+                        let mut got = vec![f32::NAN; n_tok * n_out];
+                        assert!(pool.install(|| amx::matmul(&w, &x, n_tok, &mut got)));
+                        for t in 0..n_tok {
+                            for o in 0..n_out {
+                                let (a, b) = (got[t * n_out + o], want[t * n_out + o]);
+                                let tol = 2e-5 * term_scale(&wf, &x, n_in, o, t) + 1e-6;
+                                assert!(
+                                    ((a - b) as f64).abs() <= tol,
+                                    "{ty} amx n_out {n_out} n_in {n_in} n_tok {n_tok} threads {} [t {t}, o {o}]: {a} vs scalar {b} (tol {tol})",
+                                    pool.current_num_threads()
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The AMX path declines what it does not cover (the caller then runs the VNNI kernels), and
+/// `matmul_with(Amx)` still agrees with the scalar kernel on those.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn amx_declines_uncovered_weights() {
+    let mut rng = StdRng::seed_from_u64(9);
+    for (ty, n_in) in [
+        (GgmlType::Q4_0, 256usize),
+        (GgmlType::Q8_0, 288),
+        (GgmlType::F16, 256),
+    ] {
+        let (n_out, n_tok) = (20, 16);
+        let data = random_matrix(&mut rng, ty, n_out, n_in, false);
+        let w = QMatrix::new(ty, &data, n_out, n_in).unwrap();
+        let x = activations(&mut rng, n_tok, n_in);
+        let mut y = vec![7f32; n_tok * n_out];
+        assert!(!amx::matmul(&w, &x, n_tok, &mut y));
+        assert!(
+            y.iter().all(|&v| v == 7.0),
+            "{ty}: declined call wrote output"
+        );
+        let mut want = vec![0f32; n_tok * n_out];
+        matmul_with(KernelLevel::Scalar, &w, &x, n_tok, &mut want).unwrap();
+        matmul_with(KernelLevel::Amx, &w, &x, n_tok, &mut y).unwrap();
+        let wf = dequant_matrix(ty, &data, n_out, n_in);
+        for t in 0..n_tok {
+            for o in 0..n_out {
+                let tol = 2e-5 * term_scale(&wf, &x, n_in, o, t) + 1e-6;
+                assert!(((y[t * n_out + o] - want[t * n_out + o]) as f64).abs() <= tol);
+            }
         }
     }
 }

@@ -1,0 +1,606 @@
+//! AMX int8 tile kernels: `tdpbssd` on 16 output rows × 16 activation rows per scale sub-block, float epilogue per sub-block.
+//!
+//! Used by `matmul_with` at `KernelLevel::Amx` for Q4_K, Q6_K and Q8_0 weights with `n_in % 256 == 0`
+//! and at least `MIN_TOK` activation rows; everything else keeps the AVX-512 VNNI kernels. The
+//! level exists only when CPUID reports AMX-TILE and AMX-INT8 and Linux grants the process the
+//! tile data state (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`, requested once).
+//!
+//! Tiles (one configuration per sub-block size `KS`, loaded by every row task on its own thread and
+//! released at its end): `tmm0..tmm3` are 16×16 int32 accumulators, `tmm4/tmm5` weight tiles
+//! (A: 16 output rows × `KS` int8), `tmm6/tmm7` activation tiles (B: `KS/4` rows × 16 activation
+//! rows × 4 int8, the VNNI layout). So `C[o, t] = Σ_k W[o, k] · a[t, k]` over one sub-block is one
+//! `tdpbssd`, an exact integer dot product as in the scalar reference.
+//!
+//! * Weights stay in their GGUF blocks: each 256-element group of 16 rows is unpacked into a 4 KiB
+//!   per-task scratch tile (signed int8: Q4_K 0..15, Q6_K −32..31, Q8_0 as stored) with one f32
+//!   scale per sub-block (and Q4_K's `dmin·m`), then dotted with every 16-row activation block.
+//! * Activations are quantized once per call (Q8_K / Q8_0 as the other kernels) and packed per
+//!   (16-row block, group) into records of `AREC` bytes: `[0, 4096)` the 64 B rows of the VNNI
+//!   layout (element order permuted to match the weight unpack), `[4096, 4160)` f32 `d` per row
+//!   (Q8_K), `[4160, 5184)` one f32 vector of 16 rows per sub-block: Q4_K 32-element sums of the
+//!   quantized values (for the mins), Q8_0 the block scales.
+//! * Epilogue per sub-block `p`: `G[o] += cvt(C_p[o]) · ws[o][p]` (Q8_0: `· ws · d_x[p]`); per group
+//!   Q4_K subtracts `Σ_j dmin·m_j · bsum_j` and K-quants scale by the activation `d`. Only the order
+//!   of the f32 sums differs from the scalar kernel.
+//!
+//! Opt-in: `matmul` takes this path only with `ARBOR_KERNEL=amx` (see `KernelLevel::detect`; unset or
+//! `avx512` keeps the VNNI kernels), because its f32 summation order differs from the single-row
+//! VNNI path, so batched and incremental forwards stop being bit-identical.
+
+use std::arch::asm;
+use std::arch::x86_64::*;
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
+
+use super::act::{self, ActKind, GROUP, OFF_BS, OFF_D, REC};
+use super::{GgmlType, QMatrix, YPtr};
+
+/// Fewest activation rows for which `matmul_with` takes the AMX path (measured crossover with the
+/// VNNI kernels on a 2-core Sapphire Rapids: below it the per-sub-block epilogue costs more than
+/// the tiles save).
+pub(crate) const MIN_TOK: usize = 8;
+
+/// Rows of a tile (output rows per A tile, activation rows per B tile).
+const TILE: usize = 16;
+/// Packed activation record: VNNI rows, per-row `d`, per-sub-block vectors.
+const OFF_DX: usize = 64 * 64;
+const OFF_V: usize = OFF_DX + 64;
+const AREC: usize = OFF_V + 16 * 64;
+/// Weight scratch: 16 rows × 256 int8.
+const AROW: usize = GROUP;
+/// Software prefetch distance for the weight stream, in groups.
+const PREFETCH_GROUPS: usize = 4;
+
+/// Whether AMX int8 tiles can run in this process (CPUID + AVX-512 VNNI + the kernel's grant);
+/// the grant is requested on the first call.
+pub(crate) fn granted() -> bool {
+    static G: OnceLock<bool> = OnceLock::new();
+    *G.get_or_init(request)
+}
+
+fn request() -> bool {
+    // SAFETY: CPUID is available on every x86_64 CPU; leaf 7 is read only if the max leaf allows it.
+    #[allow(unused_unsafe)]
+    let (max_leaf, edx7) = unsafe {
+        let max = __cpuid(0).eax;
+        (max, if max >= 7 { __cpuid_count(7, 0).edx } else { 0 })
+    };
+    let amx = max_leaf >= 7 && (edx7 >> 24) & 1 == 1 && (edx7 >> 25) & 1 == 1;
+    let vnni = is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl")
+        && is_x86_feature_detected!("avx512vnni")
+        && is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c");
+    amx && vnni && os_grant()
+}
+
+#[cfg(target_os = "linux")]
+fn os_grant() -> bool {
+    const SYS_ARCH_PRCTL: usize = 158;
+    const ARCH_GET_XCOMP_PERM: usize = 0x1022;
+    const ARCH_REQ_XCOMP_PERM: usize = 0x1023;
+    const XFEATURE_XTILEDATA: usize = 18;
+    /// Raw two-argument Linux syscall (the engine has no libc dependency).
+    unsafe fn syscall2(n: usize, a1: usize, a2: usize) -> isize {
+        let ret: isize;
+        asm!(
+            "syscall",
+            inlateout("rax") n as isize => ret,
+            in("rdi") a1,
+            in("rsi") a2,
+            lateout("rcx") _,
+            lateout("r11") _,
+            options(nostack)
+        );
+        ret
+    }
+    let mut perm: u64 = 0;
+    // SAFETY: arch_prctl with these codes only changes this process's permitted xfeatures or writes
+    // the permitted mask to `perm`, a live u64.
+    unsafe {
+        if syscall2(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0 {
+            return false;
+        }
+        if syscall2(
+            SYS_ARCH_PRCTL,
+            ARCH_GET_XCOMP_PERM,
+            &mut perm as *mut u64 as usize,
+        ) != 0
+        {
+            return false;
+        }
+    }
+    (perm >> XFEATURE_XTILEDATA) & 1 == 1
+}
+
+#[cfg(not(target_os = "linux"))]
+fn os_grant() -> bool {
+    false
+}
+
+/// Whether the AMX kernels cover this weight type and row length.
+pub(crate) fn supports(ty: GgmlType, n_in: usize) -> bool {
+    matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K | GgmlType::Q8_0)
+        && n_in.is_multiple_of(GROUP)
+        && n_in > 0
+}
+
+/// y = W x with the AMX kernels (any `n_tok >= 1`). Returns false, touching nothing, when AMX is
+/// not granted or the weights are not covered (`supports`). Shapes must have been validated as in
+/// `matmul_with`.
+pub(crate) fn matmul(w: &QMatrix, x: &[f32], n_tok: usize, y: &mut [f32]) -> bool {
+    if !granted() || !supports(w.ty, w.n_in) || n_tok == 0 || w.n_out == 0 {
+        return false;
+    }
+    debug_assert_eq!(x.len(), n_tok * w.n_in);
+    debug_assert_eq!(y.len(), n_tok * w.n_out);
+    let n_groups = w.n_in / GROUP;
+    let n_tb = n_tok.div_ceil(TILE);
+    let bytes = n_tb * n_groups * AREC;
+    let mut buf = super::take_scratch(bytes);
+    {
+        let act_bytes = super::bytes_of_lines(&mut buf, bytes);
+        let (ty, n_in) = (w.ty, w.n_in);
+        let fill = |(i, rec): (usize, &mut [u8])| {
+            pack_record(ty, x, n_in, n_tok, i / n_groups, i % n_groups, rec)
+        };
+        if n_tok * n_in >= 32768 && rayon::current_num_threads() > 1 {
+            act_bytes.par_chunks_mut(AREC).enumerate().for_each(fill);
+        } else {
+            act_bytes.chunks_mut(AREC).enumerate().for_each(fill);
+        }
+        let act_ro: &[u8] = act_bytes;
+        let n_out = w.n_out;
+        let yp = YPtr {
+            ptr: y.as_mut_ptr(),
+            n_out,
+        };
+        let task = |r0: usize, r1: usize| {
+            // SAFETY: `granted()` confirmed AMX-INT8, the tile grant and AVX-512 VNNI; `act_ro` holds
+            // `n_tb * n_groups` records built by `pack_record` for `w.ty`; `r1 <= n_out`; the caller
+            // validated `w`; tasks own disjoint row ranges of `y`.
+            unsafe { quant_rows(w, act_ro.as_ptr(), n_tok, r0, r1, yp) }
+        };
+        let threads = rayon::current_num_threads().max(1);
+        let per = n_out.div_ceil(threads * 4).next_multiple_of(TILE).max(TILE);
+        let n_tasks = n_out.div_ceil(per);
+        if threads == 1 || n_tasks == 1 {
+            task(0, n_out);
+        } else {
+            (0..n_tasks).into_par_iter().for_each(|i| {
+                let r0 = i * per;
+                task(r0, (r0 + per).min(n_out));
+            });
+        }
+    }
+    super::put_scratch(buf);
+    true
+}
+
+/// Natural element index of A-tile column `e` (0..256) of a group: Q4_K's unpack leaves the
+/// 32-element sub-blocks in the order 0, 2, 1, 3, 4, 6, 5, 7; the other types are natural.
+#[inline(always)]
+fn perm(ty: GgmlType, e: usize) -> usize {
+    if ty == GgmlType::Q4_K {
+        const P: [usize; 8] = [0, 2, 1, 3, 4, 6, 5, 7];
+        P[e / 32] * 32 + e % 32
+    } else {
+        e
+    }
+}
+
+/// Builds the packed record of activation rows `16 tb .. 16 tb + 16` (zeros past `n_tok`), group `g`.
+fn pack_record(
+    ty: GgmlType,
+    x: &[f32],
+    n_in: usize,
+    n_tok: usize,
+    tb: usize,
+    g: usize,
+    rec: &mut [u8],
+) {
+    let rec = &mut rec[..AREC];
+    rec.fill(0);
+    let kind = act::act_kind(ty);
+    let mut nat = [0u8; REC];
+    for t in 0..TILE {
+        let tok = tb * TILE + t;
+        if tok >= n_tok {
+            break;
+        }
+        let xs = &x[tok * n_in + g * GROUP..tok * n_in + (g + 1) * GROUP];
+        // SAFETY: this module runs only after `granted()` confirmed AVX2/FMA/F16C.
+        unsafe { super::x86_avx2::quantize_group(kind, xs, &mut nat) };
+        for r in 0..64 {
+            let src = perm(ty, 4 * r);
+            rec[r * 64 + 4 * t..r * 64 + 4 * t + 4].copy_from_slice(&nat[src..src + 4]);
+        }
+        let f32_at =
+            |off: usize| f32::from_le_bytes([nat[off], nat[off + 1], nat[off + 2], nat[off + 3]]);
+        let i16_at = |off: usize| i16::from_le_bytes([nat[off], nat[off + 1]]) as i32;
+        let put = |rec: &mut [u8], off: usize, v: f32| {
+            rec[off + 4 * t..off + 4 * t + 4].copy_from_slice(&v.to_le_bytes())
+        };
+        match kind {
+            ActKind::Q8K => {
+                put(rec, OFF_DX, f32_at(OFF_D));
+                for j in 0..8 {
+                    let bs = i16_at(OFF_BS + 4 * j) + i16_at(OFF_BS + 4 * j + 2);
+                    put(rec, OFF_V + 64 * j, bs as f32);
+                }
+            }
+            _ => {
+                for j in 0..8 {
+                    put(rec, OFF_V + 64 * j, f32_at(OFF_D + 4 * j));
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Weight unpacking
+// ---------------------------------------------------------------------------------------------
+
+/// One weight type: its sub-block size and its unpack of one 256-element group.
+trait Kind {
+    /// Elements per scale sub-block (the K of one `tdpbssd`).
+    const KS: usize;
+    /// Bytes of one 256-element group.
+    const GB: usize;
+    /// Q4_K mins: `ws[8 + j] = dmin · m_j`, subtracted against the activation sums.
+    const MINS: bool;
+    /// Q8_0: the activation scale is per sub-block (record vectors), not per group.
+    const SUB_DX: bool;
+    /// Unpacks the group at `p` into 256 int8 at `a` (A-tile column order) and the sub-block
+    /// scales (and mins) into `ws` (16 f32).
+    unsafe fn unpack(p: *const u8, a: *mut u8, ws: *mut f32);
+}
+
+struct Q4K;
+struct Q6K;
+struct Q80;
+
+#[inline(always)]
+unsafe fn rd_u32(p: *const u8) -> u32 {
+    std::ptr::read_unaligned(p as *const u32)
+}
+
+#[inline(always)]
+unsafe fn rd_u16(p: *const u8) -> u16 {
+    std::ptr::read_unaligned(p as *const u16)
+}
+
+/// Low and high nibbles of the 64 bytes at `p`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn nibbles(p: *const u8) -> (__m512i, __m512i) {
+    let v = _mm512_loadu_si512(p as *const __m512i);
+    let m4 = _mm512_set1_epi8(0x0F);
+    (
+        _mm512_and_si512(v, m4),
+        _mm512_and_si512(_mm512_srli_epi16(v, 4), m4),
+    )
+}
+
+impl Kind for Q4K {
+    const KS: usize = 32;
+    const GB: usize = 144;
+    const MINS: bool = true;
+    const SUB_DX: bool = false;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn unpack(p: *const u8, a: *mut u8, ws: *mut f32) {
+        let (l0, h0) = nibbles(p.add(16));
+        let (l1, h1) = nibbles(p.add(80));
+        _mm512_storeu_si512(a as *mut __m512i, l0);
+        _mm512_storeu_si512(a.add(64) as *mut __m512i, h0);
+        _mm512_storeu_si512(a.add(128) as *mut __m512i, l1);
+        _mm512_storeu_si512(a.add(192) as *mut __m512i, h1);
+        // Six-bit scales and mins (ggml's get_scale_min_k4), eight per u64.
+        const KMASK1: u32 = 0x3f3f_3f3f;
+        const KMASK2: u32 = 0x0f0f_0f0f;
+        const KMASK3: u32 = 0x0303_0303;
+        let dd = _mm_cvtph_ps(_mm_cvtsi32_si128(rd_u32(p) as i32));
+        let (d, dmin) = (_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_movehdup_ps(dd)));
+        let u0 = rd_u32(p.add(4));
+        let u1 = rd_u32(p.add(8));
+        let u2 = rd_u32(p.add(12));
+        let m_hi = ((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4);
+        let m_lo = u1 & KMASK1;
+        let sc_hi = (u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4);
+        let sc_lo = u0 & KMASK1;
+        let sc8 = (sc_lo as u64) | ((sc_hi as u64) << 32);
+        // Scales in A-column order: sub-blocks 0, 2, 1, 3, 4, 6, 5, 7 (swap bytes 1↔2 and 5↔6).
+        const KEEP: u64 = 0xFF00_00FF_FF00_00FF;
+        const MID1: u64 = 0x0000_FF00_0000_FF00;
+        const MID2: u64 = 0x00FF_0000_00FF_0000;
+        let sc8 = (sc8 & KEEP) | ((sc8 & MID1) << 8) | ((sc8 & MID2) >> 8);
+        let m8 = (m_lo as u64) | ((m_hi as u64) << 32);
+        let v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi64x(m8 as i64, sc8 as i64)));
+        let f = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d), _mm512_set1_ps(dmin));
+        _mm512_storeu_ps(ws, _mm512_mul_ps(v, f));
+    }
+}
+
+impl Kind for Q6K {
+    const KS: usize = 16;
+    const GB: usize = 210;
+    const MINS: bool = false;
+    const SUB_DX: bool = false;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn unpack(p: *const u8, a: *mut u8, ws: *mut f32) {
+        let m30 = _mm512_set1_epi8(0x30);
+        let c32 = _mm512_set1_epi8(32);
+        // Word shift counts: bytes 0..32 of a register take one 2-bit field of qh, bytes 32..64 the next.
+        let shl = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+        let shr = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+        for h in 0..2 {
+            let (lo, hi) = nibbles(p.add(64 * h));
+            let qh =
+                _mm512_broadcast_i64x4(_mm256_loadu_si256(p.add(128 + 32 * h) as *const __m256i));
+            let h0 = _mm512_and_si512(_mm512_sllv_epi16(qh, shl), m30);
+            let h1 = _mm512_and_si512(_mm512_srlv_epi16(qh, shr), m30);
+            let r0 = _mm512_sub_epi8(_mm512_or_si512(lo, h0), c32);
+            let r1 = _mm512_sub_epi8(_mm512_or_si512(hi, h1), c32);
+            _mm512_storeu_si512(a.add(128 * h) as *mut __m512i, r0);
+            _mm512_storeu_si512(a.add(128 * h + 64) as *mut __m512i, r1);
+        }
+        let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(rd_u16(p.add(208)) as i32)));
+        let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+            p.add(192) as *const __m128i
+        )));
+        _mm512_storeu_ps(ws, _mm512_mul_ps(sc, _mm512_set1_ps(d)));
+    }
+}
+
+impl Kind for Q80 {
+    const KS: usize = 32;
+    const GB: usize = 8 * 34;
+    const MINS: bool = false;
+    const SUB_DX: bool = true;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn unpack(p: *const u8, a: *mut u8, ws: *mut f32) {
+        let mut h = [0u16; 8];
+        for (b, v) in h.iter_mut().enumerate() {
+            let blk = p.add(34 * b);
+            *v = rd_u16(blk);
+            let q = _mm256_loadu_si256(blk.add(2) as *const __m256i);
+            _mm256_storeu_si256(a.add(32 * b) as *mut __m256i, q);
+        }
+        _mm256_storeu_ps(
+            ws,
+            _mm256_cvtph_ps(_mm_loadu_si128(h.as_ptr() as *const __m128i)),
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernel
+// ---------------------------------------------------------------------------------------------
+
+/// The 64-byte tile configuration (palette 1) for sub-blocks of `ks` elements.
+#[repr(C, align(64))]
+struct TileCfg([u8; 64]);
+
+fn tile_cfg(ks: usize) -> TileCfg {
+    let mut c = [0u8; 64];
+    c[0] = 1;
+    let mut set = |i: usize, rows: usize, colsb: usize| {
+        c[16 + 2 * i..18 + 2 * i].copy_from_slice(&(colsb as u16).to_le_bytes());
+        c[48 + i] = rows as u8;
+    };
+    for i in 0..4 {
+        set(i, TILE, 64);
+    }
+    set(4, TILE, ks);
+    set(5, TILE, ks);
+    set(6, ks / 4, 64);
+    set(7, ks / 4, 64);
+    TileCfg(c)
+}
+
+#[repr(C, align(64))]
+struct ABuf([u8; TILE * AROW]);
+
+#[repr(C, align(64))]
+struct CBuf([i32; 16 * TILE * TILE]);
+
+/// Four sub-blocks: `C_u = A_u · B_u` for u = 0..4 into `c` (4 × 1 KiB), where `A_u` is the
+/// 16 × `ks` tile at `a + u·ks` (row stride `AROW`) and `B_u` the `ks/4` × 64 B tile at
+/// `b + u·16·ks` (row stride 64).
+///
+/// # Safety
+/// Tiles must be configured by `tile_cfg(ks)` on this thread; the pointers must cover the tiles.
+#[inline(always)]
+unsafe fn tiles4(a: *const u8, b: *const u8, ks: usize, c: *mut i32) {
+    asm!(
+        "tilezero tmm0",
+        "tilezero tmm1",
+        "tilezero tmm2",
+        "tilezero tmm3",
+        "tileloadd tmm4, [{a} + {sa}*1]",
+        "tileloadd tmm6, [{b} + {s64}*1]",
+        "tdpbssd tmm0, tmm4, tmm6",
+        "add {a}, {ka}",
+        "add {b}, {kb}",
+        "tileloadd tmm5, [{a} + {sa}*1]",
+        "tileloadd tmm7, [{b} + {s64}*1]",
+        "tdpbssd tmm1, tmm5, tmm7",
+        "add {a}, {ka}",
+        "add {b}, {kb}",
+        "tileloadd tmm4, [{a} + {sa}*1]",
+        "tileloadd tmm6, [{b} + {s64}*1]",
+        "tdpbssd tmm2, tmm4, tmm6",
+        "add {a}, {ka}",
+        "add {b}, {kb}",
+        "tileloadd tmm5, [{a} + {sa}*1]",
+        "tileloadd tmm7, [{b} + {s64}*1]",
+        "tdpbssd tmm3, tmm5, tmm7",
+        "tilestored [{c} + {s64}*1], tmm0",
+        "tilestored [{c} + {s64}*1 + 1024], tmm1",
+        "tilestored [{c} + {s64}*1 + 2048], tmm2",
+        "tilestored [{c} + {s64}*1 + 3072], tmm3",
+        a = inout(reg) a => _,
+        b = inout(reg) b => _,
+        c = in(reg) c,
+        sa = in(reg) AROW,
+        s64 = in(reg) 64usize,
+        ka = in(reg) ks,
+        kb = in(reg) 16 * ks,
+        options(nostack)
+    );
+}
+
+/// Quantized rows `[r0, r1)` (16-row tiles) against packed activation records.
+///
+/// # Safety
+/// AMX-INT8 must be granted and AVX-512 VNNI present; `act` must hold `ceil(n_tok/16) * n_in/256`
+/// records built by `pack_record` for `w.ty`; `r1 <= w.n_out`; `w` validated.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn quant_rows(w: &QMatrix, act: *const u8, n_tok: usize, r0: usize, r1: usize, y: YPtr) {
+    match w.ty {
+        GgmlType::Q4_K => rows::<Q4K>(w, act, n_tok, r0, r1, y),
+        GgmlType::Q6_K => rows::<Q6K>(w, act, n_tok, r0, r1, y),
+        GgmlType::Q8_0 => rows::<Q80>(w, act, n_tok, r0, r1, y),
+        _ => {}
+    }
+}
+
+/// Row tiles × groups × 16-row activation blocks × sub-blocks, software-pipelined: all tile
+/// products of a (group, block) are issued first (4 sub-blocks per `tiles4`), then the next
+/// group's weights are unpacked into the other scratch buffer while the tiles compute, then the
+/// float epilogue reads the stored products into 16 per-row registers. The next row tile's
+/// weights are prefetched into L2 one group's share at a time.
+// `p` indexes the record vectors, the product buffer and the scales alike.
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn rows<K: Kind>(w: &QMatrix, act: *const u8, n_tok: usize, r0: usize, r1: usize, y: YPtr) {
+    let cfg = tile_cfg(K::KS);
+    asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
+    let rb = w.row_bytes();
+    let n_groups = w.n_in / GROUP;
+    let n_tb = n_tok.div_ceil(TILE);
+    let nsub = GROUP / K::KS;
+    let mut abuf = [ABuf([0; TILE * AROW]), ABuf([0; TILE * AROW])];
+    let mut cbuf = CBuf([0; 16 * TILE * TILE]);
+    let mut ws = [[[0f32; 16]; TILE]; 2];
+    let mut acc = vec![_mm512_setzero_ps(); TILE * n_tb];
+    let base = w.data.as_ptr();
+    // Unpacks group `g` of the row tile at `o0` (`nr` valid rows) into buffer `s`.
+    let unpack =
+        |abuf: &mut [ABuf; 2], ws: &mut [[[f32; 16]; TILE]; 2], o0: usize, nr: usize, g: usize| {
+            let s = g % 2;
+            for (i, wsi) in ws[s].iter_mut().enumerate() {
+                // Rows past the end repeat the last one (their results are dropped).
+                let p = base.add((o0 + i.min(nr - 1)) * rb + g * K::GB);
+                if g + PREFETCH_GROUPS < n_groups {
+                    let pf = p.add(PREFETCH_GROUPS * K::GB);
+                    let mut off = 0;
+                    while off < K::GB {
+                        _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(off) as *const i8);
+                        off += 64;
+                    }
+                }
+                K::unpack(p, abuf[s].0.as_mut_ptr().add(i * AROW), wsi.as_mut_ptr());
+            }
+        };
+    let mut o0 = r0;
+    while o0 < r1 {
+        let nr = (r1 - o0).min(TILE);
+        acc.fill(_mm512_setzero_ps());
+        unpack(&mut abuf, &mut ws, o0, nr, 0);
+        let next_tile = base.wrapping_add((o0 + TILE) * rb);
+        let share = TILE * K::GB;
+        for g in 0..n_groups {
+            let s = g % 2;
+            let mut off = g * share;
+            // Long rows stream through the per-row prefetch; short ones fetch the next tile.
+            while n_groups <= 2 * PREFETCH_GROUPS && off < (g + 1) * share {
+                _mm_prefetch::<_MM_HINT_T1>(next_tile.wrapping_add(off) as *const i8);
+                off += 64;
+            }
+            for tb in 0..n_tb {
+                let rec = act.add((tb * n_groups + g) * AREC);
+                let cptr = cbuf.0.as_mut_ptr();
+                let issue = |b: usize, abuf: &[ABuf; 2]| {
+                    tiles4(
+                        abuf[s].0.as_ptr().add(4 * b * K::KS),
+                        rec.add(4 * b * 16 * K::KS),
+                        K::KS,
+                        cptr.add(4 * b * TILE * TILE),
+                    )
+                };
+                let nb = nsub / 4;
+                issue(0, &abuf);
+                let mut gacc = [_mm512_setzero_ps(); TILE];
+                for b in 0..nb {
+                    // Keep the tile unit busy while this batch's products are scaled.
+                    if b + 1 < nb {
+                        issue(b + 1, &abuf);
+                    } else if tb + 1 == n_tb && g + 1 < n_groups {
+                        unpack(&mut abuf, &mut ws, o0, nr, g + 1);
+                    }
+                    let ws = &ws[s];
+                    for p in 4 * b..4 * b + 4 {
+                        let cb = cptr.add(p * TILE * TILE) as *const i32;
+                        if K::SUB_DX {
+                            let dx = _mm512_loadu_ps(rec.add(OFF_V + 64 * p) as *const f32);
+                            for (i, ga) in gacc.iter_mut().enumerate() {
+                                let c = _mm512_cvtepi32_ps(_mm512_load_si512(
+                                    cb.add(i * TILE) as *const __m512i
+                                ));
+                                let sc = _mm512_mul_ps(dx, _mm512_set1_ps(ws[i][p]));
+                                *ga = _mm512_fmadd_ps(c, sc, *ga);
+                            }
+                        } else {
+                            for (i, ga) in gacc.iter_mut().enumerate() {
+                                let c = _mm512_cvtepi32_ps(_mm512_load_si512(
+                                    cb.add(i * TILE) as *const __m512i
+                                ));
+                                *ga = _mm512_fmadd_ps(c, _mm512_set1_ps(ws[i][p]), *ga);
+                            }
+                        }
+                    }
+                }
+                let ws = &ws[s];
+                if K::MINS {
+                    for j in 0..8 {
+                        let bs = _mm512_loadu_ps(rec.add(OFF_V + 64 * j) as *const f32);
+                        for (i, ga) in gacc.iter_mut().enumerate() {
+                            *ga = _mm512_fnmadd_ps(_mm512_set1_ps(ws[i][8 + j]), bs, *ga);
+                        }
+                    }
+                }
+                let a = &mut acc[tb * TILE..(tb + 1) * TILE];
+                if K::SUB_DX {
+                    for (av, ga) in a.iter_mut().zip(&gacc) {
+                        *av = _mm512_add_ps(*av, *ga);
+                    }
+                } else {
+                    let dx = _mm512_loadu_ps(rec.add(OFF_DX) as *const f32);
+                    for (av, ga) in a.iter_mut().zip(&gacc) {
+                        *av = _mm512_fmadd_ps(*ga, dx, *av);
+                    }
+                }
+            }
+        }
+        let mut lanes = [0f32; TILE];
+        for tb in 0..n_tb {
+            let nt = (n_tok - tb * TILE).min(TILE);
+            for i in 0..nr {
+                _mm512_storeu_ps(lanes.as_mut_ptr(), acc[tb * TILE + i]);
+                for (t, &v) in lanes.iter().take(nt).enumerate() {
+                    y.write(tb * TILE + t, o0 + i, v);
+                }
+            }
+        }
+        o0 += TILE;
+    }
+    asm!("tilerelease", options(nostack, nomem));
+}
