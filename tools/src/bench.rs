@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
+use arbor_engine::tree::TreeMask;
 use arbor_engine::{BatchMask, CpuBackend, KvCache, Model, Result, Tokenizer};
 
 /// Built-in text the benchmark prompt is cut from (mixed prose and code).
@@ -89,13 +90,17 @@ pub fn decode_bench(
     let decode_tok_s = decode_tokens as f64 / t.elapsed().as_secs_f64();
 
     // One forward over n new tokens at a context of `context`: logits for every new token, and
-    // for the last one only.
+    // for the last one only. The tokens form a chain verified with a tree mask, so this measures
+    // the tree-verification path (the kernels of single-token decoding; prompt prefill may use
+    // faster ones, see `Backend::scope_prefill`).
     let mut forward_ms = BTreeMap::new();
     let mut forward_last_ms = BTreeMap::new();
     for n in [1usize, 4, 16, 64] {
         let toks: Vec<u32> = prompt.iter().copied().cycle().skip(7).take(n).collect();
         let pos: Vec<usize> = (context..context + n).collect();
         let all: Vec<usize> = (0..n).collect();
+        let parents: Vec<Option<usize>> = (0..n).map(|i| i.checked_sub(1)).collect();
+        let chain = TreeMask::from_parents(&parents);
         for (rows, out) in [
             (&all[..], &mut forward_ms),
             (&all[n - 1..], &mut forward_last_ms),
@@ -104,7 +109,14 @@ pub fn decode_bench(
             for _ in 0..reps {
                 cache.truncate(context);
                 let t = Instant::now();
-                model.forward(backend, &mut cache, &toks, &pos, BatchMask::Causal, rows)?;
+                model.forward(
+                    backend,
+                    &mut cache,
+                    &toks,
+                    &pos,
+                    chain.as_batch_mask(),
+                    rows,
+                )?;
                 times.push(t.elapsed().as_secs_f64() * 1e3);
             }
             times.sort_by(f64::total_cmp);

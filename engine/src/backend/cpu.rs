@@ -10,6 +10,8 @@ use crate::quant::{self, QMatrix};
 /// The CPU backend owns its worker pool; `threads` = 0 means one per core.
 pub struct CpuBackend {
     pool: rayon::ThreadPool,
+    /// Whether prompt prefill may use AMX tiles (see [`Backend::scope_prefill`]).
+    prefill_amx: bool,
 }
 
 impl CpuBackend {
@@ -26,7 +28,18 @@ impl CpuBackend {
             .map_err(|e| {
                 EngineError::InvalidArgument(format!("cannot start {threads} threads: {e}"))
             })?;
-        Ok(CpuBackend { pool })
+        Ok(CpuBackend {
+            pool,
+            prefill_amx: true,
+        })
+    }
+
+    /// Never use AMX tiles, not even in prompt prefill: every batch is then computed bit for bit
+    /// as single-token decoding computes it (the VNNI kernels give the same result for any
+    /// number of rows).
+    pub fn bit_exact(mut self) -> CpuBackend {
+        self.prefill_amx = false;
+        self
     }
 
     pub fn threads(&self) -> usize {
@@ -41,6 +54,14 @@ impl Backend for CpuBackend {
 
     fn scope<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         self.pool.install(f)
+    }
+
+    fn scope_prefill<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        if self.prefill_amx {
+            self.pool.install(|| quant::with_amx(f))
+        } else {
+            self.pool.install(f)
+        }
     }
 
     fn matmul(&self, w: &QMatrix, x: &[f32], n_tok: usize, y: &mut [f32]) -> Result<()> {

@@ -85,6 +85,13 @@ pub trait Backend: Send + Sync {
     /// Run `f` with this backend's worker threads available (one entry per forward pass).
     fn scope<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R;
 
+    /// Like [`Backend::scope`], for batches whose results need not be bit-identical to
+    /// single-token decoding (prompt prefill): the backend may use faster kernels that sum in
+    /// another order (CPU: AMX tiles). Tree verification must use `scope`.
+    fn scope_prefill<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        self.scope(f)
+    }
+
     /// y[t, o] = sum_k W[o, k] x[t, k].  x: [n_tok, n_in], y: [n_tok, n_out].
     fn matmul(&self, w: &QMatrix, x: &[f32], n_tok: usize, y: &mut [f32]) -> Result<()>;
 

@@ -138,8 +138,17 @@ impl Model {
         let n_tok = tokens.len();
         self.check_batch(cache, tokens, positions, logit_rows)?;
         cache.reserve(n_tok)?;
-        if !matches!(mask, BatchMask::Causal) || n_tok <= PREFILL_CHUNK {
+        if !matches!(mask, BatchMask::Causal) {
+            // Tree verification: the kernels of single-token decoding, so a verified token is
+            // computed bit for bit as incremental decoding would.
             return backend.scope(|| {
+                self.forward_inner(
+                    backend, cache, tokens, positions, mask, logit_rows, n_layers,
+                )
+            });
+        }
+        if n_tok <= PREFILL_CHUNK {
+            return backend.scope_prefill(|| {
                 self.forward_inner(
                     backend, cache, tokens, positions, mask, logit_rows, n_layers,
                 )
@@ -158,7 +167,7 @@ impl Model {
                 .filter(|(_, &r)| (start..end).contains(&r))
                 .map(|(i, &r)| (i, r - start))
                 .unzip();
-            let chunk = backend.scope(|| {
+            let chunk = backend.scope_prefill(|| {
                 self.forward_inner(
                     backend,
                     cache,

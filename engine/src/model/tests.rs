@@ -1,4 +1,4 @@
-use crate::backend::{BatchMask, CpuBackend};
+use crate::backend::{Backend, BatchMask, CpuBackend};
 use crate::kv::KvCache;
 use crate::quant::GgmlType;
 use crate::sample::Rng;
@@ -36,41 +36,60 @@ fn specs() -> Vec<TinySpec> {
     v
 }
 
-/// Batched prefill computes, for every position, the logits incremental decoding computes.
+/// Batched prefill computes, for every position, the logits and K/V incremental decoding
+/// computes: bit for bit (1e-4 / 1e-5) on the VNNI kernels; with AMX tiles in the prefill (where
+/// granted; other f32 summation order, amplified by the f16 K/V cache) within 2% of the largest
+/// logit and of the largest K/V entry.
 #[test]
 fn batched_prefill_equals_incremental_decoding() {
-    let backend = CpuBackend::new(2).unwrap();
-    for (i, spec) in specs().into_iter().enumerate() {
-        let model = tiny_model(&spec, 100 + i as u64).unwrap();
-        let mut rng = Rng::new(i as u64);
-        let toks: Vec<u32> = (0..23)
-            .map(|_| (rng.next_u64() % spec.vocab as u64) as u32)
-            .collect();
-        let pos: Vec<usize> = (0..toks.len()).collect();
-        let rows: Vec<usize> = (0..toks.len()).collect();
-        let mut c1 = KvCache::new(&model.config, 64);
-        let batch = model
-            .forward(&backend, &mut c1, &toks, &pos, BatchMask::Causal, &rows)
-            .unwrap();
-        let mut c2 = KvCache::new(&model.config, 64);
-        let v = spec.vocab;
-        for (t, &tok) in toks.iter().enumerate() {
-            let inc = model
-                .forward(&backend, &mut c2, &[tok], &[t], BatchMask::Causal, &[0])
-                .unwrap();
-            let d = max_diff(&batch[t * v..(t + 1) * v], &inc);
-            assert!(
-                d < 1e-4,
-                "{} {:?}: position {t} differs by {d}",
-                spec.arch,
-                spec.weight_type
-            );
+    for (backend, exact) in [
+        (CpuBackend::new(2).unwrap().bit_exact(), true),
+        (CpuBackend::new(2).unwrap(), false),
+    ] {
+        let amx = !exact && backend.scope_prefill(crate::quant::amx_active);
+        if !exact && !amx {
+            continue; // same kernels as the exact run
         }
-        // The caches hold the same K/V.
-        for l in 0..spec.n_layers {
-            for s in 0..toks.len() {
-                assert!(max_diff(c1.k_row(l, s), c2.k_row(l, s)) < 1e-5);
-                assert!(max_diff(c1.v_row(l, s), c2.v_row(l, s)) < 1e-5);
+        for (i, spec) in specs().into_iter().enumerate() {
+            let model = tiny_model(&spec, 100 + i as u64).unwrap();
+            let mut rng = Rng::new(i as u64);
+            let toks: Vec<u32> = (0..23)
+                .map(|_| (rng.next_u64() % spec.vocab as u64) as u32)
+                .collect();
+            let pos: Vec<usize> = (0..toks.len()).collect();
+            let rows: Vec<usize> = (0..toks.len()).collect();
+            let mut c1 = KvCache::new(&model.config, 64);
+            let batch = model
+                .forward(&backend, &mut c1, &toks, &pos, BatchMask::Causal, &rows)
+                .unwrap();
+            let mut c2 = KvCache::new(&model.config, 64);
+            let v = spec.vocab;
+            let tol = |a: &[f32], abs: f32| {
+                if exact {
+                    abs
+                } else {
+                    0.02 * a.iter().fold(0.0f32, |m, x| m.max(x.abs())) + abs
+                }
+            };
+            for (t, &tok) in toks.iter().enumerate() {
+                let inc = model
+                    .forward(&backend, &mut c2, &[tok], &[t], BatchMask::Causal, &[0])
+                    .unwrap();
+                let d = max_diff(&batch[t * v..(t + 1) * v], &inc);
+                assert!(
+                    d < tol(&inc, 1e-4),
+                    "{} {:?} (amx {amx}): position {t} differs by {d}",
+                    spec.arch,
+                    spec.weight_type
+                );
+            }
+            for l in 0..spec.n_layers {
+                for s in 0..toks.len() {
+                    let (k, kr) = (c1.k_row(l, s), c2.k_row(l, s));
+                    let (vv, vr) = (c1.v_row(l, s), c2.v_row(l, s));
+                    assert!(max_diff(k, kr) <= tol(kr, 1e-5), "K layer {l} slot {s}");
+                    assert!(max_diff(vv, vr) <= tol(vr, 1e-5), "V layer {l} slot {s}");
+                }
             }
         }
     }

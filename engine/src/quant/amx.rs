@@ -23,9 +23,11 @@
 //!   Q4_K subtracts `Σ_j dmin·m_j · bsum_j` and K-quants scale by the activation `d`. Only the order
 //!   of the f32 sums differs from the scalar kernel.
 //!
-//! Opt-in: `matmul` takes this path only with `ARBOR_KERNEL=amx` (see `KernelLevel::detect`; unset or
-//! `avx512` keeps the VNNI kernels), because its f32 summation order differs from the single-row
-//! VNNI path, so batched and incremental forwards stop being bit-identical.
+//! Where: its f32 summation order differs from the single-row VNNI path, so `matmul` takes it only
+//! inside `with_amx` scopes (prompt prefill, via `Backend::scope_prefill`), where bit-identity with
+//! incremental decoding is not needed; tree verification and decoding stay on VNNI so greedy
+//! speculative output equals incremental output exactly. `ARBOR_KERNEL=amx` uses it for every
+//! batch of `MIN_TOK`+ rows, `ARBOR_KERNEL=avx512` never (see `KernelLevel::detect`).
 
 use std::arch::asm;
 use std::arch::x86_64::*;

@@ -11,7 +11,8 @@
 //!   of the accumulator covers exactly one 16-element chunk of one scale group, which lets all four
 //!   64-byte registers of a 256-element group accumulate into one register;
 //! * `amx` — AMX int8 tiles (`tdpbssd`, 16 output × 16 activation rows per scale sub-block) for
-//!   Q4_K/Q6_K/Q8_0 matmuls with at least `amx::MIN_TOK` activation rows, when the OS grants AMX.
+//!   Q4_K/Q6_K/Q8_0 matmuls with at least `amx::MIN_TOK` activation rows, when the OS grants AMX;
+//!   by default only in prompt prefill ([`with_amx`]).
 //!
 //! Every kernel unpacks each weight group once and dots it against all activation rows of the call
 //! (the activation rows, the accumulators and a k-block of the activations stay in L1/L2), so
@@ -269,20 +270,30 @@ impl KernelLevel {
     /// The best level this CPU supports (runtime CPUID, and for AMX the OS grant), chosen by the
     /// environment variable `ARBOR_KERNEL=scalar|avx2|avx512|amx` (it can never exceed the hardware):
     ///
-    /// * unset (or `avx512`): at most `Avx512Vnni`. AMX is opt-in for now because its f32 sums are
-    ///   ordered differently from the VNNI kernels that single-row decode uses, so a batched
-    ///   forward is no longer bit-identical to incremental decoding (the model tests compare the
-    ///   f16 KV caches of both at 1e-5);
-    /// * `amx`: `Amx` where granted — AMX tiles for quantized matmuls of `amx::MIN_TOK` or more rows;
-    /// * `avx2`, `scalar`: those kernels only.
+    /// * unset: the best level, but AMX tiles only inside [`with_amx`] scopes (prompt prefill). The
+    ///   AMX kernels order their f32 sums differently from the VNNI kernels that single-token
+    ///   decoding uses, so tree verification and decoding stay on VNNI: a verification pass is
+    ///   then bit-identical to incremental decoding and greedy speculative output equals it token
+    ///   for token;
+    /// * `amx`: AMX for every quantized matmul of `amx::MIN_TOK` or more rows (verification too:
+    ///   faster, but a near-tie may then resolve differently than in incremental decoding);
+    /// * `avx512`: VNNI only, never AMX; `avx2`, `scalar`: those kernels only.
     pub fn detect() -> KernelLevel {
         let hw = hw_level();
         match std::env::var("ARBOR_KERNEL").ok().as_deref().map(str::trim) {
             Some(s) if s.eq_ignore_ascii_case("scalar") => KernelLevel::Scalar,
             Some(s) if s.eq_ignore_ascii_case("avx2") => hw.min_with(KernelLevel::Avx2),
-            Some(s) if s.eq_ignore_ascii_case("amx") => hw,
-            _ => hw.min_with(KernelLevel::Avx512Vnni),
+            Some(s) if s.eq_ignore_ascii_case("avx512") => hw.min_with(KernelLevel::Avx512Vnni),
+            _ => hw,
         }
+    }
+
+    /// Whether `ARBOR_KERNEL=amx` asks for AMX outside [`with_amx`] scopes too.
+    fn amx_everywhere() -> bool {
+        static E: OnceLock<bool> = OnceLock::new();
+        *E.get_or_init(|| {
+            std::env::var("ARBOR_KERNEL").is_ok_and(|s| s.trim().eq_ignore_ascii_case("amx"))
+        })
     }
 
     /// Short name ("scalar", "avx2", "avx512", "amx").
@@ -359,12 +370,48 @@ fn detect_hw() -> KernelLevel {
     KernelLevel::Scalar
 }
 
+thread_local! {
+    /// Set while the current thread runs a [`with_amx`] scope.
+    static AMX_SCOPE: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Run `f` with AMX tiles allowed for the quantized matmuls this thread issues (where the CPU
+/// and OS grant them). For batches whose results need not be bit-identical to single-token
+/// decoding: prompt prefill (see [`KernelLevel::detect`]).
+pub fn with_amx<R>(f: impl FnOnce() -> R) -> R {
+    /// Restores the previous flag, also when `f` unwinds.
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            AMX_SCOPE.with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(AMX_SCOPE.with(|c| c.replace(true)));
+    f()
+}
+
+/// Whether a matmul issued here now would use AMX tiles for covered types and batch sizes.
+pub fn amx_active() -> bool {
+    let level = *LEVEL.get_or_init(KernelLevel::detect);
+    level == KernelLevel::Amx && (KernelLevel::amx_everywhere() || AMX_SCOPE.with(|c| c.get()))
+}
+
+/// The process-wide kernel level, detected once.
+static LEVEL: OnceLock<KernelLevel> = OnceLock::new();
+
 /// y[t, o] = sum_k W[o, k] * x[t, k]. `x`: [n_tok, n_in] f32 row-major; `y`: [n_tok, n_out] f32
 /// row-major. Runs on the current rayon pool (wrap in `pool.install` to choose one), with the
-/// kernel level of `KernelLevel::detect()` (detected once per process).
+/// kernel level of `KernelLevel::detect()` (detected once per process; AMX only where
+/// [`amx_active`]).
 pub fn matmul(w: &QMatrix, x: &[f32], n_tok: usize, y: &mut [f32]) -> Result<()> {
-    static LEVEL: OnceLock<KernelLevel> = OnceLock::new();
-    matmul_with(*LEVEL.get_or_init(KernelLevel::detect), w, x, n_tok, y)
+    let level = if amx_active() {
+        KernelLevel::Amx
+    } else {
+        LEVEL
+            .get_or_init(KernelLevel::detect)
+            .min_with(KernelLevel::Avx512Vnni)
+    };
+    matmul_with(level, w, x, n_tok, y)
 }
 
 /// `matmul` with an explicit kernel level. A level above what the CPU supports is lowered to the
