@@ -457,6 +457,66 @@ fn avx512_lane_record_permutation() {
     }
 }
 
+/// Every activation row of a multi-row VNNI matmul is bit for bit what the kernel computes for that
+/// row alone (n_tok = 1): tree verification must reproduce incremental decoding exactly. Covers
+/// every quantized type, partial last groups, k-blocking (many groups × many rows), odd output row
+/// counts and the row split over threads.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avx512_rows_bit_identical_to_single_row() {
+    if !levels().contains(&KernelLevel::Avx512Vnni) {
+        eprintln!("skipping: no AVX-512 VNNI");
+        return;
+    }
+    let level = KernelLevel::Avx512Vnni;
+    let mut rng = StdRng::seed_from_u64(11);
+    let pools: Vec<rayon::ThreadPool> = [1, 3]
+        .iter()
+        .map(|&n| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(n)
+                .build()
+                .unwrap()
+        })
+        .collect();
+    for ty in QUANT_TYPES {
+        let n_ins: &[usize] = if ty.block_elems() == 256 {
+            &[256, 2304]
+        } else {
+            &[288, 2080]
+        };
+        for &n_in in n_ins {
+            let n_out = 37;
+            let data = random_matrix(&mut rng, ty, n_out, n_in, true);
+            let w = QMatrix::new(ty, &data, n_out, n_in).unwrap();
+            for n_tok in [2usize, 3, 4, 5, 7, 8, 16, 17, 33, 64] {
+                let x = activations(&mut rng, n_tok, n_in);
+                let mut want = vec![0f32; n_tok * n_out];
+                for (xr, yr) in x.chunks(n_in).zip(want.chunks_mut(n_out)) {
+                    pools[0]
+                        .install(|| matmul_with(level, &w, xr, 1, yr))
+                        .unwrap();
+                }
+                for pool in &pools {
+                    let mut got = vec![f32::NAN; n_tok * n_out];
+                    pool.install(|| matmul_with(level, &w, &x, n_tok, &mut got))
+                        .unwrap();
+                    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                        assert_eq!(
+                            a.to_bits(),
+                            b.to_bits(),
+                            "{ty} n_in {n_in} n_tok {n_tok} threads {} [t {}, o {}]: {a} vs one row {b}",
+                            pool.current_num_threads(),
+                            i / n_out,
+                            i % n_out
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn malformed_lengths_are_errors() {
     let data = vec![0u8; 144 * 2];
