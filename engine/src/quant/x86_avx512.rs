@@ -629,6 +629,49 @@ unsafe fn step2<K: Kind>(
     (acc_a, acc_b)
 }
 
+/// Software prefetch of one weight group (`BLOCKS * BB` bytes from `p`; a hint, never faults).
+#[inline(always)]
+unsafe fn prefetch_group<K: Kind>(p: *const u8) {
+    _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
+    if K::BLOCKS * K::BB > 64 {
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64) as *const i8);
+    }
+    if K::BLOCKS * K::BB > 128 {
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(128) as *const i8);
+    }
+    if K::BLOCKS * K::BB > 192 {
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(192) as *const i8);
+    }
+}
+
+/// The (first output row, group) that the driver reaches `PREFETCH_GROUPS` group steps after
+/// (row pair at `o`, group `g`) of k-block `[g0, g1)` in row tile `[o0, o1)`: later groups of this
+/// pair, then the next pairs of the tile, then the next k-block (or the next tile's first rows).
+#[inline(always)]
+fn ahead(
+    o: usize,
+    g: usize,
+    g0: usize,
+    g1: usize,
+    o0: usize,
+    o1: usize,
+    n_groups: usize,
+) -> (usize, usize) {
+    let len = g1 - g0;
+    let j = g - g0 + PREFETCH_GROUPS;
+    if j < len {
+        return (o, g0 + j);
+    }
+    let (po, pg) = (o + 2 * (j / len), j % len);
+    if po < o1 {
+        (po, g0 + pg)
+    } else if g1 < n_groups {
+        (o0 + (po - o1), g1 + pg)
+    } else {
+        (po, pg)
+    }
+}
+
 /// Quantized rows `[r0, r1)` against lane activation records.
 ///
 /// # Safety
@@ -711,22 +754,13 @@ unsafe fn rows<K: Kind>(
                     );
                     for g in g0..g1 {
                         let (wa, wb) = nxt;
-                        // Weights stream from DRAM once: ask for them a few groups ahead.
-                        let pf = (g + PREFETCH_GROUPS) * K::BLOCKS * K::BB;
-                        _mm_prefetch::<_MM_HINT_T0>(wra.wrapping_add(pf) as *const i8);
-                        _mm_prefetch::<_MM_HINT_T0>(wrb.wrapping_add(pf) as *const i8);
-                        if K::BLOCKS * K::BB > 64 {
-                            _mm_prefetch::<_MM_HINT_T0>(wra.wrapping_add(pf + 64) as *const i8);
-                            _mm_prefetch::<_MM_HINT_T0>(wrb.wrapping_add(pf + 64) as *const i8);
-                        }
-                        if K::BLOCKS * K::BB > 128 {
-                            _mm_prefetch::<_MM_HINT_T0>(wra.wrapping_add(pf + 128) as *const i8);
-                            _mm_prefetch::<_MM_HINT_T0>(wrb.wrapping_add(pf + 128) as *const i8);
-                        }
-                        if K::BLOCKS * K::BB > 192 {
-                            _mm_prefetch::<_MM_HINT_T0>(wra.wrapping_add(pf + 192) as *const i8);
-                            _mm_prefetch::<_MM_HINT_T0>(wrb.wrapping_add(pf + 192) as *const i8);
-                        }
+                        // Weights stream from DRAM once: ask for the group `PREFETCH_GROUPS` steps
+                        // ahead in traversal order (this pair's row, then the next pair's, then the
+                        // next k-block's or tile's first rows), so each pair and k-block starts warm.
+                        let (po, pg) = ahead(o, g, g0, g1, o0, o1, n_groups);
+                        let pa = w.data.as_ptr().wrapping_add(po * rb + pg * gbytes);
+                        prefetch_group::<K>(pa);
+                        prefetch_group::<K>(pa.wrapping_add(rb));
                         if g + 1 < g1 {
                             nxt = (
                                 unpack_group::<K>(wra, g + 1, n_full, tail_bytes, in_place(o)),
@@ -747,6 +781,8 @@ unsafe fn rows<K: Kind>(
                     let wrow = w.data.as_ptr().add(o * rb);
                     let accs = acc.as_mut_ptr().add((o - o0) * nt);
                     for g in g0..g1 {
+                        let (po, pg) = ahead(o, g, g0, g1, o0, o1, n_groups);
+                        prefetch_group::<K>(w.data.as_ptr().wrapping_add(po * rb + pg * gbytes));
                         let wv = unpack_group::<K>(wrow, g, n_full, tail_bytes, in_place(o));
                         let ag = ab.add(g * REC);
                         for t in 0..nt {
