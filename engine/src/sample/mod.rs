@@ -108,8 +108,10 @@ impl Sampler {
         &self.params
     }
 
-    /// The distribution this sampler draws from, as sparse (token, probability) pairs sorted by
-    /// descending probability; temperature, top-k and top-p applied. Greedy gives one pair.
+    /// The distribution this sampler draws from, as sparse (token, probability) pairs;
+    /// temperature, top-k and top-p applied. Sorted by descending probability when top-k or top-p
+    /// truncates it; without truncation in token order (no O(V log V) sort per token over a
+    /// 150k-token vocabulary). Greedy gives one pair.
     pub fn distribution(&self, logits: &[f32]) -> Vec<(u32, f32)> {
         let p = &self.params;
         if p.is_greedy() {
@@ -121,11 +123,16 @@ impl Sampler {
             .filter(|(_, v)| !v.is_nan())
             .map(|(i, &v)| (i as u32, v / p.temperature))
             .collect();
-        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let by_prob = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         if p.top_k > 0 && p.top_k < cand.len() {
+            // The same k tokens a full sort would keep (a total order), in O(V + k log k).
+            cand.select_nth_unstable_by(p.top_k - 1, by_prob);
             cand.truncate(p.top_k);
+            cand.sort_by(by_prob);
+        } else if p.top_p < 1.0 {
+            cand.sort_by(by_prob);
         }
-        let max = cand.first().map_or(0.0, |c| c.1);
+        let max = cand.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
         let mut sum = 0.0f64;
         for c in cand.iter_mut() {
             c.1 = (c.1 - max).exp();
@@ -208,6 +215,53 @@ mod tests {
         .unwrap();
         // p(4) = e^4 / sum ~ 0.636 >= 0.5: only token 4 survives.
         assert_eq!(s.distribution(&logits), vec![(4, 1.0)]);
+    }
+
+    /// The partial-selection top-k keeps exactly the tokens and order a full sort keeps (ties
+    /// broken by token id), and the untruncated distribution is the softmax of every token.
+    #[test]
+    fn top_k_selection_equals_full_sort_and_untruncated_is_softmax() {
+        let mut rng = Rng::new(3);
+        // Few distinct values, so ties are common.
+        let logits: Vec<f32> = (0..500)
+            .map(|_| (rng.next_u64() % 40) as f32 * 0.25)
+            .collect();
+        for k in [1usize, 2, 7, 40, 499] {
+            let s = Sampler::new(SamplingParams {
+                temperature: 0.7,
+                top_k: k,
+                top_p: 1.0,
+                seed: 0,
+            })
+            .unwrap();
+            let got: Vec<u32> = s.distribution(&logits).iter().map(|d| d.0).collect();
+            let mut want: Vec<u32> = (0..logits.len() as u32).collect();
+            want.sort_by(|&a, &b| {
+                logits[b as usize]
+                    .total_cmp(&logits[a as usize])
+                    .then(a.cmp(&b))
+            });
+            want.truncate(k);
+            assert_eq!(got, want, "top-k {k}");
+        }
+        let s = Sampler::new(SamplingParams {
+            temperature: 0.7,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+        })
+        .unwrap();
+        let d = s.distribution(&logits);
+        let max = logits
+            .iter()
+            .fold(f32::NEG_INFINITY, |m, &x| m.max(x / 0.7));
+        let z: f64 = logits.iter().map(|&x| ((x / 0.7 - max) as f64).exp()).sum();
+        assert_eq!(d.len(), logits.len());
+        for (i, &(t, p)) in d.iter().enumerate() {
+            assert_eq!(t as usize, i);
+            let want = ((logits[i] / 0.7 - max) as f64).exp() / z;
+            assert!((p as f64 - want).abs() < 1e-6, "token {i}: {p} vs {want}");
+        }
     }
 
     #[test]
