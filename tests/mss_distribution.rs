@@ -248,6 +248,17 @@ fn synthetic_drafter(
     )
 }
 
+/// The K/V of PROMPT without its last token (the first root).
+fn prefix_cache(model: &Model, be: &CpuBackend) -> KvCache {
+    let mut base = KvCache::new(&model.config, 64);
+    let n = PROMPT.len() - 1;
+    let pos: Vec<usize> = (0..n).collect();
+    model
+        .forward(be, &mut base, &PROMPT[..n], &pos, BatchMask::Causal, &[])
+        .unwrap();
+    base
+}
+
 /// Draw `SAMPLES` speculative continuations of PROMPT (3 tokens each): the root is the prompt's
 /// last token, so even the first token comes from tree verification.
 fn speculative_counts(
@@ -258,12 +269,7 @@ fn speculative_counts(
 ) -> (Vec<usize>, Vec<usize>, f64) {
     let model = llm();
     let be = backend();
-    let mut base = KvCache::new(&model.config, 64);
-    let n = PROMPT.len() - 1;
-    let pos: Vec<usize> = (0..n).collect();
-    model
-        .forward(&be, &mut base, &PROMPT[..n], &pos, BatchMask::Causal, &[])
-        .unwrap();
+    let base = prefix_cache(&model, &be);
     let mut verifier = Verifier::new(
         mode,
         SamplingParams {
@@ -397,47 +403,14 @@ fn space_mask_token_matches_llm() {
 /// chi-square test rejects; the real MSS on the very same trees passes.
 #[test]
 fn always_accept_bug_is_detected() {
-    let params = sampling(1.0, 0, 1.0);
-    let model = llm();
-    let be = backend();
-    let mut base = KvCache::new(&model.config, 64);
-    let n = PROMPT.len() - 1;
-    let pos: Vec<usize> = (0..n).collect();
-    model
-        .forward(&be, &mut base, &PROMPT[..n], &pos, BatchMask::Causal, &[])
-        .unwrap();
     let mut d = synthetic_drafter("1,1,1", ExpandMode::Sample, 21, 5, 3.0);
-    let mut verifier = Verifier::new(
-        VerifyMode::Mss,
-        SamplingParams {
-            seed: 1,
-            ..params.clone()
-        },
-    )
-    .unwrap();
-    let sampler = Sampler::new(params.clone()).unwrap();
-    let mut rng = Rng::new(2);
-    let (mut good, mut bad) = (vec![0usize; VOCAB], vec![0usize; VOCAB]);
-    for _ in 0..SAMPLES {
-        let mut s =
-            SpecSession::new(&model, &be, base.clone(), PROMPT.to_vec(), verifier, 8).unwrap();
-        let tree = s.draft(&mut [&mut d], 3).unwrap();
-        let mut c = base.clone();
-        let logits = spec::tree_logits(&model, &be, &mut c, &tree).unwrap();
-        let o = always_accept(&tree, &logits, &sampler, &mut rng);
-        bad[o.emitted()[0] as usize] += 1;
-        let o = s.verify(&tree, &mut [&mut d]).unwrap();
-        good[o.emitted()[0] as usize] += 1;
-        verifier = s.into_verifier();
-    }
-    let (p1, _) = exact(&model, &be, &params);
-    let (_, _, p_good) = chi_square(&good, &p1);
-    let (x_bad, _, p_bad) = chi_square(&bad, &p1);
-    eprintln!("always-accept: chi2 {x_bad:.1}, p {p_bad:e}; mss p {p_good:.3}");
-    assert!(p_good > 0.001, "mss: p {p_good}, counts {good:?}");
-    assert!(
-        p_bad < 1e-6,
-        "always-accept must be detected: p {p_bad}, counts {bad:?}"
+    bug_vs_mss(
+        "always-accept",
+        &mut d,
+        3,
+        8,
+        [1, 2],
+        |tree, logits, sampler, rng| always_accept(tree, logits, sampler, rng).emitted()[0],
     );
 }
 
@@ -446,69 +419,84 @@ fn always_accept_bug_is_detected() {
 /// one-candidate chain; MSS on the very same drafts passes.
 #[test]
 fn resampling_from_p_after_rejection_is_detected() {
+    let mut d = synthetic_drafter("1", ExpandMode::Sample, 31, 5, 3.0);
+    bug_vs_mss(
+        "resample-from-p",
+        &mut d,
+        1,
+        1,
+        [3, 4],
+        |tree, logits, sampler, rng| {
+            let child = tree.children(0)[0];
+            let x = tree.node(child).token;
+            let q = tree
+                .child_dist(0, tree.node(child).proposals[0].drafter)
+                .unwrap();
+            let qx = q.iter().find(|e| e.0 == x).map_or(0.0, |e| e.1 as f64);
+            let p = sampler.distribution(&logits[..VOCAB]);
+            let px = p.iter().find(|e| e.0 == x).map_or(0.0, |e| e.1 as f64);
+            if rng.next_f64() < (px / qx).min(1.0) {
+                return x;
+            }
+            // The bug: a fresh draw from p.
+            let mut u = rng.next_f64();
+            for &(t, pt) in &p {
+                u -= pt as f64;
+                if u < 0.0 {
+                    return t;
+                }
+            }
+            p[0].0
+        },
+    );
+}
+
+/// Power check shared by the bug tests: on `SAMPLES` trees from `d` (depth `depth`, `budget`
+/// nodes), the first token the buggy rule `bug` emits must fail the chi-square test against the
+/// LLM (p < 1e-6) while MSS verification of the very same trees passes (p > 0.001).
+/// `seeds` = [verifier, bug].
+fn bug_vs_mss(
+    name: &str,
+    d: &mut DistDrafter,
+    depth: usize,
+    budget: usize,
+    seeds: [u64; 2],
+    mut bug: impl FnMut(&TokenTree, &[f32], &Sampler, &mut Rng) -> u32,
+) {
     let params = sampling(1.0, 0, 1.0);
     let model = llm();
     let be = backend();
-    let mut base = KvCache::new(&model.config, 64);
-    let n = PROMPT.len() - 1;
-    let pos: Vec<usize> = (0..n).collect();
-    model
-        .forward(&be, &mut base, &PROMPT[..n], &pos, BatchMask::Causal, &[])
-        .unwrap();
-    let mut d = synthetic_drafter("1", ExpandMode::Sample, 31, 5, 3.0);
+    let base = prefix_cache(&model, &be);
     let mut verifier = Verifier::new(
         VerifyMode::Mss,
         SamplingParams {
-            seed: 3,
+            seed: seeds[0],
             ..params.clone()
         },
     )
     .unwrap();
     let sampler = Sampler::new(params.clone()).unwrap();
-    let mut rng = Rng::new(4);
+    let mut rng = Rng::new(seeds[1]);
     let (mut good, mut bad) = (vec![0usize; VOCAB], vec![0usize; VOCAB]);
     for _ in 0..SAMPLES {
         let mut s =
-            SpecSession::new(&model, &be, base.clone(), PROMPT.to_vec(), verifier, 1).unwrap();
-        let tree = s.draft(&mut [&mut d], 1).unwrap();
+            SpecSession::new(&model, &be, base.clone(), PROMPT.to_vec(), verifier, budget).unwrap();
+        let tree = s.draft(&mut [&mut *d], depth).unwrap();
         let mut c = base.clone();
         let logits = spec::tree_logits(&model, &be, &mut c, &tree).unwrap();
-        let child = tree.children(0)[0];
-        let x = tree.node(child).token;
-        let q = tree
-            .child_dist(0, tree.node(child).proposals[0].drafter)
-            .unwrap();
-        let qx = q.iter().find(|e| e.0 == x).map_or(0.0, |e| e.1 as f64);
-        let p = sampler.distribution(&logits[..VOCAB]);
-        let px = p.iter().find(|e| e.0 == x).map_or(0.0, |e| e.1 as f64);
-        let first = if rng.next_f64() < (px / qx).min(1.0) {
-            x
-        } else {
-            // The bug: a fresh draw from p.
-            let mut u = rng.next_f64();
-            let mut y = p[0].0;
-            for &(t, pt) in &p {
-                u -= pt as f64;
-                if u < 0.0 {
-                    y = t;
-                    break;
-                }
-            }
-            y
-        };
-        bad[first as usize] += 1;
-        let o = s.verify(&tree, &mut [&mut d]).unwrap();
+        bad[bug(&tree, &logits, &sampler, &mut rng) as usize] += 1;
+        let o = s.verify(&tree, &mut [&mut *d]).unwrap();
         good[o.emitted()[0] as usize] += 1;
         verifier = s.into_verifier();
     }
     let (p1, _) = exact(&model, &be, &params);
     let (_, _, p_good) = chi_square(&good, &p1);
     let (x_bad, _, p_bad) = chi_square(&bad, &p1);
-    eprintln!("resample-from-p: chi2 {x_bad:.1}, p {p_bad:e}; mss p {p_good:.3}");
+    eprintln!("{name}: chi2 {x_bad:.1}, p {p_bad:e}; mss p {p_good:.3}");
     assert!(p_good > 0.001, "mss: p {p_good}, counts {good:?}");
     assert!(
         p_bad < 1e-6,
-        "resampling from p must be detected: p {p_bad}, counts {bad:?}"
+        "{name} must be detected: p {p_bad}, counts {bad:?}"
     );
 }
 

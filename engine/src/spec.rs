@@ -515,7 +515,7 @@ mod tests {
     use crate::backend::CpuBackend;
     use crate::draft::{OracleDrafter, RandomDrafter};
     use crate::sample::SamplingParams;
-    use crate::testing::{tiny_model, TinySpec};
+    use crate::testing::{greedy_session, step_until, tiny_model, TinySpec};
     use crate::tree::ExpansionConfig;
 
     /// Greedy incremental decoding: the cache after `prompt` and `n` generated tokens (all fed),
@@ -558,21 +558,8 @@ mod tests {
         assert_eq!(o.bonus, truth[8]);
         // Incremental decoding that fed prompt + truth[..8].
         let (want, _) = incremental(&model, &be, &prompt, 8);
-        assert_eq!(s.cache().len(), want.len());
-        for l in 0..model.config.n_layers {
-            for slot in 0..want.len() {
-                let dk = max_diff(s.cache().k_row(l, slot), want.k_row(l, slot));
-                let dv = max_diff(s.cache().v_row(l, slot), want.v_row(l, slot));
-                assert!(dk <= 1e-5 && dv <= 1e-5, "layer {l} slot {slot}: {dk} {dv}");
-            }
-        }
-    }
-
-    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-        a.iter()
-            .zip(b)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0, f32::max)
+        let d = crate::testing::max_kv_diff(s.cache(), &want, model.config.n_layers);
+        assert!(d <= 1e-5, "K/V differ from incremental decoding by {d}");
     }
 
     #[test]
@@ -597,14 +584,8 @@ mod tests {
             let mut random = RandomDrafter::new(cfg.clone(), 2);
             let combos: Vec<Vec<&mut dyn Drafter>> = vec![vec![&mut oracle], vec![&mut random]];
             for mut ds in combos {
-                let (cache, _) = incremental(&model, &be, &prompt, 0);
-                let mut seq = prompt.to_vec();
-                seq.push(truth[0]);
-                let v = Verifier::new(VerifyMode::Greedy, SamplingParams::greedy()).unwrap();
-                let mut s = SpecSession::new(&model, &be, cache, seq, v, 40).unwrap();
-                while s.tokens().len() < full.len() {
-                    s.step(&mut ds, 8).unwrap();
-                }
+                let mut s = greedy_session(&model, &be, &prompt, truth[0], 40).unwrap();
+                step_until(&mut s, &mut ds, full.len(), 8).unwrap();
                 assert_eq!(&s.tokens()[..full.len()], &full[..], "config {cfg}");
                 assert_eq!(s.cache().len() + 1, s.tokens().len());
             }
@@ -614,14 +595,8 @@ mod tests {
         let mut oracle = OracleDrafter::new(full.clone(), cfg.clone(), 1);
         let mut random = RandomDrafter::new(cfg, 2);
         let mut ds: [&mut dyn Drafter; 2] = [&mut random, &mut oracle];
-        let (cache, _) = incremental(&model, &be, &prompt, 0);
-        let mut seq = prompt.to_vec();
-        seq.push(truth[0]);
-        let v = Verifier::new(VerifyMode::Greedy, SamplingParams::greedy()).unwrap();
-        let mut s = SpecSession::new(&model, &be, cache, seq, v, 28).unwrap();
-        while s.tokens().len() < full.len() {
-            s.step(&mut ds, 8).unwrap();
-        }
+        let mut s = greedy_session(&model, &be, &prompt, truth[0], 28).unwrap();
+        step_until(&mut s, &mut ds, full.len(), 8).unwrap();
         assert_eq!(&s.tokens()[..full.len()], &full[..]);
         let m = s.metrics();
         assert!(m.accepted > m.steps, "oracle should be accepted: {m:?}");

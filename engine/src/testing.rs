@@ -1,13 +1,16 @@
 //! Tiny random-weight llama/qwen2 models built in memory, for exactness tests that run in milliseconds.
 
 use crate::backend::{Backend, BatchMask};
+use crate::draft::Drafter;
 use crate::error::Result;
 use crate::gguf::writer::GgufWriter;
 use crate::gguf::{GgufFile, MetaValue};
 use crate::kv::KvCache;
 use crate::model::Model;
 use crate::quant::{self, GgmlType};
-use crate::sample::Rng;
+use crate::sample::verify::{Verifier, VerifyMode};
+use crate::sample::{Rng, SamplingParams};
+use crate::spec::SpecSession;
 
 /// Shape and numeric format of a tiny model.
 #[derive(Clone, Debug)]
@@ -196,4 +199,56 @@ pub fn greedy_incremental<B: Backend>(
         logits = model.forward(backend, &mut cache, &[t], &[p], BatchMask::Causal, &[0])?;
     }
     Ok((cache, out))
+}
+
+/// Largest absolute difference between the K/V rows of two caches of the same model, over
+/// every layer and the slots both hold; `f32::INFINITY` when their lengths differ.
+pub fn max_kv_diff(a: &KvCache, b: &KvCache, n_layers: usize) -> f32 {
+    if a.len() != b.len() {
+        return f32::INFINITY;
+    }
+    let diff = |x: &[f32], y: &[f32]| {
+        x.iter()
+            .zip(y)
+            .map(|(p, q)| (p - q).abs())
+            .fold(0.0f32, f32::max)
+    };
+    let mut m = 0.0f32;
+    for l in 0..n_layers {
+        for s in 0..a.len() {
+            m = m
+                .max(diff(a.k_row(l, s), b.k_row(l, s)))
+                .max(diff(a.v_row(l, s), b.v_row(l, s)));
+        }
+    }
+    m
+}
+
+/// A greedy speculative session positioned after `prompt`: its K/V cached (128 spare slots) and
+/// `first` (the first greedy token) as the root.
+pub fn greedy_session<'m, B: Backend>(
+    model: &'m Model,
+    backend: &'m B,
+    prompt: &[u32],
+    first: u32,
+    budget: usize,
+) -> Result<SpecSession<'m, B>> {
+    let (cache, _) = greedy_incremental(model, backend, prompt, 0, 128)?;
+    let mut seq = prompt.to_vec();
+    seq.push(first);
+    let v = Verifier::new(VerifyMode::Greedy, SamplingParams::greedy())?;
+    SpecSession::new(model, backend, cache, seq, v, budget)
+}
+
+/// Speculative steps (trees cut at `max_depth`) until the session holds at least `len` tokens.
+pub fn step_until<B: Backend>(
+    s: &mut SpecSession<'_, B>,
+    drafters: &mut [&mut dyn Drafter],
+    len: usize,
+    max_depth: usize,
+) -> Result<()> {
+    while s.tokens().len() < len {
+        s.step(drafters, max_depth)?;
+    }
+    Ok(())
 }

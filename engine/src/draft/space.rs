@@ -265,11 +265,9 @@ impl Drafter for SpaceDrafter {
 mod tests {
     use super::*;
     use crate::backend::CpuBackend;
-    use crate::kv::KvCache;
-    use crate::sample::verify::{Verifier, VerifyMode};
-    use crate::sample::SamplingParams;
-    use crate::spec::SpecSession;
-    use crate::testing::{greedy_incremental, tiny_model, TinySpec};
+    use crate::testing::{
+        greedy_incremental, greedy_session, max_kv_diff, step_until, tiny_model, TinySpec,
+    };
 
     #[test]
     fn top2_orders_the_best_two() {
@@ -354,14 +352,8 @@ mod tests {
             (3, SpaceMode::MaskToken(0)),
         ] {
             let mut d = SpaceDrafter::new(k, mode, DraftSampling::TopK, 24, 1).unwrap();
-            let (cache, _) = greedy_incremental(&model, &be, &prompt, 0, 128).unwrap();
-            let mut seq = prompt.to_vec();
-            seq.push(truth[0]);
-            let v = Verifier::new(VerifyMode::Greedy, SamplingParams::greedy()).unwrap();
-            let mut s = SpecSession::new(&model, &be, cache, seq, v, 16).unwrap();
-            while s.tokens().len() < full.len() {
-                s.step(&mut [&mut d], 8).unwrap();
-            }
+            let mut s = greedy_session(&model, &be, &prompt, truth[0], 16).unwrap();
+            step_until(&mut s, &mut [&mut d], full.len(), 8).unwrap();
             assert_eq!(&s.tokens()[..full.len()], &full[..], "k {k} {mode:?}");
             assert_eq!(s.cache().len() + 1, s.tokens().len());
             if mode == SpaceMode::Jacobi && k >= 3 {
@@ -389,29 +381,14 @@ mod tests {
         let be = CpuBackend::new(1).unwrap();
         let prompt = [1u32, 2, 3, 4];
         let (_, truth) = greedy_incremental(&model, &be, &prompt, 30, 128).unwrap();
-        let (cache, _) = greedy_incremental(&model, &be, &prompt, 0, 128).unwrap();
-        let mut seq = prompt.to_vec();
-        seq.push(truth[0]);
-        let v = Verifier::new(VerifyMode::Greedy, SamplingParams::greedy()).unwrap();
-        let mut s = SpecSession::new(&model, &be, cache, seq, v, 16).unwrap();
+        let mut s = greedy_session(&model, &be, &prompt, truth[0], 16).unwrap();
         let mut d = SpaceDrafter::new(4, SpaceMode::Jacobi, DraftSampling::TopK, 24, 1).unwrap();
         for _ in 0..6 {
             s.step(&mut [&mut d], 8).unwrap();
         }
         let fed = s.tokens().len() - 1 - prompt.len();
-        let (want, _): (KvCache, _) = greedy_incremental(&model, &be, &prompt, fed, 128).unwrap();
-        assert_eq!(s.cache().len(), want.len());
-        for l in 0..model.config.n_layers {
-            for slot in 0..want.len() {
-                let a = s.cache().k_row(l, slot);
-                let b = want.k_row(l, slot);
-                let diff = a
-                    .iter()
-                    .zip(b)
-                    .map(|(x, y)| (x - y).abs())
-                    .fold(0.0, f32::max);
-                assert!(diff <= 1e-5, "layer {l} slot {slot}: {diff}");
-            }
-        }
+        let (want, _) = greedy_incremental(&model, &be, &prompt, fed, 128).unwrap();
+        let d = max_kv_diff(s.cache(), &want, model.config.n_layers);
+        assert!(d <= 1e-5, "K/V differ from incremental decoding by {d}");
     }
 }

@@ -138,21 +138,18 @@ impl Model {
         let n_tok = tokens.len();
         self.check_batch(cache, tokens, positions, logit_rows)?;
         cache.reserve(n_tok)?;
+        // Layers, then the output head for `rows` of the batch.
+        let pass = |cache: &mut KvCache, toks: &[u32], pos: &[usize], rows: &[usize]| {
+            let x = self.layers_inner(backend, cache, toks, pos, mask, n_layers)?;
+            self.head(backend, &x, rows)
+        };
         if !matches!(mask, BatchMask::Causal) {
             // Tree verification: the kernels of single-token decoding, so a verified token is
             // computed bit for bit as incremental decoding would.
-            return backend.scope(|| {
-                self.forward_inner(
-                    backend, cache, tokens, positions, mask, logit_rows, n_layers,
-                )
-            });
+            return backend.scope(|| pass(cache, tokens, positions, logit_rows));
         }
         if n_tok <= PREFILL_CHUNK {
-            return backend.scope_prefill(|| {
-                self.forward_inner(
-                    backend, cache, tokens, positions, mask, logit_rows, n_layers,
-                )
-            });
+            return backend.scope_prefill(|| pass(cache, tokens, positions, logit_rows));
         }
         // Long causal batches (prompt prefill) run in chunks: the matmul kernels are tuned for up
         // to 64 activation rows, and a chunk attends to earlier chunks through the cache exactly
@@ -168,15 +165,7 @@ impl Model {
                 .map(|(i, &r)| (i, r - start))
                 .unzip();
             let chunk = backend.scope_prefill(|| {
-                self.forward_inner(
-                    backend,
-                    cache,
-                    &tokens[start..end],
-                    &positions[start..end],
-                    BatchMask::Causal,
-                    &local,
-                    n_layers,
-                )
+                pass(cache, &tokens[start..end], &positions[start..end], &local)
             })?;
             for (j, &i) in out_idx.iter().enumerate() {
                 logits[i * vocab..(i + 1) * vocab]
@@ -184,21 +173,6 @@ impl Model {
             }
         }
         Ok(logits)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn forward_inner<B: Backend>(
-        &self,
-        backend: &B,
-        cache: &mut KvCache,
-        tokens: &[u32],
-        positions: &[usize],
-        mask: BatchMask<'_>,
-        logit_rows: &[usize],
-        n_layers: usize,
-    ) -> Result<Vec<f32>> {
-        let x = self.layers_inner(backend, cache, tokens, positions, mask, n_layers)?;
-        self.head(backend, &x, logit_rows)
     }
 
     /// The decoder layers: returns the residual stream `[n_tok, n_embd]` after `n_layers` layers.
