@@ -120,36 +120,14 @@ pub fn tree_logits<B: Backend>(
 
 /// Verify `tree` in one pass and commit: afterwards `cache` holds the root's and the accepted
 /// nodes' K/V at their positions (`len` grows by 1 + accepted) and nothing else.
-pub fn verify_step<B: Backend>(
-    model: &Model,
-    backend: &B,
-    cache: &mut KvCache,
-    tree: &TokenTree,
-    verifier: &mut Verifier,
-) -> Result<VerifyOutcome> {
-    let base = cache.len();
-    let vocab = model.config.vocab_size;
-    let outcome = tree_logits(model, backend, cache, tree)
-        .and_then(|logits| verifier.verify(tree, &logits, vocab));
-    match outcome {
-        Ok(o) => {
-            cache.commit_rows(base, &o.kv_rows())?;
-            Ok(o)
-        }
-        Err(e) => {
-            cache.truncate(base);
-            Err(e)
-        }
-    }
-}
-
-/// [`verify_step`] with SPACE placeholder groups appended to the pass (rows after the tree's, each
-/// group a chain hanging off its anchor node; see [`crate::draft::space`]). The tree's rows never
-/// see a placeholder, so verification is exactly that of the tree alone; placeholder K/V rows are
+///
+/// SPACE placeholder `groups` (possibly none) ride along as rows after the tree's, each a chain
+/// hanging off its anchor node (see [`crate::draft::space`]). The tree's rows never see a
+/// placeholder, so verification is exactly that of the tree alone; placeholder K/V rows are
 /// dropped. Returns the outcome and, per group, its logits `[len, vocab]` when the group hangs
 /// off the last accepted node (the only ones a drafter can use; the others' output head is
 /// skipped).
-pub fn verify_step_with_placeholders<B: Backend>(
+pub fn verify_step<B: Backend>(
     model: &Model,
     backend: &B,
     cache: &mut KvCache,
@@ -354,26 +332,15 @@ impl<'m, B: Backend> SpecSession<'m, B> {
         if tree.len() + extra > room {
             groups.clear(); // no scratch room for them: verify the tree alone
         }
-        let (o, group_logits) = if groups.is_empty() {
-            let o = verify_step(
-                self.model,
-                self.backend,
-                &mut self.cache,
-                tree,
-                &mut self.verifier,
-            )?;
-            (o, Vec::new())
-        } else {
-            let refs: Vec<&PlaceholderGroup> = groups.iter().map(|g| &g.2).collect();
-            verify_step_with_placeholders(
-                self.model,
-                self.backend,
-                &mut self.cache,
-                tree,
-                &refs,
-                &mut self.verifier,
-            )?
-        };
+        let refs: Vec<&PlaceholderGroup> = groups.iter().map(|g| &g.2).collect();
+        let (o, group_logits) = verify_step(
+            self.model,
+            self.backend,
+            &mut self.cache,
+            tree,
+            &refs,
+            &mut self.verifier,
+        )?;
         self.metrics.record(tree, &o);
         if !groups.is_empty() {
             self.metrics.placeholder_rows += extra;
