@@ -13,7 +13,7 @@ pub mod testing;
 pub mod tokenizer;
 pub mod tree;
 
-pub use backend::{Backend, BatchMask, CpuBackend};
+pub use backend::{AmxUse, Backend, BatchMask, CpuBackend};
 pub use error::{EngineError, Result};
 pub use generate::{generate, FinishReason, GenerateOutput, GenerateParams};
 pub use gguf::GgufFile;

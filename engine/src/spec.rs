@@ -481,6 +481,7 @@ mod tests {
     use super::*;
     use crate::backend::CpuBackend;
     use crate::draft::{OracleDrafter, RandomDrafter};
+    use crate::quant::GgmlType;
     use crate::sample::SamplingParams;
     use crate::testing::{greedy_session, step_until, tiny_model, TinySpec};
     use crate::tree::ExpansionConfig;
@@ -571,6 +572,54 @@ mod tests {
             m.accepted_by_depth[0] as f64 / m.steps as f64,
             m.acceptance_by_depth()[0]
         );
+    }
+
+    /// Whatever the AMX setting (never; prompt prefill only, the default; everywhere: tiles for
+    /// the wide verification batches and the AMX-order VNNI kernel for single-token decoding),
+    /// decoding and verification use the same arithmetic: greedy speculation equals incremental
+    /// decoding, and the accepted K/V equal incremental decoding's bit for bit. The weights cover
+    /// every type the AMX kernels take, at widths they take (multiples of 256).
+    #[test]
+    fn greedy_session_kv_bit_identical_to_incremental_for_any_amx_use() {
+        use crate::backend::AmxUse;
+        let cases = [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0]
+            .into_iter()
+            .flat_map(|ty| [AmxUse::Never, AmxUse::Prefill, AmxUse::Always].map(|u| (ty, u)));
+        for (i, (ty, amx_use)) in cases.enumerate() {
+            let spec = TinySpec {
+                arch: "qwen2",
+                n_embd: 256,
+                n_ff: 512,
+                n_head: 8,
+                n_head_kv: 2,
+                vocab: 64,
+                weight_type: ty,
+                separate_output: ty == GgmlType::Q6_K,
+                ..TinySpec::default()
+            };
+            let model = tiny_model(&spec, 30 + i as u64 / 3).unwrap();
+            let be = CpuBackend::new(2).unwrap().with_amx_use(amx_use);
+            let prompt = [3u32, 1, 4, 1, 5, 9, 2, 6];
+            let n = 24;
+            let (_, truth) = incremental(&model, &be, &prompt, n);
+            let mut full = prompt.to_vec();
+            full.extend(&truth);
+            // 30-node trees: verification batches run the AMX tiles where granted.
+            let cfg: ExpansionConfig = "2,2,2,2".parse().unwrap();
+            let mut oracle = OracleDrafter::new(full.clone(), cfg.clone(), 1);
+            let mut random = RandomDrafter::new(cfg, 2);
+            let mut ds: [&mut dyn Drafter; 2] = [&mut random, &mut oracle];
+            let mut s = greedy_session(&model, &be, &prompt, truth[0], 64).unwrap();
+            step_until(&mut s, &mut ds, full.len(), 8).unwrap();
+            assert_eq!(&s.tokens()[..full.len()], &full[..], "{ty} {amx_use:?}");
+            let fed = s.cache().len() - prompt.len();
+            let (want, _) = incremental(&model, &be, &prompt, fed);
+            let d = crate::testing::max_kv_diff(s.cache(), &want, model.config.n_layers);
+            assert_eq!(
+                d, 0.0,
+                "{ty} {amx_use:?}: K/V differ from incremental decoding by {d}"
+            );
+        }
     }
 
     #[test]

@@ -7,8 +7,8 @@
 use std::time::Instant;
 
 use arbor_engine::draft::{
-    early_exit, DraftSampling, DraftShape, Drafter, ModelDrafter, NgramDrafter, OracleDrafter,
-    RandomDrafter, SpaceDrafter, SpaceMode,
+    early_exit, DraftSampling, DraftShape, Drafter, FallbackDrafter, ModelDrafter, NgramDrafter,
+    OracleDrafter, RandomDrafter, SpaceDrafter, SpaceMode,
 };
 use arbor_engine::generate::{generate, GenerateParams};
 use arbor_engine::sample::verify::{Verifier, VerifyMode};
@@ -202,6 +202,20 @@ pub enum DraftSpec {
         k: usize,
         mask: Option<u32>,
     },
+    /// `ngram[:N]-else:SPEC`: prompt lookup on matches of 2 to N tokens, and at steps without
+    /// such a match the drafter `SPEC` (`FallbackDrafter`).
+    NgramElse(usize, Box<DraftSpec>),
+}
+
+impl DraftSpec {
+    /// The draft model this drafter loads (a known model name or a GGUF path), if any.
+    pub fn model(&self) -> Option<&str> {
+        match self {
+            DraftSpec::Model(name) => Some(name),
+            DraftSpec::NgramElse(_, second) => second.model(),
+            _ => None,
+        }
+    }
 }
 
 impl std::str::FromStr for DraftSpec {
@@ -214,6 +228,23 @@ impl std::str::FromStr for DraftSpec {
                 .filter(|&n| n > 0)
                 .ok_or_else(|| EngineError::InvalidArgument(format!("drafter '{s}': {what}")))
         };
+        if let Some((first, second)) = s.split_once("-else:") {
+            let n = match first.parse::<DraftSpec>()? {
+                DraftSpec::Ngram(n) if n >= 2 => n,
+                _ => {
+                    return Err(EngineError::InvalidArgument(format!(
+                        "drafter '{s}': expected ngram[:N]-else:DRAFTER with N >= 2"
+                    )))
+                }
+            };
+            let second = second.parse::<DraftSpec>()?;
+            if matches!(second, DraftSpec::NgramElse(..)) {
+                return Err(EngineError::InvalidArgument(format!(
+                    "drafter '{s}': one fallback only"
+                )));
+            }
+            return Ok(DraftSpec::NgramElse(n, Box::new(second)));
+        }
         if s == "ngram" {
             return Ok(DraftSpec::Ngram(NgramDrafter::default().max_n));
         }
@@ -259,47 +290,61 @@ pub fn build_drafters<'m>(
     let mut next_ssm = ssms.iter().copied();
     for (i, s) in specs.iter().enumerate() {
         let seed = seed.wrapping_add(1 + i as u64);
-        match s {
-            DraftSpec::Ngram(n) => {
-                let d = NgramDrafter::default();
-                let max_len = shape.depth().max(1);
-                out.push(Box::new(NgramDrafter::new(*n, 1, max_len, d.max_matches)?));
-            }
-            DraftSpec::EarlyExit(l) => out.push(Box::new(early_exit(
+        out.push(build_drafter(s, llm, &mut next_ssm, backend, shape, seed)?);
+    }
+    Ok(out)
+}
+
+fn build_drafter<'m>(
+    s: &DraftSpec,
+    llm: &'m Model,
+    next_ssm: &mut impl Iterator<Item = &'m Model>,
+    backend: &'m CpuBackend,
+    shape: &DraftShape,
+    seed: u64,
+) -> Result<Box<dyn Drafter + 'm>> {
+    let max_matches = NgramDrafter::default().max_matches;
+    let max_len = shape.depth().max(1);
+    Ok(match s {
+        DraftSpec::Ngram(n) => Box::new(NgramDrafter::new(*n, 1, max_len, max_matches)?),
+        DraftSpec::NgramElse(n, second) => {
+            let first = NgramDrafter::new(*n, 2, max_len, max_matches)?;
+            let second = build_drafter(second, llm, next_ssm, backend, shape, seed)?;
+            Box::new(FallbackDrafter::new(Box::new(first), second))
+        }
+        DraftSpec::EarlyExit(l) => Box::new(early_exit(
+            llm,
+            backend,
+            *l,
+            shape.clone(),
+            DraftSampling::TopK,
+            seed,
+        )?),
+        DraftSpec::Space { k, mask } => {
+            let mode = mask.map_or(SpaceMode::Jacobi, SpaceMode::MaskToken);
+            Box::new(SpaceDrafter::new(
+                *k,
+                mode,
+                DraftSampling::TopK,
+                llm.config.vocab_size,
+                seed,
+            )?)
+        }
+        DraftSpec::Model(name) => {
+            let m = next_ssm.next().ok_or_else(|| {
+                EngineError::InvalidArgument(format!("draft model '{name}' is not loaded"))
+            })?;
+            Box::new(ModelDrafter::ssm(
+                name.clone(),
+                m,
                 llm,
                 backend,
-                *l,
                 shape.clone(),
                 DraftSampling::TopK,
                 seed,
-            )?)),
-            DraftSpec::Space { k, mask } => {
-                let mode = mask.map_or(SpaceMode::Jacobi, SpaceMode::MaskToken);
-                out.push(Box::new(SpaceDrafter::new(
-                    *k,
-                    mode,
-                    DraftSampling::TopK,
-                    llm.config.vocab_size,
-                    seed,
-                )?));
-            }
-            DraftSpec::Model(name) => {
-                let m = next_ssm.next().ok_or_else(|| {
-                    EngineError::InvalidArgument(format!("draft model '{name}' is not loaded"))
-                })?;
-                out.push(Box::new(ModelDrafter::ssm(
-                    name.clone(),
-                    m,
-                    llm,
-                    backend,
-                    shape.clone(),
-                    DraftSampling::TopK,
-                    seed,
-                )?));
-            }
+            )?)
         }
-    }
-    Ok(out)
+    })
 }
 
 /// The fixed prompt set of the drafter benchmark: (kind, text).
@@ -465,7 +510,22 @@ pub fn suite_bench(
                 toks += o.output.decode_steps;
                 acc += o.metrics.accepted;
                 steps += o.metrics.steps;
-                equal &= o.output.tokens == base_out[i];
+                if temp == 0.0 && o.output.tokens != base_out[i] {
+                    let at = o
+                        .output
+                        .tokens
+                        .iter()
+                        .zip(&base_out[i])
+                        .position(|(a, b)| a != b)
+                        .unwrap_or(o.output.tokens.len().min(base_out[i].len()));
+                    eprintln!(
+                        "'{name}', prompt {i}: greedy output differs from incremental output at \
+                         token {at}: {:?} vs {:?}",
+                        &o.output.tokens[at..(at + 4).min(o.output.tokens.len())],
+                        &base_out[i][at..(at + 4).min(base_out[i].len())]
+                    );
+                    equal = false;
+                }
                 if i == 0 {
                     code = o.output.decode_tok_s();
                 }

@@ -1,4 +1,4 @@
-//! End-to-end tests of `arbor generate --draft …` with real drafters (SSM, prompt lookup, early exit, SPACE; merged and dynamic trees): same tokens as plain generation, acceptance reported.
+//! End-to-end tests of `arbor generate --draft …` with real drafters (SSM, prompt lookup, early exit, SPACE, prompt lookup with a fallback; merged and dynamic trees): same tokens as plain generation, acceptance reported.
 
 mod common;
 
@@ -31,6 +31,7 @@ fn real_drafters_match_plain_generation_and_report_acceptance() {
         &["--draft", "smollm2-135m", "--tree", "dynamic:8"][..],
         &["--space", "--space-k", "3"][..],
         &["--space", "--space-mask-token", "0", "--draft", "ngram"][..],
+        &["--draft", "ngram-else:smollm2-135m", "--tree", "1,1,1,1"][..],
     ] {
         let mut args = BASE.to_vec();
         args.extend(extra);
@@ -42,7 +43,7 @@ fn real_drafters_match_plain_generation_and_report_acceptance() {
         let s = &j["spec"];
         assert_eq!(s["mode"], "greedy");
         assert!(s["mean_accepted"].as_f64().is_some(), "{s}");
-        if extra.contains(&"smollm2-135m") {
+        if extra.contains(&"smollm2-135m") || extra.contains(&"ngram-else:smollm2-135m") {
             // The LLM drafting for itself: (almost) everything is accepted.
             assert!(s["mean_accepted"].as_f64().unwrap() >= 2.0, "{s}");
         }
@@ -55,6 +56,10 @@ fn bad_drafters_and_trees_are_refused() {
         &["--draft", "early-exit"][..],
         &["--draft", "early-exit:0"][..],
         &["--draft", "ngram:x"][..],
+        &["--draft", "ngram:1-else:smollm2-135m"][..],
+        &["--draft", "ngram-else:ngram-else:ngram"][..],
+        &["--draft", "early-exit:4-else:ngram"][..],
+        &["--draft", "ngram-else:no-such-model"][..],
         &["--draft", "ngram", "--tree", "dynamic:0"][..],
         &["--draft", "oracle", "--tree", "dynamic:8"][..],
         &["--draft", "early-exit:999"][..],

@@ -7,11 +7,26 @@ use super::{AttentionShape, Backend, BatchMask};
 use crate::error::{EngineError, Result};
 use crate::quant::{self, QMatrix};
 
+/// Where the CPU backend runs the AMX kernel family (`quant::with_amx`; only where the CPU and
+/// OS grant AMX, and only for the weight types it covers).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AmxUse {
+    /// Never: every matmul on the VNNI kernels.
+    Never,
+    /// Prompt prefill only (the default): decoding and tree verification stay on the VNNI
+    /// kernels, so they are bit-identical to each other, while prefill sums in the AMX order.
+    Prefill,
+    /// Every forward pass: prefill, decoding and verification all in the AMX order (tiles for 8+
+    /// rows, the AMX-order VNNI kernel below), bit-identical to each other. Verification of wide
+    /// trees is cheaper, single-token decoding somewhat slower (see docs/benchmarks.md).
+    Always,
+}
+
 /// The CPU backend owns its worker pool; `threads` = 0 means one per core.
 pub struct CpuBackend {
     pool: rayon::ThreadPool,
-    /// Whether prompt prefill may use AMX tiles (see [`Backend::scope_prefill`]).
-    prefill_amx: bool,
+    /// Where the AMX kernels run (see [`Backend::scope_prefill`]).
+    amx: AmxUse,
 }
 
 impl CpuBackend {
@@ -30,16 +45,26 @@ impl CpuBackend {
             })?;
         Ok(CpuBackend {
             pool,
-            prefill_amx: true,
+            amx: AmxUse::Prefill,
         })
     }
 
     /// Never use AMX tiles, not even in prompt prefill: every batch is then computed bit for bit
     /// as single-token decoding computes it (the VNNI kernels give the same result for any
     /// number of rows).
-    pub fn bit_exact(mut self) -> CpuBackend {
-        self.prefill_amx = false;
+    pub fn bit_exact(self) -> CpuBackend {
+        self.with_amx_use(AmxUse::Never)
+    }
+
+    /// Chooses where the AMX kernels run (`AmxUse`). `ARBOR_KERNEL=amx` in the environment
+    /// means `Always` for every backend, `ARBOR_KERNEL=avx512` (or lower) `Never`.
+    pub fn with_amx_use(mut self, amx: AmxUse) -> CpuBackend {
+        self.amx = amx;
         self
+    }
+
+    pub fn amx_use(&self) -> AmxUse {
+        self.amx
     }
 
     pub fn threads(&self) -> usize {
@@ -53,14 +78,17 @@ impl Backend for CpuBackend {
     }
 
     fn scope<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
-        self.pool.install(f)
+        match self.amx {
+            AmxUse::Always => self.pool.install(|| quant::with_amx_family(f)),
+            _ => self.pool.install(f),
+        }
     }
 
     fn scope_prefill<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
-        if self.prefill_amx {
-            self.pool.install(|| quant::with_amx(f))
-        } else {
-            self.pool.install(f)
+        match self.amx {
+            AmxUse::Never => self.pool.install(f),
+            AmxUse::Prefill => self.pool.install(|| quant::with_amx(f)),
+            AmxUse::Always => self.pool.install(|| quant::with_amx_family(f)),
         }
     }
 
@@ -84,9 +112,11 @@ impl Backend for CpuBackend {
             }
             return Ok(());
         }
+        // The jobs may run on other threads of the pool: carry this thread's AMX scope to them.
+        let amx = quant::amx_scope();
         ws.par_iter()
             .zip(outs.par_iter_mut())
-            .try_for_each(|(w, y)| quant::matmul(w, x, n_tok, y))
+            .try_for_each(|(w, y)| quant::matmul_in(amx, w, x, n_tok, y))
     }
 
     fn attention(

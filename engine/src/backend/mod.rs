@@ -4,7 +4,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod simd;
 
-pub use cpu::CpuBackend;
+pub use cpu::{AmxUse, CpuBackend};
 
 use crate::error::Result;
 use crate::quant::QMatrix;

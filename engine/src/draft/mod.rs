@@ -15,12 +15,14 @@
 
 pub mod dynamic;
 pub mod early_exit;
+pub mod fallback;
 pub mod ngram;
 pub mod space;
 pub mod ssm;
 
 pub use dynamic::DraftShape;
 pub use early_exit::early_exit;
+pub use fallback::FallbackDrafter;
 pub use ngram::NgramDrafter;
 pub use space::{SpaceDrafter, SpaceMode};
 pub use ssm::{check_same_vocab, DraftSampling, ModelDrafter};

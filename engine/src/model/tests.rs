@@ -1,4 +1,4 @@
-use crate::backend::{Backend, BatchMask, CpuBackend};
+use crate::backend::{AmxUse, Backend, BatchMask, CpuBackend};
 use crate::kv::KvCache;
 use crate::quant::GgmlType;
 use crate::sample::Rng;
@@ -37,18 +37,23 @@ fn specs() -> Vec<TinySpec> {
 }
 
 /// Batched prefill computes, for every position, the logits and K/V incremental decoding
-/// computes: bit for bit (1e-4 / 1e-5) on the VNNI kernels; with AMX tiles in the prefill (where
-/// granted; other f32 summation order, amplified by the f16 K/V cache) within 2% of the largest
-/// logit and of the largest K/V entry.
+/// computes: bit for bit (1e-4 / 1e-5) on the VNNI kernels and with the AMX family everywhere
+/// (`AmxUse::Always`); with AMX tiles in the prefill only (where granted; other f32 summation
+/// order, amplified by the f16 K/V cache) within 2% of the largest logit and of the largest K/V
+/// entry.
 #[test]
 fn batched_prefill_equals_incremental_decoding() {
     for (backend, exact) in [
         (CpuBackend::new(2).unwrap().bit_exact(), true),
+        (
+            CpuBackend::new(2).unwrap().with_amx_use(AmxUse::Always),
+            true,
+        ),
         (CpuBackend::new(2).unwrap(), false),
     ] {
-        let amx = !exact && backend.scope_prefill(crate::quant::amx_active);
-        if !exact && !amx {
-            continue; // same kernels as the exact run
+        let amx = backend.scope_prefill(crate::quant::amx_active);
+        if backend.amx_use() != AmxUse::Never && !amx {
+            continue; // same kernels as the bit-exact run
         }
         for (i, spec) in specs().into_iter().enumerate() {
             let model = tiny_model(&spec, 100 + i as u64).unwrap();

@@ -23,11 +23,13 @@
 //!   Q4_K subtracts `Σ_j dmin·m_j · bsum_j` and K-quants scale by the activation `d`. Only the order
 //!   of the f32 sums differs from the scalar kernel.
 //!
-//! Where: its f32 summation order differs from the single-row VNNI path, so `matmul` takes it only
-//! inside `with_amx` scopes (prompt prefill, via `Backend::scope_prefill`), where bit-identity with
-//! incremental decoding is not needed; tree verification and decoding stay on VNNI so greedy
-//! speculative output equals incremental output exactly. `ARBOR_KERNEL=amx` uses it for every
-//! batch of `MIN_TOK`+ rows, `ARBOR_KERNEL=avx512` never (see `KernelLevel::detect`).
+//! Where: its f32 summation order differs from the VNNI kernels', so decoding and verification
+//! must not mix the two. `matmul_with(KernelLevel::Amx, ..)` therefore runs the whole AMX family:
+//! these tiles for `MIN_TOK`+ rows and `x86_avx512::amx_order_rows` (the same f32 operations per
+//! output, in the same order, from VNNI integer dot products) for fewer, so any row is
+//! bit-identical whatever the batch size. `matmul` takes the family inside `with_amx` scopes: by
+//! default prompt prefill only (`CpuBackend::with_amx_use`), everywhere with `AmxUse::Always` or
+//! `ARBOR_KERNEL=amx`, never with `ARBOR_KERNEL=avx512` (see `KernelLevel::detect`).
 
 use std::arch::asm;
 use std::arch::x86_64::*;
@@ -257,9 +259,15 @@ trait Kind {
     const MINS: bool;
     /// Q8_0: the activation scale is per sub-block (record vectors), not per group.
     const SUB_DX: bool;
-    /// Unpacks the group at `p` into 256 int8 at `a` (A-tile column order) and the sub-block
-    /// scales (and mins) into `ws` (16 f32).
+    /// Q4_K: `unpack` leaves the scales alone; they are decoded for a whole row tile at once
+    /// (`x86_avx512::k4_scales_by_row`) and stored transposed, `ws[p][row]`.
+    const TILE_SCALES: bool = false;
+    /// Unpacks the group at `p` into 256 int8 at `a` (A-tile column order) and its scales into
+    /// `ws` (`scales`).
     unsafe fn unpack(p: *const u8, a: *mut u8, ws: *mut f32);
+    /// The sub-block scales (A-column order; and Q4_K's mins, natural order) of the group at `p`
+    /// into `ws` (16 f32).
+    unsafe fn scales(p: *const u8, ws: *mut f32);
 }
 
 struct Q4K;
@@ -293,6 +301,7 @@ impl Kind for Q4K {
     const GB: usize = 144;
     const MINS: bool = true;
     const SUB_DX: bool = false;
+    const TILE_SCALES: bool = true;
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn unpack(p: *const u8, a: *mut u8, ws: *mut f32) {
@@ -302,6 +311,11 @@ impl Kind for Q4K {
         _mm512_storeu_si512(a.add(64) as *mut __m512i, h0);
         _mm512_storeu_si512(a.add(128) as *mut __m512i, l1);
         _mm512_storeu_si512(a.add(192) as *mut __m512i, h1);
+        let _ = ws;
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn scales(p: *const u8, ws: *mut f32) {
         // Six-bit scales and mins (ggml's get_scale_min_k4), eight per u64.
         const KMASK1: u32 = 0x3f3f_3f3f;
         const KMASK2: u32 = 0x0f0f_0f0f;
@@ -352,6 +366,11 @@ impl Kind for Q6K {
             _mm512_storeu_si512(a.add(128 * h) as *mut __m512i, r0);
             _mm512_storeu_si512(a.add(128 * h + 64) as *mut __m512i, r1);
         }
+        Self::scales(p, ws);
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn scales(p: *const u8, ws: *mut f32) {
         let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(rd_u16(p.add(208)) as i32)));
         let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
             p.add(192) as *const __m128i
@@ -368,17 +387,40 @@ impl Kind for Q80 {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn unpack(p: *const u8, a: *mut u8, ws: *mut f32) {
+        for b in 0..8 {
+            let q = _mm256_loadu_si256(p.add(34 * b + 2) as *const __m256i);
+            _mm256_storeu_si256(a.add(32 * b) as *mut __m256i, q);
+        }
+        Self::scales(p, ws);
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn scales(p: *const u8, ws: *mut f32) {
         let mut h = [0u16; 8];
         for (b, v) in h.iter_mut().enumerate() {
-            let blk = p.add(34 * b);
-            *v = rd_u16(blk);
-            let q = _mm256_loadu_si256(blk.add(2) as *const __m256i);
-            _mm256_storeu_si256(a.add(32 * b) as *mut __m256i, q);
+            *v = rd_u16(p.add(34 * b));
         }
         _mm256_storeu_ps(
             ws,
             _mm256_cvtph_ps(_mm_loadu_si128(h.as_ptr() as *const __m128i)),
         );
+    }
+}
+
+/// The scales `ws` of one 256-element group at `p` of a covered type (`supports`), exactly as the
+/// AMX epilogue multiplies them: Q4_K `d·sc` per sub-block in A-column order then `dmin·m` per
+/// sub-block, Q6_K `d·sc` for its 16 sub-blocks, Q8_0 the 8 block scales. The AMX-order VNNI
+/// kernel (`x86_avx512::amx_order_rows`) reads them from here so both paths use the same values.
+///
+/// # Safety
+/// AVX-512 must be present; `p` must cover one group of `ty`; `ty` must be covered.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn group_scales(ty: GgmlType, p: *const u8, ws: &mut [f32; 16]) {
+    match ty {
+        GgmlType::Q4_K => Q4K::scales(p, ws.as_mut_ptr()),
+        GgmlType::Q6_K => Q6K::scales(p, ws.as_mut_ptr()),
+        GgmlType::Q8_0 => Q80::scales(p, ws.as_mut_ptr()),
+        _ => {}
     }
 }
 
@@ -492,12 +534,21 @@ unsafe fn rows<K: Kind>(w: &QMatrix, act: *const u8, n_tok: usize, r0: usize, r1
     let mut abuf = [ABuf([0; TILE * AROW]), ABuf([0; TILE * AROW])];
     let mut cbuf = CBuf([0; 16 * TILE * TILE]);
     let mut ws = [[[0f32; 16]; TILE]; 2];
+    // Scale `p` of row `i` of one buffer (stored by row, or transposed for `TILE_SCALES`).
+    let scale = |ws: &[[f32; 16]; TILE], i: usize, p: usize| {
+        if K::TILE_SCALES {
+            ws[p][i]
+        } else {
+            ws[i][p]
+        }
+    };
     let mut acc = vec![_mm512_setzero_ps(); TILE * n_tb];
     let base = w.data.as_ptr();
     // Unpacks group `g` of the row tile at `o0` (`nr` valid rows) into buffer `s`.
     let unpack =
         |abuf: &mut [ABuf; 2], ws: &mut [[[f32; 16]; TILE]; 2], o0: usize, nr: usize, g: usize| {
             let s = g % 2;
+            let mut heads = [[0u8; 64]; TILE];
             for (i, wsi) in ws[s].iter_mut().enumerate() {
                 // Rows past the end repeat the last one (their results are dropped).
                 let p = base.add((o0 + i.min(nr - 1)) * rb + g * K::GB);
@@ -510,6 +561,15 @@ unsafe fn rows<K: Kind>(w: &QMatrix, act: *const u8, n_tok: usize, r0: usize, r1
                     }
                 }
                 K::unpack(p, abuf[s].0.as_mut_ptr().add(i * AROW), wsi.as_mut_ptr());
+                if K::TILE_SCALES {
+                    heads[i][..16].copy_from_slice(std::slice::from_raw_parts(p, 16));
+                }
+            }
+            if K::TILE_SCALES {
+                let v = super::x86_avx512::k4_scales_by_row(heads.as_ptr() as *const u8);
+                for (row, vp) in ws[s].iter_mut().zip(&v) {
+                    _mm512_storeu_ps(row.as_mut_ptr(), *vp);
+                }
             }
         };
     let mut o0 = r0;
@@ -557,7 +617,7 @@ unsafe fn rows<K: Kind>(w: &QMatrix, act: *const u8, n_tok: usize, r0: usize, r1
                                 let c = _mm512_cvtepi32_ps(_mm512_load_si512(
                                     cb.add(i * TILE) as *const __m512i
                                 ));
-                                let sc = _mm512_mul_ps(dx, _mm512_set1_ps(ws[i][p]));
+                                let sc = _mm512_mul_ps(dx, _mm512_set1_ps(scale(ws, i, p)));
                                 *ga = _mm512_fmadd_ps(c, sc, *ga);
                             }
                         } else {
@@ -565,7 +625,7 @@ unsafe fn rows<K: Kind>(w: &QMatrix, act: *const u8, n_tok: usize, r0: usize, r1
                                 let c = _mm512_cvtepi32_ps(_mm512_load_si512(
                                     cb.add(i * TILE) as *const __m512i
                                 ));
-                                *ga = _mm512_fmadd_ps(c, _mm512_set1_ps(ws[i][p]), *ga);
+                                *ga = _mm512_fmadd_ps(c, _mm512_set1_ps(scale(ws, i, p)), *ga);
                             }
                         }
                     }
@@ -575,7 +635,7 @@ unsafe fn rows<K: Kind>(w: &QMatrix, act: *const u8, n_tok: usize, r0: usize, r1
                     for j in 0..8 {
                         let bs = _mm512_loadu_ps(rec.add(OFF_V + 64 * j) as *const f32);
                         for (i, ga) in gacc.iter_mut().enumerate() {
-                            *ga = _mm512_fnmadd_ps(_mm512_set1_ps(ws[i][8 + j]), bs, *ga);
+                            *ga = _mm512_fnmadd_ps(_mm512_set1_ps(scale(ws, i, 8 + j)), bs, *ga);
                         }
                     }
                 }

@@ -11,8 +11,9 @@
 //!   of the accumulator covers exactly one 16-element chunk of one scale group, which lets all four
 //!   64-byte registers of a 256-element group accumulate into one register;
 //! * `amx` — AMX int8 tiles (`tdpbssd`, 16 output × 16 activation rows per scale sub-block) for
-//!   Q4_K/Q6_K/Q8_0 matmuls with at least `amx::MIN_TOK` activation rows, when the OS grants AMX;
-//!   by default only in prompt prefill ([`with_amx`]).
+//!   Q4_K/Q6_K/Q8_0 matmuls with at least `amx::MIN_TOK` activation rows, when the OS grants AMX,
+//!   and for fewer rows `x86_avx512::amx_order_rows`, a VNNI kernel that repeats the tiles' f32
+//!   arithmetic bit for bit; by default only in prompt prefill ([`with_amx`]).
 //!
 //! Every kernel unpacks each weight group once and dots it against all activation rows of the call
 //! (the activation rows, the accumulators and a k-block of the activations stay in L1/L2), so
@@ -270,13 +271,14 @@ impl KernelLevel {
     /// The best level this CPU supports (runtime CPUID, and for AMX the OS grant), chosen by the
     /// environment variable `ARBOR_KERNEL=scalar|avx2|avx512|amx` (it can never exceed the hardware):
     ///
-    /// * unset: the best level, but AMX tiles only inside [`with_amx`] scopes (prompt prefill). The
-    ///   AMX kernels order their f32 sums differently from the VNNI kernels that single-token
-    ///   decoding uses, so tree verification and decoding stay on VNNI: a verification pass is
-    ///   then bit-identical to incremental decoding and greedy speculative output equals it token
-    ///   for token;
-    /// * `amx`: AMX for every quantized matmul of `amx::MIN_TOK` or more rows (verification too:
-    ///   faster, but a near-tie may then resolve differently than in incremental decoding);
+    /// * unset: the best level, but the AMX family only inside [`with_amx`] scopes (by default
+    ///   prompt prefill, see `CpuBackend::with_amx_use`). The AMX family (tiles for
+    ///   `amx::MIN_TOK`+ rows, the AMX-order VNNI kernel below) orders its f32 sums differently
+    ///   from the VNNI kernels, and each family is bit-identical across batch sizes on its own; so
+    ///   tree verification and decoding must use the same family for greedy speculative output to
+    ///   equal incremental output token for token;
+    /// * `amx`: the AMX family for every quantized matmul it covers (prefill, decoding and
+    ///   verification alike, still bit-identical to each other);
     /// * `avx512`: VNNI only, never AMX; `avx2`, `scalar`: those kernels only.
     pub fn detect() -> KernelLevel {
         let hw = hw_level();
@@ -370,30 +372,65 @@ fn detect_hw() -> KernelLevel {
     KernelLevel::Scalar
 }
 
-thread_local! {
-    /// Set while the current thread runs a [`with_amx`] scope.
-    static AMX_SCOPE: Cell<bool> = const { Cell::new(false) };
+/// Where the AMX kernel family may run for the matmuls a thread issues.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AmxScope {
+    /// VNNI kernels only.
+    Off,
+    /// Prompt prefill: AMX tiles for batches of `amx::MIN_TOK`+ rows, the VNNI kernels below
+    /// (so a single causal token, as in incremental decoding, stays on VNNI).
+    Prefill,
+    /// The whole AMX family for every batch size (tiles, and the AMX-order VNNI kernel below
+    /// `amx::MIN_TOK` rows): every row bit-identical whatever the batch.
+    Family,
 }
 
-/// Run `f` with AMX tiles allowed for the quantized matmuls this thread issues (where the CPU
-/// and OS grant them). For batches whose results need not be bit-identical to single-token
-/// decoding: prompt prefill (see [`KernelLevel::detect`]).
-pub fn with_amx<R>(f: impl FnOnce() -> R) -> R {
-    /// Restores the previous flag, also when `f` unwinds.
-    struct Restore(bool);
+thread_local! {
+    /// The scope the current thread runs in ([`with_amx`], [`with_amx_family`]).
+    static AMX_SCOPE: Cell<AmxScope> = const { Cell::new(AmxScope::Off) };
+}
+
+/// Runs `f` with the AMX scope `scope` for the quantized matmuls this thread issues.
+fn with_amx_scope<R>(scope: AmxScope, f: impl FnOnce() -> R) -> R {
+    /// Restores the previous scope, also when `f` unwinds.
+    struct Restore(AmxScope);
     impl Drop for Restore {
         fn drop(&mut self) {
             AMX_SCOPE.with(|c| c.set(self.0));
         }
     }
-    let _restore = Restore(AMX_SCOPE.with(|c| c.replace(true)));
+    let _restore = Restore(AMX_SCOPE.with(|c| c.replace(scope)));
     f()
 }
 
-/// Whether a matmul issued here now would use AMX tiles for covered types and batch sizes.
+/// Run `f` with AMX tiles allowed for the large quantized matmuls this thread issues (where the
+/// CPU and OS grant them; `AmxScope::Prefill`). For batches whose results need not be
+/// bit-identical to single-token decoding: prompt prefill (see [`KernelLevel::detect`]).
+pub fn with_amx<R>(f: impl FnOnce() -> R) -> R {
+    with_amx_scope(AmxScope::Prefill, f)
+}
+
+/// Run `f` with the whole AMX family for every quantized matmul this thread issues
+/// (`AmxScope::Family`): prefill, decoding and verification all bit-identical to each other.
+pub fn with_amx_family<R>(f: impl FnOnce() -> R) -> R {
+    with_amx_scope(AmxScope::Family, f)
+}
+
+/// The AMX scope a matmul issued here now runs in (`Off` where AMX is not granted or
+/// `ARBOR_KERNEL` rules it out, `Family` everywhere with `ARBOR_KERNEL=amx`).
+pub fn amx_scope() -> AmxScope {
+    if *LEVEL.get_or_init(KernelLevel::detect) != KernelLevel::Amx {
+        AmxScope::Off
+    } else if KernelLevel::amx_everywhere() {
+        AmxScope::Family
+    } else {
+        AMX_SCOPE.with(|c| c.get())
+    }
+}
+
+/// Whether a matmul issued here now could use AMX tiles (for covered types and batch sizes).
 pub fn amx_active() -> bool {
-    let level = *LEVEL.get_or_init(KernelLevel::detect);
-    level == KernelLevel::Amx && (KernelLevel::amx_everywhere() || AMX_SCOPE.with(|c| c.get()))
+    amx_scope() != AmxScope::Off
 }
 
 /// The process-wide kernel level, detected once.
@@ -401,17 +438,41 @@ static LEVEL: OnceLock<KernelLevel> = OnceLock::new();
 
 /// y[t, o] = sum_k W[o, k] * x[t, k]. `x`: [n_tok, n_in] f32 row-major; `y`: [n_tok, n_out] f32
 /// row-major. Runs on the current rayon pool (wrap in `pool.install` to choose one), with the
-/// kernel level of `KernelLevel::detect()` (detected once per process; AMX only where
-/// [`amx_active`]).
+/// kernel level of `KernelLevel::detect()` (detected once per process; AMX as [`amx_scope`]
+/// allows).
 pub fn matmul(w: &QMatrix, x: &[f32], n_tok: usize, y: &mut [f32]) -> Result<()> {
-    let level = if amx_active() {
+    matmul_in(amx_scope(), w, x, n_tok, y)
+}
+
+/// `matmul` in the AMX scope the caller read (`amx_scope()` on the thread that owns the scope):
+/// for matmuls issued from rayon jobs, which may run on threads outside the scope.
+pub fn matmul_in(
+    scope: AmxScope,
+    w: &QMatrix,
+    x: &[f32],
+    n_tok: usize,
+    y: &mut [f32],
+) -> Result<()> {
+    let level = *LEVEL.get_or_init(KernelLevel::detect);
+    let amx = match scope {
+        AmxScope::Off => false,
+        AmxScope::Prefill => n_tok >= amx_min_rows(),
+        AmxScope::Family => true,
+    };
+    let level = if amx && level == KernelLevel::Amx {
         KernelLevel::Amx
     } else {
-        LEVEL
-            .get_or_init(KernelLevel::detect)
-            .min_with(KernelLevel::Avx512Vnni)
+        level.min_with(KernelLevel::Avx512Vnni)
     };
     matmul_with(level, w, x, n_tok, y)
+}
+
+/// Fewest rows for which the AMX tiles run (the AMX-order VNNI kernel below).
+fn amx_min_rows() -> usize {
+    #[cfg(target_arch = "x86_64")]
+    return amx::MIN_TOK;
+    #[cfg(not(target_arch = "x86_64"))]
+    usize::MAX
 }
 
 /// `matmul` with an explicit kernel level. A level above what the CPU supports is lowered to the
@@ -465,8 +526,14 @@ pub fn matmul_with(
         return Ok(());
     }
     let level = level.min_with(hw_level());
+    // The AMX family: tiles for large batches, the AMX-order VNNI kernel for small ones, so every
+    // row is computed bit for bit alike whatever the batch size.
     #[cfg(target_arch = "x86_64")]
-    if level == KernelLevel::Amx && n_tok >= amx::MIN_TOK && amx::matmul(w, x, n_tok, y) {
+    if level == KernelLevel::Amx && amx::granted() && amx::supports(w.ty, w.n_in) {
+        if n_tok >= amx::MIN_TOK && amx::matmul(w, x, n_tok, y) {
+            return Ok(());
+        }
+        amx_order_matmul(w, x, n_tok, y);
         return Ok(());
     }
     // Everything the AMX path does not cover runs the VNNI kernels.
@@ -502,6 +569,57 @@ pub fn matmul_with(
     }
     put_scratch(buf);
     Ok(())
+}
+
+/// Fewer than `amx::MIN_TOK` rows of a type the AMX kernels cover, with their arithmetic
+/// (`x86_avx512::amx_order_rows`): bit-identical to the same rows inside an AMX batch.
+#[cfg(target_arch = "x86_64")]
+fn amx_order_matmul(w: &QMatrix, x: &[f32], n_tok: usize, y: &mut [f32]) {
+    let n_groups = w.n_in / act::GROUP;
+    let stride = n_groups * x86_avx512::AREC;
+    let mut buf = take_scratch(n_tok * stride);
+    {
+        let act_bytes: &mut [u8] = bytes_of_lines(&mut buf, n_tok * stride);
+        let (n_in, ty) = (w.n_in, w.ty);
+        let kind = act::act_kind(ty);
+        let mut nat = [0u8; act::REC];
+        for (out, xr) in act_bytes.chunks_mut(stride).zip(x.chunks(n_in)) {
+            for (g, rec) in out.chunks_exact_mut(x86_avx512::AREC).enumerate() {
+                // SAFETY: the caller saw `amx::granted()`, which implies AVX-512 VNNI, AVX2, FMA, F16C.
+                unsafe {
+                    x86_avx2::quantize_group(
+                        kind,
+                        &xr[g * act::GROUP..(g + 1) * act::GROUP],
+                        &mut nat,
+                    );
+                    x86_avx512::amx_order_record(ty, &nat, rec);
+                }
+            }
+        }
+        let act_ro: &[u8] = act_bytes;
+        let n_out = w.n_out;
+        let yp = YPtr {
+            ptr: y.as_mut_ptr(),
+            n_out,
+        };
+        let task = |r0: usize, r1: usize| {
+            // SAFETY: as above; the records were built for `w.ty`, `r1 <= n_out`, `w` validated,
+            // tasks own disjoint row ranges of `y`.
+            unsafe { x86_avx512::amx_order_rows(w, act_ro, stride, n_tok, r0, r1, yp) }
+        };
+        let threads = rayon::current_num_threads().max(1);
+        let per = n_out.div_ceil(threads * 4).next_multiple_of(16).max(16);
+        let n_tasks = n_out.div_ceil(per);
+        if threads == 1 || n_tasks == 1 {
+            task(0, n_out);
+        } else {
+            (0..n_tasks).into_par_iter().for_each(|i| {
+                let r0 = i * per;
+                task(r0, (r0 + per).min(n_out));
+            });
+        }
+    }
+    put_scratch(buf);
 }
 
 /// Raw output pointer shared by the row tasks of one matmul.

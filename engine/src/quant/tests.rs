@@ -468,7 +468,24 @@ fn avx512_rows_bit_identical_to_single_row() {
         eprintln!("skipping: no AVX-512 VNNI");
         return;
     }
-    let level = KernelLevel::Avx512Vnni;
+    rows_bit_identical_to_single_row(KernelLevel::Avx512Vnni);
+}
+
+/// The same at the AMX level: batches of `amx::MIN_TOK` or more rows run the AMX tiles, smaller
+/// ones (and single rows) the AMX-order VNNI kernel, and every row must still equal its single-row
+/// result bit for bit, for the covered types (Q4_K, Q6_K, Q8_0) and the rest alike.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn amx_rows_bit_identical_to_single_row() {
+    if !levels().contains(&KernelLevel::Amx) {
+        eprintln!("skipping: AMX int8 is not available or not granted by the OS");
+        return;
+    }
+    rows_bit_identical_to_single_row(KernelLevel::Amx);
+}
+
+#[cfg(target_arch = "x86_64")]
+fn rows_bit_identical_to_single_row(level: KernelLevel) {
     let mut rng = StdRng::seed_from_u64(11);
     let pools: Vec<rayon::ThreadPool> = [1, 3]
         .iter()
@@ -483,7 +500,7 @@ fn avx512_rows_bit_identical_to_single_row() {
         let n_ins: &[usize] = if ty.block_elems() == 256 {
             &[256, 2304]
         } else {
-            &[288, 2080]
+            &[288, 512, 2080]
         };
         for &n_in in n_ins {
             let n_out = 37;

@@ -27,7 +27,7 @@
 
 use std::arch::x86_64::*;
 
-use super::act::{GROUP, OFF_D, REC};
+use super::act::{GROUP, OFF_BS, OFF_D, REC};
 use super::{GgmlType, QMatrix, YPtr};
 
 /// Accumulator registers (one per output row × activation row) kept per row tile: 16 KiB.
@@ -799,6 +799,329 @@ unsafe fn rows<K: Kind>(
                 }
             }
             o0 = o1;
+        }
+        t0 += nt;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// AMX-order kernel
+// ---------------------------------------------------------------------------------------------
+
+/// Bytes of one AMX-order activation record: the lane record, then 16 f32 (Q8_K: `d`, then the
+/// eight 32-element sums of the quantized values; Q8_0: the eight block scales).
+pub(crate) const AREC: usize = REC + 64;
+
+/// Builds the AMX-order record of one group from a natural record (see `AREC`).
+///
+/// # Safety
+/// As `lane_record`; `out` must hold at least `AREC` bytes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn amx_order_record(ty: GgmlType, nat: &[u8; REC], out: &mut [u8]) {
+    lane_record(ty, nat, out);
+    let f32_at =
+        |off: usize| f32::from_le_bytes([nat[off], nat[off + 1], nat[off + 2], nat[off + 3]]);
+    let i16_at = |off: usize| i16::from_le_bytes([nat[off], nat[off + 1]]) as i32;
+    let mut v = [0f32; 16];
+    if ty == GgmlType::Q8_0 {
+        for (j, vj) in v.iter_mut().take(8).enumerate() {
+            *vj = f32_at(OFF_D + 4 * j);
+        }
+    } else {
+        v[0] = f32_at(OFF_D);
+        for j in 0..8 {
+            // The same i16 pair sums, converted the same way, as the AMX record's.
+            v[1 + j] = (i16_at(OFF_BS + 4 * j) + i16_at(OFF_BS + 4 * j + 2)) as f32;
+        }
+    }
+    _mm512_storeu_ps(
+        out.as_mut_ptr().add(REC) as *mut f32,
+        _mm512_loadu_ps(v.as_ptr()),
+    );
+}
+
+/// Lane of the chunk-dot register that holds natural 16-element chunk `c`: lane `4s + r` holds
+/// chunk `LAYOUT[r][s]`.
+const fn lane_of(l: &Layout) -> [usize; 16] {
+    let mut inv = [0usize; 16];
+    let mut i = 0;
+    while i < 16 {
+        inv[l[i % 4][i / 4]] = i;
+        i += 1;
+    }
+    inv
+}
+
+const LANE_K4: [usize; 16] = lane_of(&LAYOUT_K4);
+const LANE_NAT: [usize; 16] = lane_of(&LAYOUT_NAT);
+/// Q4_K sub-blocks in the AMX kernel's A-column order.
+const K4_ORDER: [usize; 8] = [0, 2, 1, 3, 4, 6, 5, 7];
+
+/// 16×16 dword transpose: lane `i` of output `j` is lane `j` of input `i`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn transpose16(r: &mut [__m512i; 16]) {
+    let mut t = [_mm512_setzero_si512(); 16];
+    for k in 0..8 {
+        t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+        t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+    }
+    // u[4k + m], 128-bit lane L: column 4L + m of rows 4k..4k+4.
+    let mut u = [_mm512_setzero_si512(); 16];
+    for k in 0..4 {
+        u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+        u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+        u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+        u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+    }
+    for m in 0..4 {
+        let ab_lo = _mm512_shuffle_i32x4::<0x44>(u[m], u[4 + m]);
+        let ab_hi = _mm512_shuffle_i32x4::<0xEE>(u[m], u[4 + m]);
+        let cd_lo = _mm512_shuffle_i32x4::<0x44>(u[8 + m], u[12 + m]);
+        let cd_hi = _mm512_shuffle_i32x4::<0xEE>(u[8 + m], u[12 + m]);
+        r[m] = _mm512_shuffle_i32x4::<0x88>(ab_lo, cd_lo);
+        r[4 + m] = _mm512_shuffle_i32x4::<0xDD>(ab_lo, cd_lo);
+        r[8 + m] = _mm512_shuffle_i32x4::<0x88>(ab_hi, cd_hi);
+        r[12 + m] = _mm512_shuffle_i32x4::<0xDD>(ab_hi, cd_hi);
+    }
+}
+
+/// The Q4_K scales of 16 rows with one row per lane, from their 16-byte block heads at
+/// `heads + 64 i` (f16 d and dmin, then the 12 bytes of packed six-bit scales and mins): register
+/// `p` < 8 is `d·sc` of sub-block `K4_ORDER[p]`, register `8 + j` is `dmin·m_j`, the same values
+/// as `amx::group_scales` gives row by row.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn k4_scales_by_row(heads: *const u8) -> [__m512; 16] {
+    let z: [__m512i; 4] = std::array::from_fn(|k| {
+        let r = |i: usize| _mm_loadu_si128(heads.add(64 * (4 * k + i)) as *const __m128i);
+        let v = _mm512_castsi128_si512(r(0));
+        let v = _mm512_inserti32x4::<1>(v, r(1));
+        let v = _mm512_inserti32x4::<2>(v, r(2));
+        _mm512_inserti32x4::<3>(v, r(3))
+    });
+    // Field f (dword f of each head) of the 16 rows.
+    let field = |f: i32| {
+        let idx = _mm512_setr_epi32(
+            f,
+            4 + f,
+            8 + f,
+            12 + f,
+            16 + f,
+            20 + f,
+            24 + f,
+            28 + f,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+        );
+        let lo = _mm512_permutex2var_epi32(z[0], idx, z[1]);
+        let hi = _mm512_permutex2var_epi32(z[2], idx, z[3]);
+        _mm512_shuffle_i64x2::<0x44>(lo, hi)
+    };
+    let (dd, u0, u1, u2) = (field(0), field(1), field(2), field(3));
+    let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
+    let dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dd)));
+    let byte = |v: __m512i, sh: u32, mask: i32| {
+        _mm512_and_si512(
+            _mm512_srlv_epi32(v, _mm512_set1_epi32(sh as i32)),
+            _mm512_set1_epi32(mask),
+        )
+    };
+    let mut sc = [_mm512_setzero_si512(); 8];
+    let mut m = [_mm512_setzero_si512(); 8];
+    for k in 0..4 {
+        let sh = 8 * k as u32;
+        sc[k] = byte(u0, sh, 63);
+        m[k] = byte(u1, sh, 63);
+        sc[4 + k] = _mm512_or_si512(
+            byte(u2, sh, 0xF),
+            _mm512_slli_epi32::<4>(byte(u0, sh + 6, 3)),
+        );
+        m[4 + k] = _mm512_or_si512(
+            byte(u2, sh + 4, 0xF),
+            _mm512_slli_epi32::<4>(byte(u1, sh + 6, 3)),
+        );
+    }
+    std::array::from_fn(|p| {
+        if p < 8 {
+            _mm512_mul_ps(_mm512_cvtepi32_ps(sc[K4_ORDER[p]]), d)
+        } else {
+            _mm512_mul_ps(_mm512_cvtepi32_ps(m[p - 8]), dmin)
+        }
+    })
+}
+
+/// Cache lines of the next row tile prefetched per group step of the combine phase.
+const AO_AHEAD_LINES: usize = 8;
+
+/// Activation rows per pass of `amx_order_rows` (the AMX kernels take larger batches).
+const AO_TOK: usize = 8;
+
+/// Quantized rows `[r0, r1)` with the AMX kernels' arithmetic (`amx`): for Q4_K, Q6_K and Q8_0
+/// groups of 256, every output `y[t, o]` is the same sequence of f32 operations as in the AMX
+/// epilogue, so one row computed here is bit-identical to the same row of an AMX batch. Per 16
+/// output rows and group: the chunk dot products of each row (`vpdpbusd`, exact integers as the
+/// tile products) are transposed to one register per chunk with the 16 rows in its lanes, the
+/// chunks of a sub-block are added (exact), and the f32 chain runs over the sub-blocks in the
+/// AMX order with the AMX scale values (`amx::group_scales`).
+///
+/// # Safety
+/// The CPU must support the enabled features; `ty` must be Q4_K, Q6_K or Q8_0 with
+/// `n_in % 256 == 0`; `act` must hold `n_tok * stride` bytes of `amx_order_record`s,
+/// `stride >= n_in/256 * AREC`; `r1 <= w.n_out`; `w` validated.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn amx_order_rows(
+    w: &QMatrix,
+    act: &[u8],
+    stride: usize,
+    n_tok: usize,
+    r0: usize,
+    r1: usize,
+    y: YPtr,
+) {
+    debug_assert!(act.len() >= n_tok * stride);
+    let a = act.as_ptr();
+    match w.ty {
+        GgmlType::Q4_K => ao_rows::<Q4K, 0>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q6_K => ao_rows::<Q6K, 1>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q8_0 => ao_rows::<Q80, 2>(w, a, stride, n_tok, r0, r1, y),
+        _ => {}
+    }
+}
+
+/// `amx_order_rows` for one type: `T` = 0 Q4_K, 1 Q6_K, 2 Q8_0.
+// `j` indexes the chunk registers, the scales and the record values alike.
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn ao_rows<K: Kind, const T: u8>(
+    w: &QMatrix,
+    act: *const u8,
+    stride: usize,
+    n_tok: usize,
+    r0: usize,
+    r1: usize,
+    y: YPtr,
+) {
+    let rb = w.row_bytes();
+    let gbytes = K::BLOCKS * K::BB;
+    let n_groups = w.n_in / GROUP;
+    let base = w.data.as_ptr();
+    // Per row tile: chunk dot products [t][g][row] and scales [g][row], filled row by row so the
+    // weights stream sequentially (a tile's rows are contiguous), then combined group by group.
+    let mut chunks = vec![_mm512_setzero_si512(); n_tok.min(AO_TOK) * n_groups * 16];
+    // Q6_K / Q8_0: the 16 scales of each row; Q4_K: each row's raw 16-byte block head (d, dmin,
+    // packed scales), decoded for all 16 rows at once.
+    let mut scales = vec![[0f32; 16]; n_groups * 16];
+    let mut t0 = 0;
+    while t0 < n_tok {
+        let nt = (n_tok - t0).min(AO_TOK);
+        let mut o0 = r0;
+        while o0 < r1 {
+            let nr = (r1 - o0).min(16);
+            for i in 0..nr {
+                let row = base.add((o0 + i) * rb);
+                for g in 0..n_groups {
+                    let p = row.add(g * gbytes);
+                    prefetch_group::<K>(p.wrapping_add(PREFETCH_GROUPS * gbytes));
+                    let wv = K::unpack(p);
+                    if T == 0 {
+                        let head = _mm_loadu_si128(p as *const __m128i);
+                        _mm_storeu_si128(scales[g * 16 + i].as_mut_ptr() as *mut __m128i, head);
+                    } else {
+                        super::amx::group_scales(w.ty, p, &mut scales[g * 16 + i]);
+                    }
+                    for t in 0..nt {
+                        let ag = act.add((t0 + t) * stride + g * AREC);
+                        let mut d = if K::OFFSET {
+                            _mm512_loadu_si512(ag.add(256) as *const __m512i)
+                        } else {
+                            _mm512_setzero_si512()
+                        };
+                        for k in 0..4 {
+                            d = _mm512_dpbusd_epi32(
+                                d,
+                                wv.y[k],
+                                _mm512_loadu_si512(ag.add(64 * k) as *const __m512i),
+                            );
+                        }
+                        chunks[(t * n_groups + g) * 16 + i] = d;
+                    }
+                }
+            }
+            let mut acc = [_mm512_setzero_ps(); AO_TOK];
+            // The memory bus would idle while this tile's sums are combined: fetch the start of
+            // the next tile meanwhile (`AO_AHEAD_LINES` lines per group step).
+            let next = base.wrapping_add((o0 + 16) * rb);
+            for g in 0..n_groups {
+                for l in 0..AO_AHEAD_LINES {
+                    _mm_prefetch::<_MM_HINT_T1>(
+                        next.wrapping_add(64 * (g * AO_AHEAD_LINES + l)) as *const i8
+                    );
+                }
+                let ws = if T == 0 {
+                    k4_scales_by_row(scales[g * 16..].as_ptr() as *const u8)
+                } else {
+                    let mut ws = [_mm512_setzero_si512(); 16];
+                    for (v, r) in ws.iter_mut().zip(&scales[g * 16..g * 16 + 16]) {
+                        *v = _mm512_loadu_si512(r.as_ptr() as *const __m512i);
+                    }
+                    transpose16(&mut ws);
+                    let mut wsf = [_mm512_setzero_ps(); 16];
+                    for (f, v) in wsf.iter_mut().zip(&ws) {
+                        *f = _mm512_castsi512_ps(*v);
+                    }
+                    wsf
+                };
+                for t in 0..nt {
+                    let mut c = [_mm512_setzero_si512(); 16];
+                    let at = (t * n_groups + g) * 16;
+                    c.copy_from_slice(&chunks[at..at + 16]);
+                    transpose16(&mut c);
+                    let v = act.add((t0 + t) * stride + g * AREC + REC) as *const f32;
+                    let mut gs = _mm512_setzero_ps();
+                    match T {
+                        0 => {
+                            for (p, &j) in K4_ORDER.iter().enumerate() {
+                                let s = _mm512_add_epi32(c[LANE_K4[2 * j]], c[LANE_K4[2 * j + 1]]);
+                                gs = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), ws[p], gs);
+                            }
+                            for j in 0..8 {
+                                gs = _mm512_fnmadd_ps(ws[8 + j], _mm512_set1_ps(*v.add(1 + j)), gs);
+                            }
+                            acc[t] = _mm512_fmadd_ps(gs, _mm512_set1_ps(*v), acc[t]);
+                        }
+                        1 => {
+                            for j in 0..16 {
+                                gs = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c[LANE_NAT[j]]), ws[j], gs);
+                            }
+                            acc[t] = _mm512_fmadd_ps(gs, _mm512_set1_ps(*v), acc[t]);
+                        }
+                        _ => {
+                            for j in 0..8 {
+                                let s =
+                                    _mm512_add_epi32(c[LANE_NAT[2 * j]], c[LANE_NAT[2 * j + 1]]);
+                                let sc = _mm512_mul_ps(_mm512_set1_ps(*v.add(j)), ws[j]);
+                                gs = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sc, gs);
+                            }
+                            acc[t] = _mm512_add_ps(acc[t], gs);
+                        }
+                    }
+                }
+            }
+            let mut lanes = [0f32; 16];
+            for t in 0..nt {
+                _mm512_storeu_ps(lanes.as_mut_ptr(), acc[t]);
+                for (i, &v) in lanes.iter().take(nr).enumerate() {
+                    y.write(t0 + t, o0 + i, v);
+                }
+            }
+            o0 += 16;
         }
         t0 += nt;
     }

@@ -99,8 +99,9 @@ struct GenerateArgs {
 struct SpecArgs {
     /// Speculate with these drafters (repeatable or comma-separated; their trees are merged):
     /// a draft model with the LLM's vocabulary (registry name or GGUF path), ngram[:N] (prompt
-    /// lookup), early-exit:L (the LLM's first L layers), space[:K] (SPACE, training-free), oracle (knows the continuation: runs
-    /// incremental generation first), random.
+    /// lookup), early-exit:L (the LLM's first L layers), space[:K] (SPACE, training-free),
+    /// ngram[:N]-else:DRAFTER (prompt lookup on 2..N-token matches, DRAFTER at steps without
+    /// one), oracle (knows the continuation: runs incremental generation first), random.
     #[arg(long, visible_alias = "draft", value_delimiter = ',')]
     speculate: Vec<String>,
     /// Tree shape: an expansion config (branch factor per depth) or dynamic:N[:BEAM[:DEPTH]]
@@ -141,12 +142,12 @@ impl SpecArgs {
                 }
             } else {
                 let spec = d.parse::<DraftSpec>()?;
-                if let DraftSpec::Model(name) = &spec {
+                if let Some(name) = spec.model() {
                     let known = fetch::known_models().iter().any(|m| m.name == name);
                     if !known && !std::path::Path::new(name).is_file() {
                         bail!(
                             "unknown drafter '{name}' (a known model or GGUF path, ngram[:N], \
-                             early-exit:L, space[:K], oracle, random)"
+                             early-exit:L, space[:K], ngram[:N]-else:DRAFTER, oracle, random)"
                         );
                     }
                 }
@@ -421,7 +422,7 @@ fn speculate(
     let (shape, real, mode) = a.validate()?;
     let mut ssms = Vec::new();
     for d in &real {
-        if let DraftSpec::Model(name) = d {
+        if let Some(name) = d.model() {
             let path = fetch::resolve_model(name)?;
             ssms.push(Model::open(&path).with_context(|| format!("loading {}", path.display()))?);
         }
