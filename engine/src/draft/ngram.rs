@@ -15,6 +15,9 @@ pub struct NgramDrafter {
     pub max_len: usize,
     /// Most matches (branches) per proposal.
     pub max_matches: usize,
+    /// Most continuation tokens proposed after a match of a single token (weak evidence: each
+    /// extra row costs part of a verification pass and is rarely accepted).
+    pub single_token_len: usize,
 }
 
 impl Default for NgramDrafter {
@@ -24,6 +27,7 @@ impl Default for NgramDrafter {
             min_n: 1,
             max_len: 8,
             max_matches: 3,
+            single_token_len: 2,
         }
     }
 }
@@ -41,12 +45,21 @@ impl NgramDrafter {
             min_n,
             max_len,
             max_matches,
+            single_token_len: NgramDrafter::default().single_token_len,
         })
     }
 
     /// Continuations of the latest n-grams, longest n first, most recent match first; distinct.
     pub fn continuations(&self, seq: &[u32], max_len: usize) -> Vec<Vec<u32>> {
-        let mut out: Vec<Vec<u32>> = Vec::new();
+        self.matches(seq, max_len)
+            .into_iter()
+            .map(|(c, _)| c)
+            .collect()
+    }
+
+    /// `continuations` with the length n of the n-gram each one follows.
+    fn matches(&self, seq: &[u32], max_len: usize) -> Vec<(Vec<u32>, usize)> {
+        let mut out: Vec<(Vec<u32>, usize)> = Vec::new();
         let len = seq.len();
         for n in (self.min_n..=self.max_n).rev() {
             if len <= n {
@@ -60,8 +73,8 @@ impl NgramDrafter {
                 }
                 let start = i + n;
                 let cont = seq[start..(start + max_len).min(len)].to_vec();
-                if !cont.is_empty() && !out.iter().any(|c| c.starts_with(&cont)) {
-                    out.push(cont);
+                if !cont.is_empty() && !out.iter().any(|(c, _)| c.starts_with(&cont)) {
+                    out.push((cont, n));
                     if out.len() >= self.max_matches {
                         return out;
                     }
@@ -85,13 +98,14 @@ impl Drafter for NgramDrafter {
         if max_len == 0 || req.tokens.is_empty() {
             return Ok(b.build());
         }
-        for (rank, cont) in self
-            .continuations(req.tokens, max_len)
-            .into_iter()
-            .enumerate()
-        {
+        for (rank, (cont, n)) in self.matches(req.tokens, max_len).into_iter().enumerate() {
             let mut at = TreeBuilder::ROOT;
-            for &t in &cont {
+            let len = if n == 1 {
+                self.single_token_len
+            } else {
+                max_len
+            };
+            for &t in cont.iter().take(len) {
                 if t as usize >= req.vocab {
                     break;
                 }
@@ -147,6 +161,16 @@ mod tests {
         // No match: root only. Short sequences are fine.
         assert_eq!(d.propose(&req(&[5, 6, 7], 8)).unwrap().n_draft(), 0);
         assert_eq!(d.propose(&req(&[5], 8)).unwrap().n_draft(), 0);
+        // A match of a single token proposes `single_token_len` tokens only.
+        let seq = [4, 1, 2, 3, 5, 6, 7, 9, 4];
+        let t = d.propose(&req(&seq, 64)).unwrap();
+        assert_eq!(t.n_draft(), 2);
+        assert_eq!(t.path_tokens(2), vec![4, 1, 2]);
+        d.single_token_len = 4;
+        assert_eq!(
+            d.propose(&req(&seq, 64)).unwrap().path_tokens(4),
+            vec![4, 1, 2, 3, 5]
+        );
         assert!(NgramDrafter::new(0, 1, 1, 1).is_err());
         assert!(NgramDrafter::new(2, 3, 1, 1).is_err());
     }
