@@ -162,23 +162,12 @@ pub(crate) fn matmul(w: &QMatrix, x: &[f32], n_tok: usize, y: &mut [f32]) -> boo
             ptr: y.as_mut_ptr(),
             n_out,
         };
-        let task = |r0: usize, r1: usize| {
+        super::run_tiles(n_out, TILE, &|r0, r1| {
             // SAFETY: `granted()` confirmed AMX-INT8, the tile grant and AVX-512 VNNI; `act_ro` holds
             // `n_tb * n_groups` records built by `pack_record` for `w.ty`; `r1 <= n_out`; the caller
             // validated `w`; tasks own disjoint row ranges of `y`.
             unsafe { quant_rows(w, act_ro.as_ptr(), n_tok, r0, r1, yp) }
-        };
-        let threads = rayon::current_num_threads().max(1);
-        let per = n_out.div_ceil(threads * 4).next_multiple_of(TILE).max(TILE);
-        let n_tasks = n_out.div_ceil(per);
-        if threads == 1 || n_tasks == 1 {
-            task(0, n_out);
-        } else {
-            (0..n_tasks).into_par_iter().for_each(|i| {
-                let r0 = i * per;
-                task(r0, (r0 + per).min(n_out));
-            });
-        }
+        });
     }
     super::put_scratch(buf);
     true
@@ -262,8 +251,8 @@ trait Kind {
     /// Q4_K: `unpack` leaves the scales alone; they are decoded for a whole row tile at once
     /// (`x86_avx512::k4_scales_by_row`) and stored transposed, `ws[p][row]`.
     const TILE_SCALES: bool = false;
-    /// Unpacks the group at `p` into 256 int8 at `a` (A-tile column order) and its scales into
-    /// `ws` (`scales`).
+    /// Unpacks the group at `p` into 256 int8 at `a` (A-tile column order) and, unless
+    /// `TILE_SCALES`, its scales into `ws` (`scales`).
     unsafe fn unpack(p: *const u8, a: *mut u8, ws: *mut f32);
     /// The sub-block scales (A-column order; and Q4_K's mins, natural order) of the group at `p`
     /// into `ws` (16 f32).

@@ -602,24 +602,29 @@ fn amx_order_matmul(w: &QMatrix, x: &[f32], n_tok: usize, y: &mut [f32]) {
             ptr: y.as_mut_ptr(),
             n_out,
         };
-        let task = |r0: usize, r1: usize| {
+        run_tiles(n_out, 16, &|r0, r1| {
             // SAFETY: as above; the records were built for `w.ty`, `r1 <= n_out`, `w` validated,
             // tasks own disjoint row ranges of `y`.
             unsafe { x86_avx512::amx_order_rows(w, act_ro, stride, n_tok, r0, r1, yp) }
-        };
-        let threads = rayon::current_num_threads().max(1);
-        let per = n_out.div_ceil(threads * 4).next_multiple_of(16).max(16);
-        let n_tasks = n_out.div_ceil(per);
-        if threads == 1 || n_tasks == 1 {
-            task(0, n_out);
-        } else {
-            (0..n_tasks).into_par_iter().for_each(|i| {
-                let r0 = i * per;
-                task(r0, (r0 + per).min(n_out));
-            });
-        }
+        });
     }
     put_scratch(buf);
+}
+
+/// Runs `task(r0, r1)` over `[0, n_out)` in ranges of whole `tile`-row tiles (the last may be
+/// partial), a few per thread of the current rayon pool, or inline on one thread.
+pub(crate) fn run_tiles(n_out: usize, tile: usize, task: &(dyn Fn(usize, usize) + Sync)) {
+    let threads = rayon::current_num_threads().max(1);
+    let per = n_out.div_ceil(threads * 4).next_multiple_of(tile).max(tile);
+    let n_tasks = n_out.div_ceil(per);
+    if threads == 1 || n_tasks == 1 {
+        task(0, n_out);
+    } else {
+        (0..n_tasks).into_par_iter().for_each(|i| {
+            let r0 = i * per;
+            task(r0, (r0 + per).min(n_out));
+        });
+    }
 }
 
 /// Raw output pointer shared by the row tasks of one matmul.
