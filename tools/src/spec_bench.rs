@@ -440,12 +440,16 @@ pub fn suite_bench(
         "1,1,1,1".parse()?,
         4,
     ));
-    configs.push((
-        "prompt lookup".into(),
-        vec![ng.clone()],
-        "1,1,1,1,1,1,1,1".parse()?,
-        16,
-    ));
+    // Budget 8 (about one chain) suits greedy verification best, 16 (room for a second and
+    // third branch) sampling.
+    for budget in [8, 16] {
+        configs.push((
+            format!("prompt lookup, budget {budget}"),
+            vec![ng.clone()],
+            "1,1,1,1,1,1,1,1".parse()?,
+            budget,
+        ));
+    }
     configs.push((
         "SPACE training-free k=4".into(),
         vec![DraftSpec::Space { k: 4, mask: None }],
