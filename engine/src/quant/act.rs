@@ -39,6 +39,18 @@ pub(crate) fn act_kind(ty: GgmlType) -> ActKind {
     }
 }
 
+/// The f32 at byte `off` of a natural record (`d` values).
+pub(crate) fn rec_f32(nat: &[u8; REC], off: usize) -> f32 {
+    f32::from_le_bytes([nat[off], nat[off + 1], nat[off + 2], nat[off + 3]])
+}
+
+/// Q8_K: the sum of the quantized values of 32-element sub-block `j` of a natural record (its two
+/// 16-element `bsums`), as the f32 the AMX epilogues multiply with Q4_K's mins.
+pub(crate) fn rec_bsum32(nat: &[u8; REC], j: usize) -> f32 {
+    let i16_at = |off: usize| i16::from_le_bytes([nat[off], nat[off + 1]]) as i32;
+    (i16_at(OFF_BS + 4 * j) + i16_at(OFF_BS + 4 * j + 2)) as f32
+}
+
 /// Quantizes one activation row `x` into `out` (`ceil(len/256) * REC` bytes) for kernels of `level`.
 pub(crate) fn quantize_row(level: KernelLevel, ty: GgmlType, x: &[f32], out: &mut [u8]) {
     let kind = act_kind(ty);

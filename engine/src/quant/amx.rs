@@ -37,7 +37,7 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
-use super::act::{self, ActKind, GROUP, OFF_BS, OFF_D, REC};
+use super::act::{self, ActKind, GROUP, OFF_D, REC};
 use super::{GgmlType, QMatrix, YPtr};
 
 /// Fewest activation rows for which `matmul_with` takes the AMX path (measured crossover with the
@@ -173,13 +173,16 @@ pub(crate) fn matmul(w: &QMatrix, x: &[f32], n_tok: usize, y: &mut [f32]) -> boo
     true
 }
 
+/// Q4_K's 32-element sub-blocks in A-tile column order (its unpack leaves the low and high nibbles
+/// of each 64-byte half side by side); the f32 epilogue runs over them in this order.
+pub(super) const Q4K_ORDER: [usize; 8] = [0, 2, 1, 3, 4, 6, 5, 7];
+
 /// Natural element index of A-tile column `e` (0..256) of a group: Q4_K's unpack leaves the
 /// 32-element sub-blocks in the order 0, 2, 1, 3, 4, 6, 5, 7; the other types are natural.
 #[inline(always)]
 fn perm(ty: GgmlType, e: usize) -> usize {
     if ty == GgmlType::Q4_K {
-        const P: [usize; 8] = [0, 2, 1, 3, 4, 6, 5, 7];
-        P[e / 32] * 32 + e % 32
+        Q4K_ORDER[e / 32] * 32 + e % 32
     } else {
         e
     }
@@ -211,23 +214,19 @@ fn pack_record(
             let src = perm(ty, 4 * r);
             rec[r * 64 + 4 * t..r * 64 + 4 * t + 4].copy_from_slice(&nat[src..src + 4]);
         }
-        let f32_at =
-            |off: usize| f32::from_le_bytes([nat[off], nat[off + 1], nat[off + 2], nat[off + 3]]);
-        let i16_at = |off: usize| i16::from_le_bytes([nat[off], nat[off + 1]]) as i32;
         let put = |rec: &mut [u8], off: usize, v: f32| {
             rec[off + 4 * t..off + 4 * t + 4].copy_from_slice(&v.to_le_bytes())
         };
         match kind {
             ActKind::Q8K => {
-                put(rec, OFF_DX, f32_at(OFF_D));
+                put(rec, OFF_DX, act::rec_f32(&nat, OFF_D));
                 for j in 0..8 {
-                    let bs = i16_at(OFF_BS + 4 * j) + i16_at(OFF_BS + 4 * j + 2);
-                    put(rec, OFF_V + 64 * j, bs as f32);
+                    put(rec, OFF_V + 64 * j, act::rec_bsum32(&nat, j));
                 }
             }
             _ => {
                 for j in 0..8 {
-                    put(rec, OFF_V + 64 * j, f32_at(OFF_D + 4 * j));
+                    put(rec, OFF_V + 64 * j, act::rec_f32(&nat, OFF_D + 4 * j));
                 }
             }
         }
@@ -252,21 +251,13 @@ trait Kind {
     /// (`x86_avx512::k4_scales_by_row`) and stored transposed, `ws[p][row]`.
     const TILE_SCALES: bool = false;
     /// Unpacks the group at `p` into 256 int8 at `a` (A-tile column order) and, unless
-    /// `TILE_SCALES`, its scales into `ws` (`scales`).
+    /// `TILE_SCALES`, its scales into `ws` (16 f32, see `group_scales`).
     unsafe fn unpack(p: *const u8, a: *mut u8, ws: *mut f32);
-    /// The sub-block scales (A-column order; and Q4_K's mins, natural order) of the group at `p`
-    /// into `ws` (16 f32).
-    unsafe fn scales(p: *const u8, ws: *mut f32);
 }
 
 struct Q4K;
 struct Q6K;
 struct Q80;
-
-#[inline(always)]
-unsafe fn rd_u32(p: *const u8) -> u32 {
-    std::ptr::read_unaligned(p as *const u32)
-}
 
 #[inline(always)]
 unsafe fn rd_u16(p: *const u8) -> u16 {
@@ -302,33 +293,6 @@ impl Kind for Q4K {
         _mm512_storeu_si512(a.add(192) as *mut __m512i, h1);
         let _ = ws;
     }
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn scales(p: *const u8, ws: *mut f32) {
-        // Six-bit scales and mins (ggml's get_scale_min_k4), eight per u64.
-        const KMASK1: u32 = 0x3f3f_3f3f;
-        const KMASK2: u32 = 0x0f0f_0f0f;
-        const KMASK3: u32 = 0x0303_0303;
-        let dd = _mm_cvtph_ps(_mm_cvtsi32_si128(rd_u32(p) as i32));
-        let (d, dmin) = (_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_movehdup_ps(dd)));
-        let u0 = rd_u32(p.add(4));
-        let u1 = rd_u32(p.add(8));
-        let u2 = rd_u32(p.add(12));
-        let m_hi = ((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4);
-        let m_lo = u1 & KMASK1;
-        let sc_hi = (u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4);
-        let sc_lo = u0 & KMASK1;
-        let sc8 = (sc_lo as u64) | ((sc_hi as u64) << 32);
-        // Scales in A-column order: sub-blocks 0, 2, 1, 3, 4, 6, 5, 7 (swap bytes 1↔2 and 5↔6).
-        const KEEP: u64 = 0xFF00_00FF_FF00_00FF;
-        const MID1: u64 = 0x0000_FF00_0000_FF00;
-        const MID2: u64 = 0x00FF_0000_00FF_0000;
-        let sc8 = (sc8 & KEEP) | ((sc8 & MID1) << 8) | ((sc8 & MID2) >> 8);
-        let m8 = (m_lo as u64) | ((m_hi as u64) << 32);
-        let v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi64x(m8 as i64, sc8 as i64)));
-        let f = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d), _mm512_set1_ps(dmin));
-        _mm512_storeu_ps(ws, _mm512_mul_ps(v, f));
-    }
 }
 
 impl Kind for Q6K {
@@ -355,17 +319,19 @@ impl Kind for Q6K {
             _mm512_storeu_si512(a.add(128 * h) as *mut __m512i, r0);
             _mm512_storeu_si512(a.add(128 * h + 64) as *mut __m512i, r1);
         }
-        Self::scales(p, ws);
+        q6k_scales(p, ws);
     }
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn scales(p: *const u8, ws: *mut f32) {
-        let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(rd_u16(p.add(208)) as i32)));
-        let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-            p.add(192) as *const __m128i
-        )));
-        _mm512_storeu_ps(ws, _mm512_mul_ps(sc, _mm512_set1_ps(d)));
-    }
+}
+
+/// Q6_K: `d·sc` of the 16 sub-blocks of the group at `p` into `ws`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn q6k_scales(p: *const u8, ws: *mut f32) {
+    let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(rd_u16(p.add(208)) as i32)));
+    let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+        p.add(192) as *const __m128i
+    )));
+    _mm512_storeu_ps(ws, _mm512_mul_ps(sc, _mm512_set1_ps(d)));
 }
 
 impl Kind for Q80 {
@@ -380,35 +346,36 @@ impl Kind for Q80 {
             let q = _mm256_loadu_si256(p.add(34 * b + 2) as *const __m256i);
             _mm256_storeu_si256(a.add(32 * b) as *mut __m256i, q);
         }
-        Self::scales(p, ws);
-    }
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn scales(p: *const u8, ws: *mut f32) {
-        let mut h = [0u16; 8];
-        for (b, v) in h.iter_mut().enumerate() {
-            *v = rd_u16(p.add(34 * b));
-        }
-        _mm256_storeu_ps(
-            ws,
-            _mm256_cvtph_ps(_mm_loadu_si128(h.as_ptr() as *const __m128i)),
-        );
+        q80_scales(p, ws);
     }
 }
 
-/// The scales `ws` of one 256-element group at `p` of a covered type (`supports`), exactly as the
-/// AMX epilogue multiplies them: Q4_K `d·sc` per sub-block in A-column order then `dmin·m` per
-/// sub-block, Q6_K `d·sc` for its 16 sub-blocks, Q8_0 the 8 block scales. The AMX-order VNNI
-/// kernel (`x86_avx512::amx_order_rows`) reads them from here so both paths use the same values.
+/// Q8_0: the 8 block scales of the group at `p` into `ws`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn q80_scales(p: *const u8, ws: *mut f32) {
+    let mut h = [0u16; 8];
+    for (b, v) in h.iter_mut().enumerate() {
+        *v = rd_u16(p.add(34 * b));
+    }
+    _mm256_storeu_ps(
+        ws,
+        _mm256_cvtph_ps(_mm_loadu_si128(h.as_ptr() as *const __m128i)),
+    );
+}
+
+/// The scales `ws` of one 256-element group at `p`, exactly as the AMX epilogue multiplies them:
+/// Q6_K `d·sc` for its 16 sub-blocks, Q8_0 the 8 block scales. (Q4_K's come for 16 rows at once
+/// from `x86_avx512::k4_scales_by_row`; other types have none here.) The AMX-order VNNI kernel
+/// (`x86_avx512::amx_order_rows`) reads them from here so both paths use the same values.
 ///
 /// # Safety
-/// AVX-512 must be present; `p` must cover one group of `ty`; `ty` must be covered.
+/// AVX-512 must be present; `p` must cover one group of `ty`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn group_scales(ty: GgmlType, p: *const u8, ws: &mut [f32; 16]) {
     match ty {
-        GgmlType::Q4_K => Q4K::scales(p, ws.as_mut_ptr()),
-        GgmlType::Q6_K => Q6K::scales(p, ws.as_mut_ptr()),
-        GgmlType::Q8_0 => Q80::scales(p, ws.as_mut_ptr()),
+        GgmlType::Q6_K => q6k_scales(p, ws.as_mut_ptr()),
+        GgmlType::Q8_0 => q80_scales(p, ws.as_mut_ptr()),
         _ => {}
     }
 }

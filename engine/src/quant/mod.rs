@@ -666,14 +666,8 @@ fn run_rows(w: &QMatrix, n_tok: usize, y: &mut [f32], f: &(dyn Fn(usize, usize, 
         f(0, n_out, yp);
         return;
     }
-    // A few tasks per thread balance the load; multiples of 4 rows keep row tiles whole.
-    let per = n_out.div_ceil(threads * 4).next_multiple_of(4).max(4);
-    let n_tasks = n_out.div_ceil(per);
-    (0..n_tasks).into_par_iter().for_each(|i| {
-        let r0 = i * per;
-        let r1 = (r0 + per).min(n_out);
-        f(r0, r1, yp);
-    });
+    // Multiples of 4 rows keep the kernels' row tiles whole.
+    run_tiles(n_out, 4, &|r0, r1| f(r0, r1, yp));
 }
 
 fn quant_rows(

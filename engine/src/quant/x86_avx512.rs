@@ -27,7 +27,8 @@
 
 use std::arch::x86_64::*;
 
-use super::act::{GROUP, OFF_BS, OFF_D, REC};
+use super::act::{rec_bsum32, rec_f32, GROUP, OFF_D, REC};
+use super::amx::Q4K_ORDER as K4_ORDER;
 use super::{GgmlType, QMatrix, YPtr};
 
 /// Accumulator registers (one per output row × activation row) kept per row tile: 16 KiB.
@@ -819,19 +820,16 @@ pub(crate) const AREC: usize = REC + 64;
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(crate) unsafe fn amx_order_record(ty: GgmlType, nat: &[u8; REC], out: &mut [u8]) {
     lane_record(ty, nat, out);
-    let f32_at =
-        |off: usize| f32::from_le_bytes([nat[off], nat[off + 1], nat[off + 2], nat[off + 3]]);
-    let i16_at = |off: usize| i16::from_le_bytes([nat[off], nat[off + 1]]) as i32;
+    // The same values, converted the same way, as the AMX record's (`amx::pack_record`).
     let mut v = [0f32; 16];
     if ty == GgmlType::Q8_0 {
         for (j, vj) in v.iter_mut().take(8).enumerate() {
-            *vj = f32_at(OFF_D + 4 * j);
+            *vj = rec_f32(nat, OFF_D + 4 * j);
         }
     } else {
-        v[0] = f32_at(OFF_D);
+        v[0] = rec_f32(nat, OFF_D);
         for j in 0..8 {
-            // The same i16 pair sums, converted the same way, as the AMX record's.
-            v[1 + j] = (i16_at(OFF_BS + 4 * j) + i16_at(OFF_BS + 4 * j + 2)) as f32;
+            v[1 + j] = rec_bsum32(nat, j);
         }
     }
     _mm512_storeu_ps(
@@ -854,13 +852,11 @@ const fn lane_of(l: &Layout) -> [usize; 16] {
 
 const LANE_K4: [usize; 16] = lane_of(&LAYOUT_K4);
 const LANE_NAT: [usize; 16] = lane_of(&LAYOUT_NAT);
-/// Q4_K sub-blocks in the AMX kernel's A-column order.
-const K4_ORDER: [usize; 8] = [0, 2, 1, 3, 4, 6, 5, 7];
 
 /// 16×16 dword transpose: lane `i` of output `j` is lane `j` of input `i`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(crate) unsafe fn transpose16(r: &mut [__m512i; 16]) {
+unsafe fn transpose16(r: &mut [__m512i; 16]) {
     let mut t = [_mm512_setzero_si512(); 16];
     for k in 0..8 {
         t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
@@ -888,8 +884,8 @@ pub(crate) unsafe fn transpose16(r: &mut [__m512i; 16]) {
 
 /// The Q4_K scales of 16 rows with one row per lane, from their 16-byte block heads at
 /// `heads + 64 i` (f16 d and dmin, then the 12 bytes of packed six-bit scales and mins): register
-/// `p` < 8 is `d·sc` of sub-block `K4_ORDER[p]`, register `8 + j` is `dmin·m_j`, the same values
-/// as `amx::group_scales` gives row by row.
+/// `p` < 8 is `d·sc` of sub-block `K4_ORDER[p]`, register `8 + j` is `dmin·m_j`: the scales of
+/// both AMX-family kernels (ggml's `get_scale_min_k4`, vectorized over rows).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(crate) unsafe fn k4_scales_by_row(heads: *const u8) -> [__m512; 16] {
@@ -969,7 +965,7 @@ const AO_TOK: usize = 8;
 /// output rows and group: the chunk dot products of each row (`vpdpbusd`, exact integers as the
 /// tile products) are transposed to one register per chunk with the 16 rows in its lanes, the
 /// chunks of a sub-block are added (exact), and the f32 chain runs over the sub-blocks in the
-/// AMX order with the AMX scale values (`amx::group_scales`).
+/// AMX order with the AMX scale values (`k4_scales_by_row`, `amx::group_scales`).
 ///
 /// # Safety
 /// The CPU must support the enabled features; `ty` must be Q4_K, Q6_K or Q8_0 with
