@@ -107,7 +107,9 @@ pub fn attn_scores(
     max
 }
 
-/// Attention output: `o = sum_i p[i] * rows[slots[i]]` with rows laid out as in [`attn_scores`].
+/// Attention output, accumulated: `o += sum_i p[i] * rows[slots[i]]` (in slot order, so a call
+/// per block of slots sums exactly as one call over all of them) with rows laid out as in
+/// [`attn_scores`].
 pub fn attn_weighted_sum(
     p: &[f32],
     v: &[f32],
@@ -126,7 +128,6 @@ pub fn attn_weighted_sum(
         // SAFETY: AVX-512F detected; every row read was bounds-checked just above.
         return unsafe { x86::attn_weighted_sum_avx512(p, v, slots, stride, off, o) };
     }
-    o.fill(0.0);
     for (&s, &w) in slots.iter().zip(p) {
         axpy(o, w, &v[s * stride + off..s * stride + off + hd]);
     }
@@ -239,6 +240,9 @@ mod x86 {
         let chunks = o.len() / 16;
         // The output stays in registers across all slots.
         let mut acc = [_mm512_setzero_ps(); 16];
+        for (c, a) in acc.iter_mut().enumerate().take(chunks) {
+            *a = _mm512_loadu_ps(o.as_ptr().add(c * 16));
+        }
         for (&s, &w) in slots.iter().zip(p) {
             let row = v.as_ptr().add(s * stride + off);
             let wv = _mm512_set1_ps(w);
@@ -391,7 +395,8 @@ mod tests {
                     .iter()
                     .zip(&sc)
                     .map(|(&s, &w)| w * k[s * stride + off + d])
-                    .sum();
+                    .sum::<f32>()
+                    + 1.0;
                 assert!((o[d] - r).abs() < 1e-5, "hd {hd} dim {d}");
             }
         }

@@ -649,6 +649,17 @@ impl YPtr {
     pub(crate) unsafe fn write(self, t: usize, o: usize, v: f32) {
         *self.ptr.add(t * self.n_out + o) = v;
     }
+
+    /// Writes y[t, o..o + 16] from the 16 lanes of `v`.
+    ///
+    /// # Safety
+    /// As `write` for each of the 16 columns; AVX-512F must be present.
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(crate) unsafe fn write16(self, t: usize, o: usize, v: std::arch::x86_64::__m512) {
+        std::arch::x86_64::_mm512_storeu_ps(self.ptr.add(t * self.n_out + o), v);
+    }
 }
 
 /// Splits the output rows into tasks on the current rayon pool (or runs inline for small work).

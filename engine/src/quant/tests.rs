@@ -757,3 +757,39 @@ fn amx_declines_uncovered_weights() {
         }
     }
 }
+
+/// `reduce16` gives every lane exactly the bits of `_mm512_reduce_add_ps` of its vector (the
+/// VNNI kernels' outputs do not change with how many rows are reduced at once), on values of
+/// mixed signs and magnitudes where any other order of the adds would round differently.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn reduce16_bit_identical_to_one_vector_reduction() {
+    use std::arch::x86_64::*;
+    if !is_x86_feature_detected!("avx512f") || !is_x86_feature_detected!("avx512vnni") {
+        return;
+    }
+    let mut rng = StdRng::seed_from_u64(16);
+    for round in 0..2000 {
+        let vals: Vec<f32> = (0..256)
+            .map(|_| randn(&mut rng) * 10f32.powi(rng.gen_range(-3..4)))
+            .collect();
+        // SAFETY: AVX-512F and VNNI were detected above; `vals` holds 16 × 16 floats.
+        let (got, want) = unsafe {
+            let mut v = [_mm512_setzero_ps(); 16];
+            for (j, vj) in v.iter_mut().enumerate() {
+                *vj = _mm512_loadu_ps(vals[16 * j..].as_ptr());
+            }
+            let mut got = [0f32; 16];
+            _mm512_storeu_ps(got.as_mut_ptr(), x86_avx512::reduce16(&v));
+            let want: Vec<f32> = v.iter().map(|&x| _mm512_reduce_add_ps(x)).collect();
+            (got, want)
+        };
+        for j in 0..16 {
+            assert_eq!(
+                got[j].to_bits(),
+                want[j].to_bits(),
+                "round {round} lane {j}"
+            );
+        }
+    }
+}

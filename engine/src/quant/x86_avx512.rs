@@ -794,7 +794,19 @@ unsafe fn rows<K: Kind>(
                 }
                 g0 = g1;
             }
-            for o in o0..o1 {
+            // Sums of 16 output rows at a time for one activation row: one contiguous store.
+            let mut o = o0;
+            while o + 16 <= o1 {
+                for t in 0..nt {
+                    let mut v = [_mm512_setzero_ps(); 16];
+                    for (i, vi) in v.iter_mut().enumerate() {
+                        *vi = acc[(o + i - o0) * nt + t];
+                    }
+                    y.write16(t0 + t, o, reduce16(&v));
+                }
+                o += 16;
+            }
+            for o in o..o1 {
                 for t in 0..nt {
                     y.write(t0 + t, o, _mm512_reduce_add_ps(acc[(o - o0) * nt + t]));
                 }
@@ -803,6 +815,60 @@ unsafe fn rows<K: Kind>(
         }
         t0 += nt;
     }
+}
+
+/// Lane `j` = the sum of the 16 lanes of `v[j]`, added exactly as `_mm512_reduce_add_ps` adds
+/// them (halves: lane i + lane i+8, then i + i+4, i + i+2, 0 + 1), so every sum has the bits of a
+/// one-at-a-time reduction, in ~46 shuffles and adds instead of ~130.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn reduce16(v: &[__m512; 16]) -> __m512 {
+    // Step 1: [v_j.lo + v_j.hi | v_{j+8}.lo + v_{j+8}.hi] (8 partial sums each).
+    let mut b = [_mm512_setzero_ps(); 8];
+    for j in 0..8 {
+        let lo = _mm512_shuffle_f32x4::<0b01_00_01_00>(v[j], v[j + 8]);
+        let hi = _mm512_shuffle_f32x4::<0b11_10_11_10>(v[j], v[j + 8]);
+        b[j] = _mm512_add_ps(lo, hi);
+    }
+    // Step 2: 128-bit quarters [b_j.q0 + b_j.q1, b_j.q2 + b_j.q3, b_{j+4}.q0 + .q1, ...].
+    let mut c = [_mm512_setzero_ps(); 4];
+    for j in 0..4 {
+        let x = _mm512_shuffle_f32x4::<0b10_00_10_00>(b[j], b[j + 4]);
+        let y = _mm512_shuffle_f32x4::<0b11_01_11_01>(b[j], b[j + 4]);
+        c[j] = _mm512_add_ps(x, y);
+    }
+    // Step 3: within each quarter [c_j.0 + c_j.2, c_j.1 + c_j.3, c_{j+2}.0 + .2, c_{j+2}.1 + .3].
+    let mut d = [_mm512_setzero_ps(); 2];
+    for j in 0..2 {
+        let x = _mm512_shuffle_ps::<0b01_00_01_00>(c[j], c[j + 2]);
+        let y = _mm512_shuffle_ps::<0b11_10_11_10>(c[j], c[j + 2]);
+        d[j] = _mm512_add_ps(x, y);
+    }
+    // Step 4: the last pair, then lanes back into `v` order.
+    let x = _mm512_shuffle_ps::<0b10_00_10_00>(d[0], d[1]);
+    let y = _mm512_shuffle_ps::<0b11_01_11_01>(d[0], d[1]);
+    _mm512_permutexvar_ps(ld_i32x16(&REDUCE16_ORDER), _mm512_add_ps(x, y))
+}
+
+/// The lane where `reduce16`'s step 4 leaves the sum of `v[j]`.
+static REDUCE16_ORDER: [i32; 16] = reduce16_order();
+
+const fn reduce16_order() -> [i32; 16] {
+    // Follow each accumulator through the four steps:
+    // 1: v[j] lands in b[j % 8], half j / 8;
+    // 2: b[j] half h -> c[j % 4], quarter h + 2 * (j / 4);
+    // 3: c[j] quarter q -> d[j % 2] quarter q, element pair j / 2 (elements 0-1 or 2-3);
+    // 4: d[k] quarter q pair p -> lane 4q + 2k + p.
+    let mut pos = [0i32; 16];
+    let mut j = 0;
+    while j < 16 {
+        let (bj, h) = (j % 8, j / 8);
+        let (cj, q) = (bj % 4, h + 2 * (bj / 4));
+        let (dk, pair) = (cj % 2, cj / 2);
+        pos[j] = (4 * q + 2 * dk + pair) as i32;
+        j += 1;
+    }
+    pos
 }
 
 // ---------------------------------------------------------------------------------------------
