@@ -207,8 +207,7 @@ mod x86 {
         scores: &mut Vec<f32>,
     ) -> f32 {
         let hd = q.len();
-        let mut max = f32::NEG_INFINITY;
-        for &s in slots {
+        let dot = |s: usize| {
             let row = k.as_ptr().add(s * stride + off);
             let mut acc = _mm512_setzero_ps();
             let mut i = 0;
@@ -220,7 +219,32 @@ mod x86 {
                 );
                 i += 16;
             }
-            let sc = _mm512_reduce_add_ps(acc) * scale;
+            acc
+        };
+        let mut max = f32::NEG_INFINITY;
+        // 16 slots at a time: one transposed reduction (the bits of one `reduce_add` per slot).
+        let mut blocks = slots.chunks_exact(16);
+        let mut vmax = _mm512_set1_ps(f32::NEG_INFINITY);
+        let mut out = [0f32; 16];
+        for b in blocks.by_ref() {
+            let mut v = [_mm512_setzero_ps(); 16];
+            for (vi, &s) in v.iter_mut().zip(b) {
+                *vi = dot(s);
+            }
+            let sc = _mm512_mul_ps(
+                crate::quant::x86_avx512::reduce16(&v),
+                _mm512_set1_ps(scale),
+            );
+            // NaN scores never win, as with `f32::max` below.
+            vmax = _mm512_max_ps(sc, vmax);
+            _mm512_storeu_ps(out.as_mut_ptr(), sc);
+            scores.extend_from_slice(&out);
+        }
+        if slots.len() >= 16 {
+            max = _mm512_reduce_max_ps(vmax);
+        }
+        for &s in blocks.remainder() {
+            let sc = _mm512_reduce_add_ps(dot(s)) * scale;
             max = max.max(sc);
             scores.push(sc);
         }
@@ -388,6 +412,19 @@ mod tests {
                 assert!((sc[i] - r).abs() < 1e-5, "hd {hd} slot {s}");
             }
             assert_eq!(max, sc.iter().copied().fold(f32::NEG_INFINITY, f32::max));
+            // Blocks of 16 slots give each score the bits of a one-slot call.
+            let many: Vec<usize> = (0..rows).rev().collect();
+            let mut all = Vec::new();
+            let max_all = attn_scores(&q, &k, &many, stride, off, 0.125, &mut all);
+            let mut one = Vec::new();
+            for (i, &s) in many.iter().enumerate() {
+                attn_scores(&q, &k, &[s], stride, off, 0.125, &mut one);
+                assert_eq!(all[i].to_bits(), one[0].to_bits(), "hd {hd} slot {s}");
+            }
+            assert_eq!(
+                max_all,
+                all.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+            );
             let mut o = vec![1.0f32; hd];
             attn_weighted_sum(&sc, &k, &slots, stride, off, &mut o);
             for d in 0..hd {

@@ -29,7 +29,7 @@ mod tests;
 #[cfg(target_arch = "x86_64")]
 mod x86_avx2;
 #[cfg(target_arch = "x86_64")]
-mod x86_avx512;
+pub(crate) mod x86_avx512;
 
 use std::cell::Cell;
 use std::sync::OnceLock;

@@ -819,9 +819,13 @@ unsafe fn rows<K: Kind>(
 
 /// Lane `j` = the sum of the 16 lanes of `v[j]`, added exactly as `_mm512_reduce_add_ps` adds
 /// them (halves: lane i + lane i+8, then i + i+4, i + i+2, 0 + 1), so every sum has the bits of a
-/// one-at-a-time reduction, in ~46 shuffles and adds instead of ~130.
+/// one-at-a-time reduction, in ~46 shuffles and adds instead of ~130. (AVX-512F only: the
+/// attention kernels use it too.)
+///
+/// # Safety
+/// The CPU must support AVX-512F.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn reduce16(v: &[__m512; 16]) -> __m512 {
     // Step 1: [v_j.lo + v_j.hi | v_{j+8}.lo + v_{j+8}.hi] (8 partial sums each).
     let mut b = [_mm512_setzero_ps(); 8];
@@ -847,7 +851,8 @@ pub(crate) unsafe fn reduce16(v: &[__m512; 16]) -> __m512 {
     // Step 4: the last pair, then lanes back into `v` order.
     let x = _mm512_shuffle_ps::<0b10_00_10_00>(d[0], d[1]);
     let y = _mm512_shuffle_ps::<0b11_01_11_01>(d[0], d[1]);
-    _mm512_permutexvar_ps(ld_i32x16(&REDUCE16_ORDER), _mm512_add_ps(x, y))
+    let order = _mm512_loadu_si512(REDUCE16_ORDER.as_ptr() as *const __m512i);
+    _mm512_permutexvar_ps(order, _mm512_add_ps(x, y))
 }
 
 /// The lane where `reduce16`'s step 4 leaves the sum of `v[j]`.
@@ -922,7 +927,7 @@ const LANE_NAT: [usize; 16] = lane_of(&LAYOUT_NAT);
 /// 16×16 dword transpose: lane `i` of output `j` is lane `j` of input `i`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn transpose16(r: &mut [__m512i; 16]) {
+pub(crate) unsafe fn transpose16(r: &mut [__m512i; 16]) {
     let mut t = [_mm512_setzero_si512(); 16];
     for k in 0..8 {
         t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
@@ -1178,6 +1183,10 @@ unsafe fn ao_rows<K: Kind, const T: u8>(
             }
             let mut lanes = [0f32; 16];
             for t in 0..nt {
+                if nr == 16 {
+                    y.write16(t0 + t, o0, acc[t]);
+                    continue;
+                }
                 _mm512_storeu_ps(lanes.as_mut_ptr(), acc[t]);
                 for (i, &v) in lanes.iter().take(nr).enumerate() {
                     y.write(t0 + t, o0 + i, v);
