@@ -7,10 +7,10 @@ use super::{AttentionShape, Backend, BatchMask};
 use crate::error::{EngineError, Result};
 use crate::quant::{self, QMatrix};
 
-/// Cache slots per attention block: their K (or V) rows stay in L1 while every head of a group
-/// reads them (32 rows of 128 f32 = 16 KiB).
+/// Cache slots per attention block: their K (or V) rows stay in L1 while every query head of a
+/// group, for every token of a task, reads them (32 rows of 128 f32 = 16 KiB).
 const SLOT_BLOCK: usize = 32;
-/// Most query heads per KV head that one attention task takes together.
+/// Most query heads per KV head that batched attention (`attention_by_kv_head`) takes together.
 const MAX_GROUP: usize = 16;
 
 /// Where the CPU backend runs the AMX kernel family (`quant::with_amx`; only where the CPU and
@@ -148,88 +148,185 @@ impl Backend for CpuBackend {
             ));
         }
         let scale = 1.0 / (hd as f32).sqrt();
-        // One task per (token, KV head, `gs` query heads of its group): the heads of a group read
-        // the same K and V rows, so slots go in blocks of `SLOT_BLOCK` and each block's rows are
-        // read from L2 once for all `gs` heads. Small batches (decoding) keep one head per task so
-        // every thread has work. Every head's sums run in the same order either way.
-        let gs = if s.n_tok * s.n_head_kv >= 8 && group <= MAX_GROUP {
-            group
-        } else {
-            1
-        };
-        out.par_chunks_mut(gs * hd).enumerate().for_each_init(
-            || {
-                (
-                    Vec::<f32>::new(),
-                    Vec::<usize>::new(),
-                    vec![0.0f32; gs * hd],
-                    Vec::<f32>::new(),
-                )
-            },
-            |(scores, slots, qg, tmp), (idx, o)| {
-                let (t, h0) = (idx * gs / s.n_head, idx * gs % s.n_head);
-                let kvh = h0 / group;
+        if s.n_tok * s.n_head_kv >= 8 && group <= MAX_GROUP {
+            attention_by_kv_head(s, mask, q, k, v, out, scale);
+            return Ok(());
+        }
+        // Decoding-sized batches: one task per (token, head), so every thread has work.
+        out.par_chunks_mut(hd).enumerate().for_each_init(
+            || (Vec::<f32>::new(), Vec::<usize>::new(), vec![0.0f32; hd]),
+            |(scores, slots, qh), (idx, o)| {
+                let (t, h) = (idx / s.n_head, idx % s.n_head);
+                let kvh = h / group;
                 // Q at f16 precision, like the K it meets (llama.cpp's K·Q runs in f16).
-                let q0 = (t * s.n_head + h0) * hd;
-                qg.copy_from_slice(&q[q0..q0 + gs * hd]);
-                simd::round_f16_slice(qg);
-                slots.clear();
-                if let BatchMask::Causal = mask {
-                    slots.extend(0..s.n_past + t + 1);
-                } else if let BatchMask::Scratch { base, .. } = mask {
-                    let base = base.min(s.n_past);
-                    slots.extend(0..base);
-                    slots.extend((base..n_slots).filter(|&j| mask.visible_slot(t, j, s.n_past)));
-                } else {
-                    slots.extend(0..s.n_past);
-                    slots.extend(
-                        (0..s.n_tok)
-                            .filter(|&j| mask.visible(t, j))
-                            .map(|j| s.n_past + j),
-                    );
-                }
-                let n = slots.len();
-                // [gs, n] scores, then weights.
-                scores.clear();
-                scores.resize(gs * n, 0.0);
-                let mut maxes = [f32::NEG_INFINITY; MAX_GROUP];
-                let maxes = &mut maxes[..gs];
-                for b0 in (0..n).step_by(SLOT_BLOCK) {
-                    let b1 = (b0 + SLOT_BLOCK).min(n);
-                    for (g, m) in maxes.iter_mut().enumerate() {
-                        let qh = &qg[g * hd..(g + 1) * hd];
-                        let bm =
-                            simd::attn_scores(qh, k, &slots[b0..b1], kv_dim, kvh * hd, scale, tmp);
-                        scores[g * n + b0..g * n + b1].copy_from_slice(tmp);
-                        *m = m.max(bm);
-                    }
-                }
-                for (g, &max) in maxes.iter().enumerate() {
-                    let sg = &mut scores[g * n..(g + 1) * n];
-                    let mut sum = 0.0f32;
-                    for sc in sg.iter_mut() {
-                        *sc = (*sc - max).exp();
-                        sum += *sc;
-                    }
-                    let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
-                    for sc in sg.iter_mut() {
-                        *sc *= inv;
-                    }
-                    // Attention weights at f16 precision (llama.cpp multiplies them with V in f16).
-                    simd::round_f16_slice(sg);
-                }
+                qh.copy_from_slice(&q[idx * hd..(idx + 1) * hd]);
+                simd::round_f16_slice(qh);
+                visible_slots(s, mask, t, slots);
+                let max = simd::attn_scores(qh, k, slots, kv_dim, kvh * hd, scale, scores);
+                softmax_f16(scores, max);
                 o.fill(0.0);
-                for b0 in (0..n).step_by(SLOT_BLOCK) {
-                    let b1 = (b0 + SLOT_BLOCK).min(n);
-                    for g in 0..maxes.len() {
-                        let p = &scores[g * n + b0..g * n + b1];
-                        let og = &mut o[g * hd..(g + 1) * hd];
-                        simd::attn_weighted_sum(p, v, &slots[b0..b1], kv_dim, kvh * hd, og);
-                    }
-                }
+                simd::attn_weighted_sum(scores, v, slots, kv_dim, kvh * hd, o);
             },
         );
         Ok(())
+    }
+}
+
+/// The cache slots new token `t` attends to, ascending.
+fn visible_slots(s: AttentionShape, mask: BatchMask<'_>, t: usize, slots: &mut Vec<usize>) {
+    let n_slots = s.n_past + s.n_tok;
+    slots.clear();
+    if let BatchMask::Causal = mask {
+        slots.extend(0..s.n_past + t + 1);
+    } else if let BatchMask::Scratch { base, .. } = mask {
+        let base = base.min(s.n_past);
+        slots.extend(0..base);
+        slots.extend((base..n_slots).filter(|&j| mask.visible_slot(t, j, s.n_past)));
+    } else {
+        slots.extend(0..s.n_past);
+        slots.extend(
+            (0..s.n_tok)
+                .filter(|&j| mask.visible(t, j))
+                .map(|j| s.n_past + j),
+        );
+    }
+}
+
+/// Scores → attention weights in place: `exp(score − max)` normalized, then rounded to f16
+/// precision (llama.cpp multiplies them with V in f16).
+fn softmax_f16(scores: &mut [f32], max: f32) {
+    let mut sum = 0.0f32;
+    for sc in scores.iter_mut() {
+        *sc = (*sc - max).exp();
+        sum += *sc;
+    }
+    let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
+    for sc in scores.iter_mut() {
+        *sc *= inv;
+    }
+    simd::round_f16_slice(scores);
+}
+
+/// Batched attention, one task per (KV head, chunk of tokens): the cache is walked in blocks of
+/// `SLOT_BLOCK` slots, and each block's K (then V) rows, read from memory once, serve every query
+/// head of the group for every token of the chunk from L1. (One task per token would read the
+/// whole cache once per token: at 16 tokens that is most of the attention time.) Each (token,
+/// head) gets exactly the operations of the one-head-per-task path, in the same order: its scores
+/// block by block in slot order, the same softmax, its output accumulated block by block.
+fn attention_by_kv_head(
+    s: AttentionShape,
+    mask: BatchMask<'_>,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &mut [f32],
+    scale: f32,
+) {
+    let hd = s.head_dim;
+    let kv_dim = s.n_head_kv * hd;
+    let group = s.n_head / s.n_head_kv;
+    let n_slots = s.n_past + s.n_tok;
+    // Enough tasks for every thread (two per thread), fewest cache passes.
+    let per_head = (2 * rayon::current_num_threads())
+        .div_ceil(s.n_head_kv)
+        .clamp(1, s.n_tok);
+    let chunk = s.n_tok.div_ceil(per_head);
+    let tasks: Vec<(usize, usize, usize)> = (0..s.n_head_kv)
+        .flat_map(|kvh| {
+            (0..s.n_tok)
+                .step_by(chunk)
+                .map(move |t0| (kvh, t0, (t0 + chunk).min(s.n_tok)))
+        })
+        .collect();
+    let results: Vec<Vec<f32>> = tasks
+        .par_iter()
+        .map(|&(kvh, t0, t1)| {
+            let nt = t1 - t0;
+            let rows = nt * group;
+            let h0 = kvh * group;
+            // [rows, hd] queries (row = token × group head) at f16 precision, like the K they meet.
+            let mut qr = vec![0f32; rows * hd];
+            for (ti, qt) in qr.chunks_exact_mut(group * hd).enumerate() {
+                let src = ((t0 + ti) * s.n_head + h0) * hd;
+                qt.copy_from_slice(&q[src..src + group * hd]);
+            }
+            simd::round_f16_slice(&mut qr);
+            let slots: Vec<Vec<usize>> = (t0..t1)
+                .map(|t| {
+                    let mut sl = Vec::new();
+                    visible_slots(s, mask, t, &mut sl);
+                    sl
+                })
+                .collect();
+            // Each token's slots within block [b0, b1): a cursor into its ascending list.
+            let span = |sl: &[usize], c0: usize, b1: usize| {
+                let mut c1 = c0;
+                while c1 < sl.len() && sl[c1] < b1 {
+                    c1 += 1;
+                }
+                c1
+            };
+            // [rows, n_slots] scores, then weights (row r uses the first len(slots of its token)).
+            let mut sc = vec![0f32; rows * n_slots];
+            let mut maxes = vec![f32::NEG_INFINITY; rows];
+            let mut tmp = Vec::new();
+            let mut cur = vec![0usize; nt];
+            for b0 in (0..n_slots).step_by(SLOT_BLOCK) {
+                let b1 = (b0 + SLOT_BLOCK).min(n_slots);
+                for (ti, sl) in slots.iter().enumerate() {
+                    let c0 = cur[ti];
+                    let c1 = span(sl, c0, b1);
+                    for r in ti * group..(ti + 1) * group {
+                        if c1 == c0 {
+                            break;
+                        }
+                        let qh = &qr[r * hd..(r + 1) * hd];
+                        let m = simd::attn_scores(
+                            qh,
+                            k,
+                            &sl[c0..c1],
+                            kv_dim,
+                            kvh * hd,
+                            scale,
+                            &mut tmp,
+                        );
+                        sc[r * n_slots + c0..r * n_slots + c1].copy_from_slice(&tmp);
+                        maxes[r] = maxes[r].max(m);
+                    }
+                    cur[ti] = c1;
+                }
+            }
+            for (r, &max) in maxes.iter().enumerate() {
+                let n = slots[r / group].len();
+                softmax_f16(&mut sc[r * n_slots..r * n_slots + n], max);
+            }
+            // [rows, hd] outputs.
+            let mut o = vec![0f32; rows * hd];
+            cur.fill(0);
+            for b0 in (0..n_slots).step_by(SLOT_BLOCK) {
+                let b1 = (b0 + SLOT_BLOCK).min(n_slots);
+                for (ti, sl) in slots.iter().enumerate() {
+                    let c0 = cur[ti];
+                    let c1 = span(sl, c0, b1);
+                    for r in ti * group..(ti + 1) * group {
+                        if c1 == c0 {
+                            break;
+                        }
+                        let p = &sc[r * n_slots + c0..r * n_slots + c1];
+                        let orow = &mut o[r * hd..(r + 1) * hd];
+                        simd::attn_weighted_sum(p, v, &sl[c0..c1], kv_dim, kvh * hd, orow);
+                    }
+                    cur[ti] = c1;
+                }
+            }
+            o
+        })
+        .collect();
+    for (&(kvh, t0, t1), o) in tasks.iter().zip(&results) {
+        for ti in 0..t1 - t0 {
+            let dst = ((t0 + ti) * s.n_head + kvh * group) * hd;
+            out[dst..dst + group * hd].copy_from_slice(&o[ti * group * hd..(ti + 1) * group * hd]);
+        }
     }
 }
 
@@ -252,10 +349,11 @@ mod tests {
             .collect()
     }
 
-    /// Grouped-query attention (query heads of a group in one task, slots in blocks) gives every
-    /// head exactly the bits of one head per task: the same call with each KV head copied out to
-    /// its query heads (no groups), for causal and tree masks, AVX-512 and portable head sizes;
-    /// and within f16 rounding of an f64 reference (a lost slot block or KV head shows there).
+    /// Batched attention (a KV head's query heads and tokens in one task, slots in blocks) gives
+    /// every head exactly the bits of the same call with each KV head copied out to its query
+    /// heads (no groups), for causal and tree masks, AVX-512 and portable head sizes; causal
+    /// tokens exactly the bits of decoding them one at a time (one head per task); and all
+    /// within f16 rounding of an f64 reference (a lost slot block or KV head shows there).
     #[test]
     fn grouped_attention_bit_identical_per_head_and_equal_to_reference() {
         let backend = CpuBackend::new(2).expect("backend");
@@ -313,6 +411,23 @@ mod tests {
                 let gb: Vec<u32> = grouped.iter().map(|x| x.to_bits()).collect();
                 let sb: Vec<u32> = single.iter().map(|x| x.to_bits()).collect();
                 assert_eq!(gb, sb, "hd {hd} mask {mask:?}");
+                // Causal: each token exactly as decoding it alone computes it (one head per task).
+                if let BatchMask::Causal = mask {
+                    for t in 0..n_tok {
+                        let one = AttentionShape {
+                            n_tok: 1,
+                            n_past: n_past + t,
+                            ..shape(n_kv)
+                        };
+                        let row = t * n_head * hd..(t + 1) * n_head * hd;
+                        let mut o1 = vec![0f32; n_head * hd];
+                        backend
+                            .attention(one, mask, &q[row.clone()], &k, &v, &mut o1)
+                            .expect("one token");
+                        let ob: Vec<u32> = o1.iter().map(|x| x.to_bits()).collect();
+                        assert_eq!(ob, gb[row], "hd {hd} token {t}");
+                    }
+                }
                 // And both are attention: an f64 reference (Q and the weights at f16, as above).
                 let f16 = |x: f64| half::f16::from_f64(x).to_f64();
                 for t in 0..n_tok {
