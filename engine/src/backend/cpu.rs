@@ -10,6 +10,8 @@ use crate::quant::{self, QMatrix};
 /// Cache slots per attention block: their K (or V) rows stay in L1 while every query head of a
 /// group, for every token of a task, reads them (32 rows of 128 f32 = 16 KiB).
 const SLOT_BLOCK: usize = 32;
+/// Most f32 scores one batched-attention task holds (2 MiB).
+const SCORES_MAX: usize = 1 << 19;
 /// Most query heads per KV head that batched attention (`attention_by_kv_head`) takes together.
 const MAX_GROUP: usize = 16;
 
@@ -149,7 +151,7 @@ impl Backend for CpuBackend {
         }
         let scale = 1.0 / (hd as f32).sqrt();
         if s.n_tok * s.n_head_kv >= 8 && group <= MAX_GROUP {
-            attention_by_kv_head(s, mask, q, k, v, out, scale);
+            attention_by_kv_head(s, mask, q, k, v, out, SCORES_MAX);
             return Ok(());
         }
         // Decoding-sized batches: one task per (token, head), so every thread has work.
@@ -207,7 +209,8 @@ fn softmax_f16(scores: &mut [f32], max: f32) {
     simd::round_f16_slice(scores);
 }
 
-/// Batched attention, one task per (KV head, chunk of tokens): the cache is walked in blocks of
+/// Batched attention, one task per (KV head, chunk of tokens; a task holds at most about
+/// `scores_max` scores): the cache is walked in blocks of
 /// `SLOT_BLOCK` slots, and each block's K (then V) rows, read from memory once, serve every query
 /// head of the group for every token of the chunk from L1. (One task per token would read the
 /// whole cache once per token: at 16 tokens that is most of the attention time.) Each (token,
@@ -220,9 +223,10 @@ fn attention_by_kv_head(
     k: &[f32],
     v: &[f32],
     out: &mut [f32],
-    scale: f32,
+    scores_max: usize,
 ) {
     let hd = s.head_dim;
+    let scale = 1.0 / (hd as f32).sqrt();
     let kv_dim = s.n_head_kv * hd;
     let group = s.n_head / s.n_head_kv;
     let n_slots = s.n_past + s.n_tok;
@@ -230,7 +234,10 @@ fn attention_by_kv_head(
     let per_head = (2 * rayon::current_num_threads())
         .div_ceil(s.n_head_kv)
         .clamp(1, s.n_tok);
-    let chunk = s.n_tok.div_ceil(per_head);
+    // A task's scores are [tokens × group, n_slots]: keep them within ~2 MiB (L2), so a long
+    // prompt's prefill takes more, smaller chunks instead of memory quadratic in its length.
+    let max_tok = (scores_max / (group * n_slots)).max(1);
+    let chunk = s.n_tok.div_ceil(per_head).min(max_tok);
     let tasks: Vec<(usize, usize, usize)> = (0..s.n_head_kv)
         .flat_map(|kvh| {
             (0..s.n_tok)
@@ -408,9 +415,16 @@ mod tests {
                 backend
                     .attention(shape(n_head), mask, &q, &kx, &vx, &mut single)
                     .expect("single");
+                // One token per task (the chunking of long prompts) changes nothing either.
+                let mut chunked = vec![0f32; q.len()];
+                backend.pool.install(|| {
+                    attention_by_kv_head(shape(n_kv), mask, &q, &k, &v, &mut chunked, 1)
+                });
+                let cb: Vec<u32> = chunked.iter().map(|x| x.to_bits()).collect();
                 let gb: Vec<u32> = grouped.iter().map(|x| x.to_bits()).collect();
+                assert!(cb == gb, "hd {hd} mask {mask:?}: one token per task");
                 let sb: Vec<u32> = single.iter().map(|x| x.to_bits()).collect();
-                assert_eq!(gb, sb, "hd {hd} mask {mask:?}");
+                assert!(gb == sb, "hd {hd} mask {mask:?}");
                 // Causal: each token exactly as decoding it alone computes it (one head per task).
                 if let BatchMask::Causal = mask {
                     for t in 0..n_tok {
@@ -425,7 +439,7 @@ mod tests {
                             .attention(one, mask, &q[row.clone()], &k, &v, &mut o1)
                             .expect("one token");
                         let ob: Vec<u32> = o1.iter().map(|x| x.to_bits()).collect();
-                        assert_eq!(ob, gb[row], "hd {hd} token {t}");
+                        assert!(ob == gb[row], "hd {hd} token {t}");
                     }
                 }
                 // And both are attention: an f64 reference (Q and the weights at f16, as above).
