@@ -341,19 +341,10 @@ fn attention_by_kv_head(
 mod tests {
     use super::*;
 
-    /// Deterministic values in [-1, 1) (SplitMix64).
+    /// Deterministic values in [-1, 1).
     fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
-                let mut z = s;
-                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-                z ^= z >> 31;
-                (z >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-            })
-            .collect()
+        let mut rng = crate::sample::Rng::new(seed);
+        (0..n).map(|_| rng.next_f64() as f32 * 2.0 - 1.0).collect()
     }
 
     /// Batched attention (a KV head's query heads and tokens in one task, slots in blocks) gives
