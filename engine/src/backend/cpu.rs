@@ -265,42 +265,32 @@ fn attention_by_kv_head(
                     sl
                 })
                 .collect();
-            // Each token's slots within block [b0, b1): a cursor into its ascending list.
-            let span = |sl: &[usize], c0: usize, b1: usize| {
-                let mut c1 = c0;
-                while c1 < sl.len() && sl[c1] < b1 {
-                    c1 += 1;
+            // Both passes walk the same (block, token) pieces, block-major: token `ti`'s slots
+            // `sl[c0..c1]` inside block [b0, b0 + SLOT_BLOCK) (its list is ascending).
+            let mut pieces: Vec<(usize, usize, usize)> = Vec::new();
+            for b0 in (0..n_slots).step_by(SLOT_BLOCK) {
+                let b1 = b0 + SLOT_BLOCK;
+                for (ti, sl) in slots.iter().enumerate() {
+                    let (c0, c1) = (
+                        sl.partition_point(|&x| x < b0),
+                        sl.partition_point(|&x| x < b1),
+                    );
+                    if c1 > c0 {
+                        pieces.push((ti, c0, c1));
+                    }
                 }
-                c1
-            };
+            }
             // [rows, n_slots] scores, then weights (row r uses the first len(slots of its token)).
             let mut sc = vec![0f32; rows * n_slots];
             let mut maxes = vec![f32::NEG_INFINITY; rows];
             let mut tmp = Vec::new();
-            let mut cur = vec![0usize; nt];
-            for b0 in (0..n_slots).step_by(SLOT_BLOCK) {
-                let b1 = (b0 + SLOT_BLOCK).min(n_slots);
-                for (ti, sl) in slots.iter().enumerate() {
-                    let c0 = cur[ti];
-                    let c1 = span(sl, c0, b1);
-                    for r in ti * group..(ti + 1) * group {
-                        if c1 == c0 {
-                            break;
-                        }
-                        let qh = &qr[r * hd..(r + 1) * hd];
-                        let m = simd::attn_scores(
-                            qh,
-                            k,
-                            &sl[c0..c1],
-                            kv_dim,
-                            kvh * hd,
-                            scale,
-                            &mut tmp,
-                        );
-                        sc[r * n_slots + c0..r * n_slots + c1].copy_from_slice(&tmp);
-                        maxes[r] = maxes[r].max(m);
-                    }
-                    cur[ti] = c1;
+            for &(ti, c0, c1) in &pieces {
+                for r in ti * group..(ti + 1) * group {
+                    let qh = &qr[r * hd..(r + 1) * hd];
+                    let sl = &slots[ti][c0..c1];
+                    let m = simd::attn_scores(qh, k, sl, kv_dim, kvh * hd, scale, &mut tmp);
+                    sc[r * n_slots + c0..r * n_slots + c1].copy_from_slice(&tmp);
+                    maxes[r] = maxes[r].max(m);
                 }
             }
             for (r, &max) in maxes.iter().enumerate() {
@@ -309,21 +299,12 @@ fn attention_by_kv_head(
             }
             // [rows, hd] outputs.
             let mut o = vec![0f32; rows * hd];
-            cur.fill(0);
-            for b0 in (0..n_slots).step_by(SLOT_BLOCK) {
-                let b1 = (b0 + SLOT_BLOCK).min(n_slots);
-                for (ti, sl) in slots.iter().enumerate() {
-                    let c0 = cur[ti];
-                    let c1 = span(sl, c0, b1);
-                    for r in ti * group..(ti + 1) * group {
-                        if c1 == c0 {
-                            break;
-                        }
-                        let p = &sc[r * n_slots + c0..r * n_slots + c1];
-                        let orow = &mut o[r * hd..(r + 1) * hd];
-                        simd::attn_weighted_sum(p, v, &sl[c0..c1], kv_dim, kvh * hd, orow);
-                    }
-                    cur[ti] = c1;
+            for &(ti, c0, c1) in &pieces {
+                for r in ti * group..(ti + 1) * group {
+                    let p = &sc[r * n_slots + c0..r * n_slots + c1];
+                    let orow = &mut o[r * hd..(r + 1) * hd];
+                    let sl = &slots[ti][c0..c1];
+                    simd::attn_weighted_sum(p, v, sl, kv_dim, kvh * hd, orow);
                 }
             }
             o

@@ -221,7 +221,6 @@ mod x86 {
             }
             acc
         };
-        let mut max = f32::NEG_INFINITY;
         // 16 slots at a time: one transposed reduction (the bits of one `reduce_add` per slot).
         let mut blocks = slots.chunks_exact(16);
         let mut vmax = _mm512_set1_ps(f32::NEG_INFINITY);
@@ -240,9 +239,9 @@ mod x86 {
             _mm512_storeu_ps(out.as_mut_ptr(), sc);
             scores.extend_from_slice(&out);
         }
-        if slots.len() >= 16 {
-            max = _mm512_reduce_max_ps(vmax);
-        }
+
+        // -inf when no block ran.
+        let mut max = _mm512_reduce_max_ps(vmax);
         for &s in blocks.remainder() {
             let sc = _mm512_reduce_add_ps(dot(s)) * scale;
             max = max.max(sc);
