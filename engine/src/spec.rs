@@ -574,8 +574,8 @@ mod tests {
         );
     }
 
-    /// Whatever the AMX setting (never; prompt prefill only, the default; everywhere: tiles for
-    /// the wide verification batches and the AMX-order VNNI kernel for single-token decoding),
+    /// Whatever the AMX setting (never; prompt prefill only; everywhere, the default: tiles for
+    /// the wide verification batches and the AMX-order VNNI kernels for single-token decoding),
     /// decoding and verification use the same arithmetic: greedy speculation equals incremental
     /// decoding, and the accepted K/V equal incremental decoding's bit for bit. The weights cover
     /// every type the AMX kernels take, at widths they take (multiples of 256).

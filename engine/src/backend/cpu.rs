@@ -21,12 +21,13 @@ const MAX_GROUP: usize = 16;
 pub enum AmxUse {
     /// Never: every matmul on the VNNI kernels.
     Never,
-    /// Prompt prefill only (the default): decoding and tree verification stay on the VNNI
-    /// kernels, so they are bit-identical to each other, while prefill sums in the AMX order.
+    /// Prompt prefill only: decoding and tree verification stay on the VNNI kernels, so they are
+    /// bit-identical to each other, while prefill sums in the AMX order.
     Prefill,
-    /// Every forward pass: prefill, decoding and verification all in the AMX order (tiles for 8+
-    /// rows, the AMX-order VNNI kernel below), bit-identical to each other. Verification of wide
-    /// trees is cheaper, single-token decoding somewhat slower (see docs/benchmarks.md).
+    /// Every forward pass (the default): prefill, decoding and verification all in the AMX order
+    /// (tiles for 8+ rows, the AMX-order VNNI kernels below), bit-identical to each other. Both
+    /// single-token decoding and the verification of trees are faster than on the VNNI kernels
+    /// (see docs/benchmarks.md).
     Always,
 }
 
@@ -53,7 +54,7 @@ impl CpuBackend {
             })?;
         Ok(CpuBackend {
             pool,
-            amx: AmxUse::Prefill,
+            amx: AmxUse::Always,
         })
     }
 

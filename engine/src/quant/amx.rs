@@ -1,35 +1,43 @@
-//! AMX int8 tile kernels: `tdpbssd` on 16 output rows × 16 activation rows per scale sub-block, float epilogue per sub-block.
+//! AMX int8 tile kernels: `tdpbssd` on 16 output rows × 16 activation rows; Q4_K with its scales folded into the weights (exact integer per group), Q6_K/Q8_0 with a float epilogue per sub-block.
 //!
 //! Used by `matmul_with` at `KernelLevel::Amx` for Q4_K, Q6_K and Q8_0 weights with `n_in % 256 == 0`
 //! and at least `MIN_TOK` activation rows; everything else keeps the AVX-512 VNNI kernels. The
 //! level exists only when CPUID reports AMX-TILE and AMX-INT8 and Linux grants the process the
 //! tile data state (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`, requested once).
 //!
-//! Tiles (one configuration per sub-block size `KS`, loaded by every row task on its own thread and
-//! released at its end): `tmm0..tmm3` are 16×16 int32 accumulators, `tmm4/tmm5` weight tiles
-//! (A: 16 output rows × `KS` int8), `tmm6/tmm7` activation tiles (B: `KS/4` rows × 16 activation
-//! rows × 4 int8, the VNNI layout). So `C[o, t] = Σ_k W[o, k] · a[t, k]` over one sub-block is one
-//! `tdpbssd`, an exact integer dot product as in the scalar reference.
+//! Tiles (one configuration per product size `KS`, loaded by every row task on its own thread and
+//! released at its end): weight tiles A are 16 output rows × `KS` int8, activation tiles B `KS/4`
+//! rows × 16 activation rows × 4 int8 (the VNNI layout), accumulators 16×16 int32. So
+//! `C[o, t] = Σ_k W[o, k] · a[t, k]` over `KS` elements is one `tdpbssd`, an exact integer dot
+//! product as in the scalar reference.
 //!
-//! * Weights stay in their GGUF blocks: each 256-element group of 16 rows is unpacked into a 4 KiB
-//!   per-task scratch tile (signed int8: Q4_K 0..15, Q6_K −32..31, Q8_0 as stored) with one f32
-//!   scale per sub-block (and Q4_K's `dmin·m`), then dotted with every 16-row activation block.
+//! * Weights stay in their GGUF blocks: each 256-element group of 16 rows is unpacked into a
+//!   per-task scratch tile, then dotted with every 16-row activation block.
+//!   - Q6_K (−32..31) and Q8_0 (as stored): one plane of int8, one f32 scale per sub-block.
+//!   - Q4_K: two planes, `q · (sc >> 3)` and `q · (sc & 7)` (six-bit scales split in two halves;
+//!     each product at most 105), so two K = 256 products give the exact group integer
+//!     `I = 8·C_hi + C_lo = Σ_j sc_j Σ_{k in j} q_k a_k`.
 //! * Activations are quantized once per call (Q8_K / Q8_0 as the other kernels) and packed per
 //!   (16-row block, group) into records of `AREC` bytes: `[0, 4096)` the 64 B rows of the VNNI
 //!   layout (element order permuted to match the weight unpack), `[4096, 4160)` f32 `d` per row
 //!   (Q8_K), `[4160, 5184)` one f32 vector of 16 rows per sub-block: Q4_K 32-element sums of the
 //!   quantized values (for the mins), Q8_0 the block scales.
-//! * Epilogue per sub-block `p`: `G[o] += cvt(C_p[o]) · ws[o][p]` (Q8_0: `· ws · d_x[p]`); per group
-//!   Q4_K subtracts `Σ_j dmin·m_j · bsum_j` and K-quants scale by the activation `d`. Only the order
-//!   of the f32 sums differs from the scalar kernel.
+//! * Epilogues, per output and group:
+//!   - Q4_K: `acc = fma(cvt(I), d·dx, acc)`, then `acc = fnmadd(M, dmin·dx, acc)` with the mins
+//!     `M = Σ_j m_j · bsum_j` (exact in f32).
+//!   - Q6_K / Q8_0, per sub-block `p`: `G += cvt(C_p) · ws[p]` (Q8_0: `· ws · d_x[p]`), then
+//!     Q6_K scales by the activation `d`.
+//!
+//!   Only the order of the f32 sums differs from the scalar kernel.
 //!
 //! Where: its f32 summation order differs from the VNNI kernels', so decoding and verification
 //! must not mix the two. `matmul_with(KernelLevel::Amx, ..)` therefore runs the whole AMX family:
 //! these tiles for `MIN_TOK`+ rows and `x86_avx512::amx_order_rows` (the same f32 operations per
 //! output, in the same order, from VNNI integer dot products) for fewer, so any row is
 //! bit-identical whatever the batch size. `matmul` takes the family inside `with_amx` scopes: by
-//! default prompt prefill only (`CpuBackend::with_amx_use`), everywhere with `AmxUse::Always` or
-//! `ARBOR_KERNEL=amx`, never with `ARBOR_KERNEL=avx512` (see `KernelLevel::detect`).
+//! default every forward pass (`CpuBackend::with_amx_use`, `AmxUse::Always`), only prompt prefill
+//! with `AmxUse::Prefill`, never with `AmxUse::Never` or `ARBOR_KERNEL=avx512` (see
+//! `KernelLevel::detect`).
 
 use std::arch::asm;
 use std::arch::x86_64::*;
@@ -51,8 +59,8 @@ const TILE: usize = 16;
 const OFF_DX: usize = 64 * 64;
 const OFF_V: usize = OFF_DX + 64;
 const AREC: usize = OFF_V + 16 * 64;
-/// Weight scratch: 16 rows × 256 int8.
-const AROW: usize = GROUP;
+/// Weight scratch: 16 rows of at most two planes of 256 int8 (`Kind::AROW`).
+const AROW_MAX: usize = 2 * GROUP;
 /// Software prefetch distance for the weight stream, in groups.
 const PREFETCH_GROUPS: usize = 4;
 
@@ -239,18 +247,23 @@ fn pack_record(
 
 /// One weight type: its sub-block size and its unpack of one 256-element group.
 trait Kind {
-    /// Elements per scale sub-block (the K of one `tdpbssd`).
+    /// Elements per `tdpbssd` (the K of one product): a scale sub-block, or (Q4_K, `FOLD`) 64.
     const KS: usize;
     /// Bytes of one 256-element group.
     const GB: usize;
-    /// Q4_K mins: `ws[8 + j] = dmin · m_j`, subtracted against the activation sums.
-    const MINS: bool;
+    /// Bytes of one unpacked row of the A scratch: 256 int8, or (`FOLD`) two planes of 256.
+    const AROW: usize = GROUP;
+    /// Q4_K: the six-bit sub-block scales are folded into the weights as two int8 planes,
+    /// `q·(sc >> 3)` and `q·(sc & 7)` (both at most 105), so one K = 256 product per plane gives
+    /// the exact integer `I = 8·C_hi + C_lo = Σ_j sc_j Σ_{k in j} q_k a_k` of the group.
+    const FOLD: bool = false;
     /// Q8_0: the activation scale is per sub-block (record vectors), not per group.
     const SUB_DX: bool;
-    /// Q4_K: `unpack` leaves the scales alone; they are decoded for a whole row tile at once
-    /// (`x86_avx512::k4_scales_by_row`) and stored transposed, `ws[p][row]`.
+    /// Q4_K: `unpack` leaves the f32 scales alone; they are decoded for a whole row tile at once
+    /// (`x86_avx512::k4_fields_by_row`) and stored transposed, `ws[p][row]`: `d`, `dmin`, then
+    /// the eight mins `m_j`.
     const TILE_SCALES: bool = false;
-    /// Unpacks the group at `p` into 256 int8 at `a` (A-tile column order) and, unless
+    /// Unpacks the group at `p` into `AROW` bytes at `a` (A-tile column order) and, unless
     /// `TILE_SCALES`, its scales into `ws` (16 f32, see `group_scales`).
     unsafe fn unpack(p: *const u8, a: *mut u8, ws: *mut f32);
 }
@@ -277,28 +290,57 @@ unsafe fn nibbles(p: *const u8) -> (__m512i, __m512i) {
 }
 
 impl Kind for Q4K {
-    const KS: usize = 32;
+    const KS: usize = 64;
     const GB: usize = 144;
-    const MINS: bool = true;
+    const AROW: usize = 2 * GROUP;
+    const FOLD: bool = true;
     const SUB_DX: bool = false;
     const TILE_SCALES: bool = true;
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn unpack(p: *const u8, a: *mut u8, ws: *mut f32) {
+        // Registers in A-tile column order: sub-blocks (0, 2), (1, 3), (4, 6), (5, 7).
         let (l0, h0) = nibbles(p.add(16));
         let (l1, h1) = nibbles(p.add(80));
-        _mm512_storeu_si512(a as *mut __m512i, l0);
-        _mm512_storeu_si512(a.add(64) as *mut __m512i, h0);
-        _mm512_storeu_si512(a.add(128) as *mut __m512i, l1);
-        _mm512_storeu_si512(a.add(192) as *mut __m512i, h1);
+        let (sc8, _) = super::x86_avx512::k4_sc_m8(p);
+        let sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(sc8 as i64)));
+        let (c7, q) = (_mm512_set1_epi16(7), [l0, h0, l1, h1]);
+        for (r, qr) in q.iter().enumerate() {
+            // Each 16-bit word holds two 4-bit weights of one sub-block: times a three-bit scale
+            // half, neither byte carries into the other (15 · 7 = 105 < 128).
+            let s = _mm512_permutexvar_epi16(
+                _mm512_loadu_si512(K4_WORD_SC[r].as_ptr() as *const _),
+                sc,
+            );
+            let hi = _mm512_mullo_epi16(*qr, _mm512_srli_epi16::<3>(s));
+            let lo = _mm512_mullo_epi16(*qr, _mm512_and_si512(s, c7));
+            _mm512_storeu_si512(a.add(64 * r) as *mut __m512i, hi);
+            _mm512_storeu_si512(a.add(GROUP + 64 * r) as *mut __m512i, lo);
+        }
         let _ = ws;
     }
+}
+
+/// `vpermw` indices: word `i` of unpacked register `r` belongs to sub-block `Q4K_ORDER[2r + i/16]`.
+static K4_WORD_SC: [[u16; 32]; 4] = k4_word_sc();
+
+const fn k4_word_sc() -> [[u16; 32]; 4] {
+    let mut t = [[0u16; 32]; 4];
+    let mut r = 0;
+    while r < 4 {
+        let mut i = 0;
+        while i < 32 {
+            t[r][i] = Q4K_ORDER[2 * r + i / 16] as u16;
+            i += 1;
+        }
+        r += 1;
+    }
+    t
 }
 
 impl Kind for Q6K {
     const KS: usize = 16;
     const GB: usize = 210;
-    const MINS: bool = false;
     const SUB_DX: bool = false;
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -337,7 +379,6 @@ unsafe fn q6k_scales(p: *const u8, ws: *mut f32) {
 impl Kind for Q80 {
     const KS: usize = 32;
     const GB: usize = 8 * 34;
-    const MINS: bool = false;
     const SUB_DX: bool = true;
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -406,7 +447,7 @@ fn tile_cfg(ks: usize) -> TileCfg {
 }
 
 #[repr(C, align(64))]
-struct ABuf([u8; TILE * AROW]);
+struct ABuf([u8; TILE * AROW_MAX]);
 
 #[repr(C, align(64))]
 struct CBuf([i32; 16 * TILE * TILE]);
@@ -449,10 +490,53 @@ unsafe fn tiles4(a: *const u8, b: *const u8, ks: usize, c: *mut i32) {
         a = inout(reg) a => _,
         b = inout(reg) b => _,
         c = in(reg) c,
-        sa = in(reg) AROW,
+        sa = in(reg) GROUP,
         s64 = in(reg) 64usize,
         ka = in(reg) ks,
         kb = in(reg) 16 * ks,
+        options(nostack)
+    );
+}
+
+/// Q4_K (`Kind::FOLD`): `C_hi = A_hi · B`, `C_lo = A_lo · B` and `C_m = A_m · B` over the whole
+/// group (four K = 64 products each) into `c` (3 × 1 KiB), where `A_hi`, `A_lo`, `A_m` are the
+/// 16 × 256 planes at `a`, `a + 256`, `a + 512` (row stride 768) and `B` the 64 × 64 B activation
+/// rows at `b`.
+///
+/// # Safety
+/// Tiles must be configured by `tile_cfg(64)` on this thread; the pointers must cover the tiles.
+#[inline(always)]
+unsafe fn tiles_fold(a: *const u8, b: *const u8, c: *mut i32) {
+    asm!(
+        "tilezero tmm0",
+        "tilezero tmm1",
+        "tileloadd tmm6, [{b} + {s64}*1 + 0]",
+        "tileloadd tmm3, [{a} + {sa}*1 + 0]",
+        "tdpbssd tmm0, tmm3, tmm6",
+        "tileloadd tmm4, [{a} + {sa}*1 + 256]",
+        "tdpbssd tmm1, tmm4, tmm6",
+        "tileloadd tmm7, [{b} + {s64}*1 + 1024]",
+        "tileloadd tmm3, [{a} + {sa}*1 + 64]",
+        "tdpbssd tmm0, tmm3, tmm7",
+        "tileloadd tmm4, [{a} + {sa}*1 + 320]",
+        "tdpbssd tmm1, tmm4, tmm7",
+        "tileloadd tmm6, [{b} + {s64}*1 + 2048]",
+        "tileloadd tmm3, [{a} + {sa}*1 + 128]",
+        "tdpbssd tmm0, tmm3, tmm6",
+        "tileloadd tmm4, [{a} + {sa}*1 + 384]",
+        "tdpbssd tmm1, tmm4, tmm6",
+        "tileloadd tmm7, [{b} + {s64}*1 + 3072]",
+        "tileloadd tmm3, [{a} + {sa}*1 + 192]",
+        "tdpbssd tmm0, tmm3, tmm7",
+        "tileloadd tmm4, [{a} + {sa}*1 + 448]",
+        "tdpbssd tmm1, tmm4, tmm7",
+        "tilestored [{c} + {s64}*1], tmm0",
+        "tilestored [{c} + {s64}*1 + 1024], tmm1",
+        a = in(reg) a,
+        b = in(reg) b,
+        c = in(reg) c,
+        sa = in(reg) 2 * GROUP,
+        s64 = in(reg) 64usize,
         options(nostack)
     );
 }
@@ -492,17 +576,12 @@ unsafe fn rows<K: Kind>(w: &QMatrix, act: *const u8, n_tok: usize, r0: usize, r1
     let n_groups = w.n_in / GROUP;
     let n_tb = n_tok.div_ceil(TILE);
     let nsub = GROUP / K::KS;
-    let mut abuf = [ABuf([0; TILE * AROW]), ABuf([0; TILE * AROW])];
+    let mut abuf = [ABuf([0; TILE * AROW_MAX]), ABuf([0; TILE * AROW_MAX])];
     let mut cbuf = CBuf([0; 16 * TILE * TILE]);
     let mut ws = [[[0f32; 16]; TILE]; 2];
-    // Scale `p` of row `i` of one buffer (stored by row, or transposed for `TILE_SCALES`).
-    let scale = |ws: &[[f32; 16]; TILE], i: usize, p: usize| {
-        if K::TILE_SCALES {
-            ws[p][i]
-        } else {
-            ws[i][p]
-        }
-    };
+    // Scale `p` of row `i` of one buffer (stored by row; `TILE_SCALES`, read by the `FOLD`
+    // epilogue only, are stored transposed).
+    let scale = |ws: &[[f32; 16]; TILE], i: usize, p: usize| ws[i][p];
     let mut acc = vec![_mm512_setzero_ps(); TILE * n_tb];
     let base = w.data.as_ptr();
     // Unpacks group `g` of the row tile at `o0` (`nr` valid rows) into buffer `s`.
@@ -513,15 +592,17 @@ unsafe fn rows<K: Kind>(w: &QMatrix, act: *const u8, n_tok: usize, r0: usize, r1
             for (i, wsi) in ws[s].iter_mut().enumerate() {
                 // Rows past the end repeat the last one (their results are dropped).
                 let p = base.add((o0 + i.min(nr - 1)) * rb + g * K::GB);
-                K::unpack(p, abuf[s].0.as_mut_ptr().add(i * AROW), wsi.as_mut_ptr());
+                K::unpack(p, abuf[s].0.as_mut_ptr().add(i * K::AROW), wsi.as_mut_ptr());
                 if K::TILE_SCALES {
                     heads[i][..16].copy_from_slice(std::slice::from_raw_parts(p, 16));
                 }
             }
             if K::TILE_SCALES {
-                let v = super::x86_avx512::k4_scales_by_row(heads.as_ptr() as *const u8);
-                for (row, vp) in ws[s].iter_mut().zip(&v) {
-                    _mm512_storeu_ps(row.as_mut_ptr(), *vp);
+                let f = super::x86_avx512::k4_fields_by_row(heads.as_ptr() as *const u8);
+                _mm512_storeu_ps(ws[s][0].as_mut_ptr(), f.d);
+                _mm512_storeu_ps(ws[s][1].as_mut_ptr(), f.dmin);
+                for (row, m) in ws[s][2..10].iter_mut().zip(&f.m) {
+                    _mm512_storeu_ps(row.as_mut_ptr(), _mm512_cvtepi32_ps(*m));
                 }
             }
         };
@@ -540,11 +621,67 @@ unsafe fn rows<K: Kind>(w: &QMatrix, act: *const u8, n_tok: usize, r0: usize, r1
         } else {
             TILE * lpr
         };
+        // Part `p` of `parts` of group step `g`'s share of the weight stream, a few lines at a
+        // time: short rows fetch the next row tile's bytes of this group step, long rows group
+        // `g + PREFETCH_GROUPS` of this tile's rows.
+        let prefetch_part = |g: usize, p: usize, parts: usize| {
+            let (j0, j1) = (p * pf_lines / parts, (p + 1) * pf_lines / parts);
+            for j in j0..j1 {
+                let q = if n_groups <= 2 * PREFETCH_GROUPS {
+                    next_tile.wrapping_add(g * share + 64 * j)
+                } else {
+                    let (i, l) = (j / lpr, j % lpr);
+                    let (gg, oo) = if g + PREFETCH_GROUPS < n_groups {
+                        (g + PREFETCH_GROUPS, o0)
+                    } else {
+                        (g + PREFETCH_GROUPS - n_groups, o0 + TILE)
+                    };
+                    base.wrapping_add((oo + i) * rb + gg * K::GB + 64 * l)
+                };
+                _mm_prefetch::<_MM_HINT_T1>(q as *const i8);
+            }
+        };
         for g in 0..n_groups {
             let s = g % 2;
             for tb in 0..n_tb {
                 let rec = act.add((tb * n_groups + g) * AREC);
                 let cptr = cbuf.0.as_mut_ptr();
+                if K::FOLD {
+                    tiles_fold(abuf[s].0.as_ptr(), rec, cptr);
+                    // Unpack the next group while the tiles compute.
+                    if tb + 1 == n_tb && g + 1 < n_groups {
+                        unpack(&mut abuf, &mut ws, o0, nr, g + 1);
+                    }
+                    let ws = &ws[s];
+                    let cb = cptr as *const i32;
+                    let dx = _mm512_loadu_ps(rec.add(OFF_DX) as *const f32);
+                    let bs: [__m512; 8] = std::array::from_fn(|j| {
+                        _mm512_loadu_ps(rec.add(OFF_V + 64 * j) as *const f32)
+                    });
+                    for (i, av) in acc[tb * TILE..(tb + 1) * TILE].iter_mut().enumerate() {
+                        if tb + 1 == n_tb {
+                            prefetch_part(g, i, TILE);
+                        }
+                        // I = 8·C_hi + C_lo (exact), then the group's f32 chain: `fma(I, d·dx)`,
+                        // and the mins `M = Σ_j m_j·bsum_j` (exact in f32: |M| < 2^24).
+                        let c = |k: usize| {
+                            _mm512_load_si512(cb.add(k * TILE * TILE + i * TILE) as *const __m512i)
+                        };
+                        let isum = _mm512_cvtepi32_ps(_mm512_add_epi32(
+                            _mm512_slli_epi32::<3>(c(0)),
+                            c(1),
+                        ));
+                        let d = _mm512_mul_ps(_mm512_set1_ps(ws[0][i]), dx);
+                        *av = _mm512_fmadd_ps(isum, d, *av);
+                        let mut mins = _mm512_mul_ps(_mm512_set1_ps(ws[2][i]), bs[0]);
+                        for (j, bj) in bs.iter().enumerate().skip(1) {
+                            mins = _mm512_fmadd_ps(_mm512_set1_ps(ws[2 + j][i]), *bj, mins);
+                        }
+                        let dmin = _mm512_mul_ps(_mm512_set1_ps(ws[1][i]), dx);
+                        *av = _mm512_fnmadd_ps(mins, dmin, *av);
+                    }
+                    continue;
+                }
                 let issue = |b: usize, abuf: &[ABuf; 2]| {
                     tiles4(
                         abuf[s].0.as_ptr().add(4 * b * K::KS),
@@ -566,24 +703,7 @@ unsafe fn rows<K: Kind>(w: &QMatrix, act: *const u8, n_tok: usize, r0: usize, r1
                     let ws = &ws[s];
                     for p in 4 * b..4 * b + 4 {
                         if tb + 1 == n_tb {
-                            // This step's share of the weight stream, a few lines per sub-block:
-                            // short rows fetch the next row tile's bytes of this group step, long
-                            // rows group `g + PREFETCH_GROUPS` of this tile's rows.
-                            let (j0, j1) = (p * pf_lines / nsub, (p + 1) * pf_lines / nsub);
-                            for j in j0..j1 {
-                                let q = if n_groups <= 2 * PREFETCH_GROUPS {
-                                    next_tile.wrapping_add(g * share + 64 * j)
-                                } else {
-                                    let (i, l) = (j / lpr, j % lpr);
-                                    let (gg, oo) = if g + PREFETCH_GROUPS < n_groups {
-                                        (g + PREFETCH_GROUPS, o0)
-                                    } else {
-                                        (g + PREFETCH_GROUPS - n_groups, o0 + TILE)
-                                    };
-                                    base.wrapping_add((oo + i) * rb + gg * K::GB + 64 * l)
-                                };
-                                _mm_prefetch::<_MM_HINT_T1>(q as *const i8);
-                            }
+                            prefetch_part(g, p, nsub);
                         }
                         let cb = cptr.add(p * TILE * TILE) as *const i32;
                         if K::SUB_DX {
@@ -602,15 +722,6 @@ unsafe fn rows<K: Kind>(w: &QMatrix, act: *const u8, n_tok: usize, r0: usize, r1
                                 ));
                                 *ga = _mm512_fmadd_ps(c, _mm512_set1_ps(scale(ws, i, p)), *ga);
                             }
-                        }
-                    }
-                }
-                let ws = &ws[s];
-                if K::MINS {
-                    for j in 0..8 {
-                        let bs = _mm512_loadu_ps(rec.add(OFF_V + 64 * j) as *const f32);
-                        for (i, ga) in gacc.iter_mut().enumerate() {
-                            *ga = _mm512_fnmadd_ps(_mm512_set1_ps(scale(ws, i, 8 + j)), bs, *ga);
                         }
                     }
                 }

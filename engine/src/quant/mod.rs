@@ -10,10 +10,11 @@
 //! * `x86_avx512` — AVX-512 VNNI `dpbusd`; activations are stored permuted so that every 32-bit lane
 //!   of the accumulator covers exactly one 16-element chunk of one scale group, which lets all four
 //!   64-byte registers of a 256-element group accumulate into one register;
-//! * `amx` — AMX int8 tiles (`tdpbssd`, 16 output × 16 activation rows per scale sub-block) for
-//!   Q4_K/Q6_K/Q8_0 matmuls with at least `amx::MIN_TOK` activation rows, when the OS grants AMX,
-//!   and for fewer rows `x86_avx512::amx_order_rows`, a VNNI kernel that repeats the tiles' f32
-//!   arithmetic bit for bit; by default only in prompt prefill ([`with_amx`]).
+//! * `amx` — AMX int8 tiles (`tdpbssd`, 16 output × 16 activation rows) for Q4_K/Q6_K/Q8_0
+//!   matmuls with at least `amx::MIN_TOK` activation rows, when the OS grants AMX, and for fewer
+//!   rows `x86_avx512::amx_order_rows`, VNNI kernels that repeat the tiles' f32 arithmetic bit for
+//!   bit; only inside [`with_amx`] / [`with_amx_family`] scopes (a `CpuBackend` opens the family
+//!   for every forward pass by default).
 //!
 //! Every kernel unpacks each weight group once and dots it against all activation rows of the call
 //! (the activation rows, the accumulators and a k-block of the activations stay in L1/L2), so
@@ -271,8 +272,8 @@ impl KernelLevel {
     /// The best level this CPU supports (runtime CPUID, and for AMX the OS grant), chosen by the
     /// environment variable `ARBOR_KERNEL=scalar|avx2|avx512|amx` (it can never exceed the hardware):
     ///
-    /// * unset: the best level, but the AMX family only inside [`with_amx`] scopes (by default
-    ///   prompt prefill, see `CpuBackend::with_amx_use`). The AMX family (tiles for
+    /// * unset: the best level, but the AMX family only inside [`with_amx`] /
+    ///   [`with_amx_family`] scopes (see `CpuBackend::with_amx_use`). The AMX family (tiles for
     ///   `amx::MIN_TOK`+ rows, the AMX-order VNNI kernel below) orders its f32 sums differently
     ///   from the VNNI kernels, and each family is bit-identical across batch sizes on its own; so
     ///   tree verification and decoding must use the same family for greedy speculative output to

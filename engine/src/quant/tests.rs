@@ -694,8 +694,8 @@ fn amx_matches_scalar() {
         })
         .collect();
     for ty in [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0] {
-        for n_in in [256usize, 768] {
-            for (n_out, raw) in [(37usize, true), (75, false), (16, true)] {
+        for n_in in [256usize, 512, 768] {
+            for (n_out, raw) in [(37usize, true), (75, false), (16, true), (256, false)] {
                 let data = random_matrix(&mut rng, ty, n_out, n_in, raw);
                 let w = QMatrix::new(ty, &data, n_out, n_in).unwrap();
                 let wf = dequant_matrix(ty, &data, n_out, n_in);

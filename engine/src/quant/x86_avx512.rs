@@ -28,7 +28,6 @@
 use std::arch::x86_64::*;
 
 use super::act::{rec_bsum32, rec_f32, GROUP, OFF_D, REC};
-use super::amx::Q4K_ORDER as K4_ORDER;
 use super::{GgmlType, QMatrix, YPtr};
 
 /// Accumulator registers (one per output row × activation row) kept per row tile: 16 KiB.
@@ -413,14 +412,13 @@ impl Kind for Q80 {
     }
 }
 
-/// Per-lane d·sc and −dmin·m of a Q4_K/Q5_K block (`p` = block start).
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn k4_lane_scales(p: *const u8) -> (__m512, __m512) {
+/// The eight six-bit scales and the eight mins of a Q4_K/Q5_K block (`p` = block start), one
+/// byte each in sub-block order (ggml's `get_scale_min_k4`).
+#[inline(always)]
+pub(crate) unsafe fn k4_sc_m8(p: *const u8) -> (u64, u64) {
     const KMASK1: u32 = 0x3f3f_3f3f;
     const KMASK2: u32 = 0x0f0f_0f0f;
     const KMASK3: u32 = 0x0303_0303;
-    let (d, dmin) = f16x2(p);
     let s = p.add(4);
     let u0 = rd_u32(s);
     let u1 = rd_u32(s.add(4));
@@ -429,8 +427,18 @@ unsafe fn k4_lane_scales(p: *const u8) -> (__m512, __m512) {
     let m_lo = u1 & KMASK1;
     let sc_hi = (u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4);
     let sc_lo = u0 & KMASK1;
-    let sc8 = (sc_lo as u64) | ((sc_hi as u64) << 32);
-    let m8 = (m_lo as u64) | ((m_hi as u64) << 32);
+    (
+        (sc_lo as u64) | ((sc_hi as u64) << 32),
+        (m_lo as u64) | ((m_hi as u64) << 32),
+    )
+}
+
+/// Per-lane d·sc and −dmin·m of a Q4_K/Q5_K block (`p` = block start).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn k4_lane_scales(p: *const u8) -> (__m512, __m512) {
+    let (d, dmin) = f16x2(p);
+    let (sc8, m8) = k4_sc_m8(p);
     let v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi64x(m8 as i64, sc8 as i64)));
     (
         _mm512_mul_ps(
@@ -827,32 +835,62 @@ unsafe fn rows<K: Kind>(
 #[inline]
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn reduce16(v: &[__m512; 16]) -> __m512 {
+    reduce16_gen::<false>(v)
+}
+
+/// `reduce16` of 32-bit integers (exact, so the add order does not matter): lane `j` = the sum of
+/// the 16 lanes of `v[j]`.
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn reduce16_epi32(v: &[__m512i; 16]) -> __m512i {
+    let f: [__m512; 16] = std::array::from_fn(|j| _mm512_castsi512_ps(v[j]));
+    _mm512_castps_si512(reduce16_gen::<true>(&f))
+}
+
+/// `reduce16`'s shuffles with float adds, or (`INT`) 32-bit integer adds on the same bits.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn reduce16_gen<const INT: bool>(v: &[__m512; 16]) -> __m512 {
+    let add = |a: __m512, b: __m512| {
+        if INT {
+            _mm512_castsi512_ps(_mm512_add_epi32(
+                _mm512_castps_si512(a),
+                _mm512_castps_si512(b),
+            ))
+        } else {
+            _mm512_add_ps(a, b)
+        }
+    };
+
     // Step 1: [v_j.lo + v_j.hi | v_{j+8}.lo + v_{j+8}.hi] (8 partial sums each).
     let mut b = [_mm512_setzero_ps(); 8];
     for j in 0..8 {
         let lo = _mm512_shuffle_f32x4::<0b01_00_01_00>(v[j], v[j + 8]);
         let hi = _mm512_shuffle_f32x4::<0b11_10_11_10>(v[j], v[j + 8]);
-        b[j] = _mm512_add_ps(lo, hi);
+        b[j] = add(lo, hi);
     }
     // Step 2: 128-bit quarters [b_j.q0 + b_j.q1, b_j.q2 + b_j.q3, b_{j+4}.q0 + .q1, ...].
     let mut c = [_mm512_setzero_ps(); 4];
     for j in 0..4 {
         let x = _mm512_shuffle_f32x4::<0b10_00_10_00>(b[j], b[j + 4]);
         let y = _mm512_shuffle_f32x4::<0b11_01_11_01>(b[j], b[j + 4]);
-        c[j] = _mm512_add_ps(x, y);
+        c[j] = add(x, y);
     }
     // Step 3: within each quarter [c_j.0 + c_j.2, c_j.1 + c_j.3, c_{j+2}.0 + .2, c_{j+2}.1 + .3].
     let mut d = [_mm512_setzero_ps(); 2];
     for j in 0..2 {
         let x = _mm512_shuffle_ps::<0b01_00_01_00>(c[j], c[j + 2]);
         let y = _mm512_shuffle_ps::<0b11_10_11_10>(c[j], c[j + 2]);
-        d[j] = _mm512_add_ps(x, y);
+        d[j] = add(x, y);
     }
     // Step 4: the last pair, then lanes back into `v` order.
     let x = _mm512_shuffle_ps::<0b10_00_10_00>(d[0], d[1]);
     let y = _mm512_shuffle_ps::<0b11_01_11_01>(d[0], d[1]);
     let order = _mm512_loadu_si512(REDUCE16_ORDER.as_ptr() as *const __m512i);
-    _mm512_permutexvar_ps(order, _mm512_add_ps(x, y))
+    _mm512_permutexvar_ps(order, add(x, y))
 }
 
 /// The lane where `reduce16`'s step 4 leaves the sum of `v[j]`.
@@ -921,7 +959,6 @@ const fn lane_of(l: &Layout) -> [usize; 16] {
     inv
 }
 
-const LANE_K4: [usize; 16] = lane_of(&LAYOUT_K4);
 const LANE_NAT: [usize; 16] = lane_of(&LAYOUT_NAT);
 
 /// 16×16 dword transpose: lane `i` of output `j` is lane `j` of input `i`.
@@ -953,13 +990,20 @@ pub(crate) unsafe fn transpose16(r: &mut [__m512i; 16]) {
     }
 }
 
-/// The Q4_K scales of 16 rows with one row per lane, from their 16-byte block heads at
-/// `heads + 64 i` (f16 d and dmin, then the 12 bytes of packed six-bit scales and mins): register
-/// `p` < 8 is `d·sc` of sub-block `K4_ORDER[p]`, register `8 + j` is `dmin·m_j`: the scales of
-/// both AMX-family kernels (ggml's `get_scale_min_k4`, vectorized over rows).
+/// The Q4_K block-head fields of 16 rows, one row per lane: f16 `d` and `dmin` as f32, and the
+/// six-bit mins `m[j]` of sub-block `j` as i32 (the kernels read the scales per row).
+pub(crate) struct K4Fields {
+    pub(crate) d: __m512,
+    pub(crate) dmin: __m512,
+    pub(crate) m: [__m512i; 8],
+}
+
+/// The Q4_K block-head fields of 16 rows from their 16-byte heads at `heads + 64 i` (f16 d and
+/// dmin, then the 12 bytes of packed six-bit scales and mins): ggml's `get_scale_min_k4` for the
+/// mins, vectorized over rows.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(crate) unsafe fn k4_scales_by_row(heads: *const u8) -> [__m512; 16] {
+pub(crate) unsafe fn k4_fields_by_row(heads: *const u8) -> K4Fields {
     let z: [__m512i; 4] = std::array::from_fn(|k| {
         let r = |i: usize| _mm_loadu_si128(heads.add(64 * (4 * k + i)) as *const __m128i);
         let v = _mm512_castsi128_si512(r(0));
@@ -991,7 +1035,7 @@ pub(crate) unsafe fn k4_scales_by_row(heads: *const u8) -> [__m512; 16] {
         let hi = _mm512_permutex2var_epi32(z[2], idx, z[3]);
         _mm512_shuffle_i64x2::<0x44>(lo, hi)
     };
-    let (dd, u0, u1, u2) = (field(0), field(1), field(2), field(3));
+    let (dd, u1, u2) = (field(0), field(2), field(3));
     let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
     let dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dd)));
     let byte = |v: __m512i, sh: u32, mask: i32| {
@@ -1000,32 +1044,17 @@ pub(crate) unsafe fn k4_scales_by_row(heads: *const u8) -> [__m512; 16] {
             _mm512_set1_epi32(mask),
         )
     };
-    let mut sc = [_mm512_setzero_si512(); 8];
     let mut m = [_mm512_setzero_si512(); 8];
     for k in 0..4 {
         let sh = 8 * k as u32;
-        sc[k] = byte(u0, sh, 63);
         m[k] = byte(u1, sh, 63);
-        sc[4 + k] = _mm512_or_si512(
-            byte(u2, sh, 0xF),
-            _mm512_slli_epi32::<4>(byte(u0, sh + 6, 3)),
-        );
         m[4 + k] = _mm512_or_si512(
             byte(u2, sh + 4, 0xF),
             _mm512_slli_epi32::<4>(byte(u1, sh + 6, 3)),
         );
     }
-    std::array::from_fn(|p| {
-        if p < 8 {
-            _mm512_mul_ps(_mm512_cvtepi32_ps(sc[K4_ORDER[p]]), d)
-        } else {
-            _mm512_mul_ps(_mm512_cvtepi32_ps(m[p - 8]), dmin)
-        }
-    })
+    K4Fields { d, dmin, m }
 }
-
-/// Cache lines of the next row tile prefetched per group step of the combine phase.
-const AO_AHEAD_LINES: usize = 8;
 
 /// Activation rows per pass of `amx_order_rows` (the AMX kernels take larger batches).
 const AO_TOK: usize = 8;
@@ -1055,14 +1084,119 @@ pub(crate) unsafe fn amx_order_rows(
     debug_assert!(act.len() >= n_tok * stride);
     let a = act.as_ptr();
     match w.ty {
-        GgmlType::Q4_K => ao_rows::<Q4K, 0>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q4_K => ao_q4k(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q6_K => ao_rows::<Q6K, 1>(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q8_0 => ao_rows::<Q80, 2>(w, a, stride, n_tok, r0, r1, y),
         _ => {}
     }
 }
 
-/// `amx_order_rows` for one type: `T` = 0 Q4_K, 1 Q6_K, 2 Q8_0.
+/// A Q4_K group unpacked for the integer chain of `ao_q4k`: the chunk registers of `Q4K::unpack`,
+/// and per lane the six-bit scale of its sub-block as an i32 (high 16 bits zero, for `vpmaddwd`).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn k4_int_unpack(p: *const u8) -> ([__m512i; 4], __m512i) {
+    let (r0, r1) = nibbles(_mm512_loadu_si512(p.add(16) as *const __m512i));
+    let (r2, r3) = nibbles(_mm512_loadu_si512(p.add(80) as *const __m512i));
+    let (sc8, _) = k4_sc_m8(p);
+    let sc = _mm512_cvtepu8_epi32(_mm_cvtsi64_si128(sc8 as i64));
+    (
+        transpose4([r0, r1, r2, r3]),
+        _mm512_permutexvar_epi32(ld_i32x16(&SIG_K4), sc),
+    )
+}
+
+/// Q4_K rows of the AMX family below the tiles' batch size, with the tiles' arithmetic
+/// (`amx`, Q4_K): per output row, activation row and group the exact integers
+/// `I = Σ_j sc_j · Σ_{k in j} q_k a_k` and `M = Σ_j m_j · bsum_j`, then
+/// `acc = fma(cvt(I), d·dx, acc)` and `acc = fnmadd(M, dmin·dx, acc)`. Per 16 output rows and
+/// group: each row's chunk dot products (`vpdpbusd`) times its lanes' scales (`vpmaddwd`: a chunk
+/// sum fits 16 bits) leave 16 registers per activation row, summed lane-wise into one register
+/// with the 16 rows in its lanes (`reduce16_epi32`), so the f32 chain runs for 16 rows at once.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn ao_q4k(
+    w: &QMatrix,
+    act: *const u8,
+    stride: usize,
+    n_tok: usize,
+    r0: usize,
+    r1: usize,
+    y: YPtr,
+) {
+    let rb = w.row_bytes();
+    let gb = Q4K::BB;
+    let n_groups = w.n_in / GROUP;
+    let base = w.data.as_ptr();
+    let mut part = [[_mm512_setzero_si512(); 16]; AO_TOK];
+    let mut heads = [[0u8; 64]; 16];
+    let mut t0 = 0;
+    while t0 < n_tok {
+        let nt = (n_tok - t0).min(AO_TOK);
+        let mut o0 = r0;
+        while o0 < r1 {
+            let nr = (r1 - o0).min(16);
+            let mut acc = [_mm512_setzero_ps(); AO_TOK];
+            for g in 0..n_groups {
+                // The weight stream `PREFETCH_GROUPS` groups ahead (or the next tile's rows).
+                let (po, pg) = if g + PREFETCH_GROUPS < n_groups {
+                    (o0, g + PREFETCH_GROUPS)
+                } else {
+                    (o0 + 16, (g + PREFETCH_GROUPS - n_groups).min(n_groups - 1))
+                };
+                for (i, head) in heads.iter_mut().enumerate() {
+                    // Rows past the end repeat the last one (their results are dropped).
+                    let p = base.add((o0 + i.min(nr - 1)) * rb + g * gb);
+                    prefetch_group::<Q4K>(base.wrapping_add((po + i) * rb + pg * gb));
+                    _mm_storeu_si128(
+                        head.as_mut_ptr() as *mut __m128i,
+                        _mm_loadu_si128(p as *const __m128i),
+                    );
+                    let (wy, scl) = k4_int_unpack(p);
+                    for (t, pt) in part.iter_mut().take(nt).enumerate() {
+                        let ag = act.add((t0 + t) * stride + g * AREC);
+                        let mut d = _mm512_setzero_si512();
+                        for (k, wk) in wy.iter().enumerate() {
+                            d = _mm512_dpbusd_epi32(
+                                d,
+                                *wk,
+                                _mm512_loadu_si512(ag.add(64 * k) as *const __m512i),
+                            );
+                        }
+                        pt[i] = _mm512_madd_epi16(d, scl);
+                    }
+                }
+                let f = k4_fields_by_row(heads.as_ptr() as *const u8);
+                let mf: [__m512; 8] = std::array::from_fn(|j| _mm512_cvtepi32_ps(f.m[j]));
+                for (t, pt) in part.iter().take(nt).enumerate() {
+                    let v = act.add((t0 + t) * stride + g * AREC + REC) as *const f32;
+                    let dx = _mm512_set1_ps(*v);
+                    let isum = _mm512_cvtepi32_ps(reduce16_epi32(pt));
+                    acc[t] = _mm512_fmadd_ps(isum, _mm512_mul_ps(f.d, dx), acc[t]);
+                    let mut mins = _mm512_mul_ps(mf[0], _mm512_set1_ps(*v.add(1)));
+                    for (j, mj) in mf.iter().enumerate().skip(1) {
+                        mins = _mm512_fmadd_ps(*mj, _mm512_set1_ps(*v.add(1 + j)), mins);
+                    }
+                    acc[t] = _mm512_fnmadd_ps(mins, _mm512_mul_ps(f.dmin, dx), acc[t]);
+                }
+            }
+            let mut lanes = [0f32; 16];
+            for (t, a) in acc.iter().take(nt).enumerate() {
+                if nr == 16 {
+                    y.write16(t0 + t, o0, *a);
+                    continue;
+                }
+                _mm512_storeu_ps(lanes.as_mut_ptr(), *a);
+                for (i, &v) in lanes.iter().take(nr).enumerate() {
+                    y.write(t0 + t, o0 + i, v);
+                }
+            }
+            o0 += 16;
+        }
+        t0 += nt;
+    }
+}
+
+/// `amx_order_rows` for Q6_K (`T` = 1) and Q8_0 (`T` = 2).
 // `j` indexes the chunk registers, the scales and the record values alike.
 #[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -1079,31 +1213,33 @@ unsafe fn ao_rows<K: Kind, const T: u8>(
     let gbytes = K::BLOCKS * K::BB;
     let n_groups = w.n_in / GROUP;
     let base = w.data.as_ptr();
-    // Per row tile: chunk dot products [t][g][row] and scales [g][row], filled row by row so the
-    // weights stream sequentially (a tile's rows are contiguous), then combined group by group.
-    let mut chunks = vec![_mm512_setzero_si512(); n_tok.min(AO_TOK) * n_groups * 16];
-    // Q6_K / Q8_0: the 16 scales of each row; Q4_K: each row's raw 16-byte block head (d, dmin,
-    // packed scales), decoded for all 16 rows at once.
-    let mut scales = vec![[0f32; 16]; n_groups * 16];
+    // Per row tile and group: the chunk dot products of its 16 rows per activation row, and the
+    // rows' 16 scales (`amx::group_scales`), combined as soon as the group is done.
+    let mut part = [[_mm512_setzero_si512(); 16]; AO_TOK];
+    let mut scales = [_mm512_setzero_si512(); 16];
     let mut t0 = 0;
     while t0 < n_tok {
         let nt = (n_tok - t0).min(AO_TOK);
         let mut o0 = r0;
         while o0 < r1 {
             let nr = (r1 - o0).min(16);
-            for i in 0..nr {
-                let row = base.add((o0 + i) * rb);
-                for g in 0..n_groups {
-                    let p = row.add(g * gbytes);
-                    prefetch_group::<K>(p.wrapping_add(PREFETCH_GROUPS * gbytes));
+            let mut acc = [_mm512_setzero_ps(); AO_TOK];
+            for g in 0..n_groups {
+                // The weight stream `PREFETCH_GROUPS` groups ahead (or the next tile's rows).
+                let (po, pg) = if g + PREFETCH_GROUPS < n_groups {
+                    (o0, g + PREFETCH_GROUPS)
+                } else {
+                    (o0 + 16, (g + PREFETCH_GROUPS - n_groups).min(n_groups - 1))
+                };
+                for (i, sc) in scales.iter_mut().enumerate() {
+                    // Rows past the end repeat the last one (their results are dropped).
+                    let p = base.add((o0 + i.min(nr - 1)) * rb + g * gbytes);
+                    prefetch_group::<K>(base.wrapping_add((po + i) * rb + pg * gbytes));
                     let wv = K::unpack(p);
-                    if T == 0 {
-                        let head = _mm_loadu_si128(p as *const __m128i);
-                        _mm_storeu_si128(scales[g * 16 + i].as_mut_ptr() as *mut __m128i, head);
-                    } else {
-                        super::amx::group_scales(w.ty, p, &mut scales[g * 16 + i]);
-                    }
-                    for t in 0..nt {
+                    let mut ws = [0f32; 16];
+                    super::amx::group_scales(w.ty, p, &mut ws);
+                    *sc = _mm512_loadu_si512(ws.as_ptr() as *const __m512i);
+                    for (t, pt) in part.iter_mut().take(nt).enumerate() {
                         let ag = act.add((t0 + t) * stride + g * AREC);
                         let mut d = if K::OFFSET {
                             _mm512_loadu_si512(ag.add(256) as *const __m512i)
@@ -1117,77 +1253,40 @@ unsafe fn ao_rows<K: Kind, const T: u8>(
                                 _mm512_loadu_si512(ag.add(64 * k) as *const __m512i),
                             );
                         }
-                        chunks[(t * n_groups + g) * 16 + i] = d;
+                        pt[i] = d;
                     }
                 }
-            }
-            let mut acc = [_mm512_setzero_ps(); AO_TOK];
-            // The memory bus would idle while this tile's sums are combined: fetch the start of
-            // the next tile meanwhile (`AO_AHEAD_LINES` lines per group step).
-            let next = base.wrapping_add((o0 + 16) * rb);
-            for g in 0..n_groups {
-                for l in 0..AO_AHEAD_LINES {
-                    _mm_prefetch::<_MM_HINT_T1>(
-                        next.wrapping_add(64 * (g * AO_AHEAD_LINES + l)) as *const i8
-                    );
-                }
-                let ws = if T == 0 {
-                    k4_scales_by_row(scales[g * 16..].as_ptr() as *const u8)
-                } else {
-                    let mut ws = [_mm512_setzero_si512(); 16];
-                    for (v, r) in ws.iter_mut().zip(&scales[g * 16..g * 16 + 16]) {
-                        *v = _mm512_loadu_si512(r.as_ptr() as *const __m512i);
-                    }
-                    transpose16(&mut ws);
-                    let mut wsf = [_mm512_setzero_ps(); 16];
-                    for (f, v) in wsf.iter_mut().zip(&ws) {
-                        *f = _mm512_castsi512_ps(*v);
-                    }
-                    wsf
-                };
-                for t in 0..nt {
-                    let mut c = [_mm512_setzero_si512(); 16];
-                    let at = (t * n_groups + g) * 16;
-                    c.copy_from_slice(&chunks[at..at + 16]);
-                    transpose16(&mut c);
+                // Scales and chunk sums with the 16 rows in the lanes of one register each.
+                let mut wsi = scales;
+                transpose16(&mut wsi);
+                let ws: [__m512; 16] = std::array::from_fn(|j| _mm512_castsi512_ps(wsi[j]));
+                for (t, pt) in part.iter_mut().take(nt).enumerate() {
+                    transpose16(pt);
+                    let c = &*pt;
                     let v = act.add((t0 + t) * stride + g * AREC + REC) as *const f32;
                     let mut gs = _mm512_setzero_ps();
-                    match T {
-                        0 => {
-                            for (p, &j) in K4_ORDER.iter().enumerate() {
-                                let s = _mm512_add_epi32(c[LANE_K4[2 * j]], c[LANE_K4[2 * j + 1]]);
-                                gs = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), ws[p], gs);
-                            }
-                            for j in 0..8 {
-                                gs = _mm512_fnmadd_ps(ws[8 + j], _mm512_set1_ps(*v.add(1 + j)), gs);
-                            }
-                            acc[t] = _mm512_fmadd_ps(gs, _mm512_set1_ps(*v), acc[t]);
+                    if T == 1 {
+                        for j in 0..16 {
+                            gs = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c[LANE_NAT[j]]), ws[j], gs);
                         }
-                        1 => {
-                            for j in 0..16 {
-                                gs = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c[LANE_NAT[j]]), ws[j], gs);
-                            }
-                            acc[t] = _mm512_fmadd_ps(gs, _mm512_set1_ps(*v), acc[t]);
+                        acc[t] = _mm512_fmadd_ps(gs, _mm512_set1_ps(*v), acc[t]);
+                    } else {
+                        for j in 0..8 {
+                            let s = _mm512_add_epi32(c[LANE_NAT[2 * j]], c[LANE_NAT[2 * j + 1]]);
+                            let sc = _mm512_mul_ps(_mm512_set1_ps(*v.add(j)), ws[j]);
+                            gs = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sc, gs);
                         }
-                        _ => {
-                            for j in 0..8 {
-                                let s =
-                                    _mm512_add_epi32(c[LANE_NAT[2 * j]], c[LANE_NAT[2 * j + 1]]);
-                                let sc = _mm512_mul_ps(_mm512_set1_ps(*v.add(j)), ws[j]);
-                                gs = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sc, gs);
-                            }
-                            acc[t] = _mm512_add_ps(acc[t], gs);
-                        }
+                        acc[t] = _mm512_add_ps(acc[t], gs);
                     }
                 }
             }
             let mut lanes = [0f32; 16];
-            for t in 0..nt {
+            for (t, a) in acc.iter().take(nt).enumerate() {
                 if nr == 16 {
-                    y.write16(t0 + t, o0, acc[t]);
+                    y.write16(t0 + t, o0, *a);
                     continue;
                 }
-                _mm512_storeu_ps(lanes.as_mut_ptr(), acc[t]);
+                _mm512_storeu_ps(lanes.as_mut_ptr(), *a);
                 for (i, &v) in lanes.iter().take(nr).enumerate() {
                     y.write(t0 + t, o0 + i, v);
                 }
