@@ -114,15 +114,13 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         // Decode-sized batches: one parallel region for all of them, so the worker threads wake
         // once per group instead of once per matrix (the wake-ups dominated small matmuls).
-        // Larger batches are compute-bound and keep each matmul's own row split.
+        // Larger batches are compute-bound: each matmul splits its own rows, except that the AMX
+        // tiles pack the activations once and run all the matrices' row tiles in one region.
+        let amx = quant::amx_scope();
         if n_tok > 4 {
-            for (w, y) in ws.iter().zip(outs.iter_mut()) {
-                quant::matmul(w, x, n_tok, y)?;
-            }
-            return Ok(());
+            return quant::matmul_many_in(amx, ws, x, n_tok, outs);
         }
         // The jobs may run on other threads of the pool: carry this thread's AMX scope to them.
-        let amx = quant::amx_scope();
         ws.par_iter()
             .zip(outs.par_iter_mut())
             .try_for_each(|(w, y)| quant::matmul_in(amx, w, x, n_tok, y))

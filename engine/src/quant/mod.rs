@@ -485,40 +485,7 @@ pub fn matmul_with(
     n_tok: usize,
     y: &mut [f32],
 ) -> Result<()> {
-    if !w.ty.supported() {
-        return Err(unsupported(w.ty));
-    }
-    let rb = w.ty.row_bytes(w.n_in).ok_or_else(|| {
-        EngineError::Shape(format!(
-            "{} row of {} elements is not a whole number of blocks",
-            w.ty, w.n_in
-        ))
-    })?;
-    if rb.checked_mul(w.n_out) != Some(w.data.len()) {
-        return Err(EngineError::Shape(format!(
-            "{} matrix {}x{}: data is {} bytes",
-            w.ty,
-            w.n_out,
-            w.n_in,
-            w.data.len()
-        )));
-    }
-    if n_tok.checked_mul(w.n_in) != Some(x.len()) {
-        return Err(EngineError::Shape(format!(
-            "matmul input has {} values, expected n_tok {} x n_in {}",
-            x.len(),
-            n_tok,
-            w.n_in
-        )));
-    }
-    if n_tok.checked_mul(w.n_out) != Some(y.len()) {
-        return Err(EngineError::Shape(format!(
-            "matmul output has {} values, expected n_tok {} x n_out {}",
-            y.len(),
-            n_tok,
-            w.n_out
-        )));
-    }
+    check_shapes(w, x, n_tok, y)?;
     if n_tok == 0 || w.n_out == 0 {
         return Ok(());
     }
@@ -569,6 +536,84 @@ pub fn matmul_with(
         });
     }
     put_scratch(buf);
+    Ok(())
+}
+
+/// The shape and type checks of `matmul_with`: a supported type, whole blocks, and data, input
+/// and output lengths that match `n_out`, `n_in` and `n_tok`.
+fn check_shapes(w: &QMatrix, x: &[f32], n_tok: usize, y: &[f32]) -> Result<()> {
+    if !w.ty.supported() {
+        return Err(unsupported(w.ty));
+    }
+    let rb = w.ty.row_bytes(w.n_in).ok_or_else(|| {
+        EngineError::Shape(format!(
+            "{} row of {} elements is not a whole number of blocks",
+            w.ty, w.n_in
+        ))
+    })?;
+    if rb.checked_mul(w.n_out) != Some(w.data.len()) {
+        return Err(EngineError::Shape(format!(
+            "{} matrix {}x{}: data is {} bytes",
+            w.ty,
+            w.n_out,
+            w.n_in,
+            w.data.len()
+        )));
+    }
+    if n_tok.checked_mul(w.n_in) != Some(x.len()) {
+        return Err(EngineError::Shape(format!(
+            "matmul input has {} values, expected n_tok {} x n_in {}",
+            x.len(),
+            n_tok,
+            w.n_in
+        )));
+    }
+    if n_tok.checked_mul(w.n_out) != Some(y.len()) {
+        return Err(EngineError::Shape(format!(
+            "matmul output has {} values, expected n_tok {} x n_out {}",
+            y.len(),
+            n_tok,
+            w.n_out
+        )));
+    }
+    Ok(())
+}
+
+/// Several matmuls of the same activations (`ys[i] = ws[i] x`, e.g. Q, K and V), in the AMX
+/// scope the caller read (see [`matmul_in`]). Where the AMX tiles take all of them (every matrix
+/// covered, `amx::MIN_TOK`+ rows), the activations are packed once per weight type and every
+/// row tile runs in one parallel region, each row computed exactly as [`matmul_in`] computes it;
+/// otherwise they run in turn.
+pub fn matmul_many_in(
+    scope: AmxScope,
+    ws: &[QMatrix],
+    x: &[f32],
+    n_tok: usize,
+    ys: &mut [&mut [f32]],
+) -> Result<()> {
+    if ws.len() != ys.len() {
+        return Err(EngineError::Shape(format!(
+            "{} matrices for {} outputs",
+            ws.len(),
+            ys.len()
+        )));
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let level = *LEVEL.get_or_init(KernelLevel::detect);
+        let tiles = scope != AmxScope::Off && n_tok >= amx_min_rows();
+        if tiles && level == KernelLevel::Amx && !ws.is_empty() {
+            for (w, y) in ws.iter().zip(ys.iter()) {
+                check_shapes(w, x, n_tok, y)?;
+            }
+            if amx::matmul_many(ws, x, n_tok, ys) {
+                return Ok(());
+            }
+        }
+    }
+    for (w, y) in ws.iter().zip(ys.iter_mut()) {
+        matmul_in(scope, w, x, n_tok, y)?;
+    }
     Ok(())
 }
 

@@ -793,3 +793,55 @@ fn reduce16_bit_identical_to_one_vector_reduction() {
         }
     }
 }
+
+/// `matmul_many_in` (activations packed once per type, all row tiles in one region) gives every
+/// matrix's output bit for bit as its own `matmul_in` does, in every AMX scope, for mixed weight
+/// types and batch sizes around the tiles' threshold.
+#[test]
+fn matmul_many_bit_identical_to_one_at_a_time() {
+    let mut rng = StdRng::seed_from_u64(21);
+    let n_in = 512;
+    let specs = [
+        (GgmlType::Q4_K, 48usize),
+        (GgmlType::Q6_K, 37),
+        (GgmlType::Q4_K, 16),
+        (GgmlType::Q8_0, 21),
+    ];
+    let mats: Vec<Vec<u8>> = specs
+        .iter()
+        .map(|&(ty, n_out)| random_matrix(&mut rng, ty, n_out, n_in, true))
+        .collect();
+    let ws: Vec<QMatrix> = specs
+        .iter()
+        .zip(&mats)
+        .map(|(&(ty, n_out), d)| QMatrix::new(ty, d, n_out, n_in).unwrap())
+        .collect();
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(3)
+        .build()
+        .unwrap();
+    for scope in [AmxScope::Off, AmxScope::Prefill, AmxScope::Family] {
+        for n_tok in [1usize, 7, 8, 16, 17, 40] {
+            let x = activations(&mut rng, n_tok, n_in);
+            let mut many: Vec<Vec<f32>> =
+                ws.iter().map(|w| vec![f32::NAN; n_tok * w.n_out]).collect();
+            let mut outs: Vec<&mut [f32]> = many.iter_mut().map(|v| v.as_mut_slice()).collect();
+            pool.install(|| matmul_many_in(scope, &ws, &x, n_tok, &mut outs))
+                .unwrap();
+            for (i, w) in ws.iter().enumerate() {
+                let mut one = vec![f32::NAN; n_tok * w.n_out];
+                pool.install(|| matmul_in(scope, w, &x, n_tok, &mut one))
+                    .unwrap();
+                let same = one
+                    .iter()
+                    .zip(&many[i])
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{scope:?} n_tok {n_tok} matrix {i} ({})", w.ty);
+            }
+        }
+    }
+    // Mismatched outputs are an error, not a panic.
+    let x = vec![0f32; n_in];
+    let mut y = vec![0f32; 48];
+    assert!(matmul_many_in(AmxScope::Family, &ws, &x, 1, &mut [&mut y]).is_err());
+}
