@@ -196,11 +196,7 @@ fn visible_slots(s: AttentionShape, mask: BatchMask<'_>, t: usize, slots: &mut V
 /// Scores → attention weights in place: `exp(score − max)` normalized, then rounded to f16
 /// precision (llama.cpp multiplies them with V in f16).
 fn softmax_f16(scores: &mut [f32], max: f32) {
-    let mut sum = 0.0f32;
-    for sc in scores.iter_mut() {
-        *sc = (*sc - max).exp();
-        sum += *sc;
-    }
+    let sum = simd::exp_sub_sum(scores, max);
     let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
     for sc in scores.iter_mut() {
         *sc *= inv;

@@ -243,9 +243,7 @@ impl Model {
                 n_tok,
                 &mut [&mut gate, &mut up],
             )?;
-            for (g, u) in gate.iter_mut().zip(&up) {
-                *g = silu(*g) * u;
-            }
+            simd::silu_mul(&mut gate, &up);
             backend.matmul(&self.mat(&w.w_down), &gate, n_tok, &mut proj)?;
             add_in_place(&mut x, &proj);
         }
@@ -297,11 +295,6 @@ fn add_in_place(x: &mut [f32], y: &[f32]) {
     for (a, &b) in x.iter_mut().zip(y) {
         *a += b;
     }
-}
-
-#[inline]
-fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
 }
 
 /// cos/sin of every (token, frequency) pair, computed like ggml: theta_i = pos * base^(-2i/d).
