@@ -625,7 +625,6 @@ unsafe fn quant_rows(w: &QMatrix, act: *const u8, n_tok: usize, r0: usize, r1: u
 unsafe fn rows<K: Kind>(w: &QMatrix, act: *const u8, n_tok: usize, r0: usize, r1: usize, y: YPtr) {
     let cfg = tile_cfg(K::KS);
     asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
-    let rb = w.row_bytes();
     let n_groups = w.n_in / GROUP;
     let n_tb = n_tok.div_ceil(TILE);
     let nsub = GROUP / K::KS;
@@ -636,85 +635,38 @@ unsafe fn rows<K: Kind>(w: &QMatrix, act: *const u8, n_tok: usize, r0: usize, r1
     // epilogue only, are stored transposed).
     let scale = |ws: &[[f32; 16]; TILE], i: usize, p: usize| ws[i][p];
     let mut acc = vec![_mm512_setzero_ps(); TILE * n_tb];
-    let base = w.data.as_ptr();
-    // Unpacks group `g` of the row tile at `o0` (`nr` valid rows) into buffer `s`.
     let unpack =
-        |abuf: &mut [ABuf; 2], ws: &mut [[[f32; 16]; TILE]; 2], o0: usize, nr: usize, g: usize| {
-            let s = g % 2;
-            let mut heads = [[0u8; 64]; TILE];
-            // The weight stream `PREFETCH_GROUPS` groups ahead of this unpack (past the last
-            // group: the next row tile's first groups), into L2, one row at a time.
-            let (po, pg) = if g + PREFETCH_GROUPS < n_groups {
-                (o0, g + PREFETCH_GROUPS)
-            } else {
-                (
-                    o0 + TILE,
-                    (g + PREFETCH_GROUPS - n_groups).min(n_groups - 1),
-                )
-            };
-            for (i, wsi) in ws[s].iter_mut().enumerate() {
-                // Rows past the end repeat the last one (their results are dropped).
-                let p = base.add((o0 + i.min(nr - 1)) * rb + g * K::GB);
-                // Every line the group touches (its start is not line-aligned).
-                let q = (po + i) * rb + pg * K::GB;
-                for off in (q & !63..q + K::GB).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T1>(base.wrapping_add(off) as *const i8);
-                }
-                K::unpack(p, abuf[s].0.as_mut_ptr().add(i * K::AROW), wsi.as_mut_ptr());
-                if K::TILE_SCALES {
-                    heads[i][..16].copy_from_slice(std::slice::from_raw_parts(p, 16));
-                }
-            }
-            if K::TILE_SCALES {
-                let f = super::x86_avx512::k4_fields_by_row(heads.as_ptr() as *const u8);
-                _mm512_storeu_ps(ws[s][0].as_mut_ptr(), f.d);
-                _mm512_storeu_ps(ws[s][1].as_mut_ptr(), f.dmin);
-                for (row, m) in ws[s][2..10].iter_mut().zip(&f.m) {
-                    _mm512_storeu_ps(row.as_mut_ptr(), _mm512_cvtepi32_ps(*m));
-                }
-            }
+        |abuf: &mut [ABuf; 2], ws: &mut [[[f32; 16]; TILE]; 2], s: usize, o0: usize, g: usize| {
+            unpack_group::<K>(w, r1, abuf[s].0.as_mut_ptr(), &mut ws[s], o0, g)
         };
+    // Scratch buffer `cur` holds the group being multiplied; the next one (this tile's next group,
+    // or the next tile's first) is unpacked into the other while the tiles compute.
+    let mut cur = 0;
+    unpack(&mut abuf, &mut ws, cur, r0, 0);
     let mut o0 = r0;
     while o0 < r1 {
         let nr = (r1 - o0).min(TILE);
         acc.fill(_mm512_setzero_ps());
-        unpack(&mut abuf, &mut ws, o0, nr, 0);
         for g in 0..n_groups {
-            let s = g % 2;
+            let s = cur;
+            let next = if g + 1 < n_groups {
+                Some((o0, g + 1))
+            } else if o0 + TILE < r1 {
+                Some((o0 + TILE, 0))
+            } else {
+                None
+            };
+            cur = 1 - cur;
             for tb in 0..n_tb {
                 let rec = act.add((tb * n_groups + g) * AREC);
                 let cptr = cbuf.0.as_mut_ptr();
                 if K::FOLD {
                     tiles_fold(abuf[s].0.as_ptr(), rec, cptr);
                     // Unpack the next group while the tiles compute.
-                    if tb + 1 == n_tb && g + 1 < n_groups {
-                        unpack(&mut abuf, &mut ws, o0, nr, g + 1);
+                    if let (true, Some((no, ng))) = (tb + 1 == n_tb, next) {
+                        unpack(&mut abuf, &mut ws, 1 - s, no, ng);
                     }
-                    let ws = &ws[s];
-                    let cb = cptr as *const i32;
-                    let dx = _mm512_loadu_ps(rec.add(OFF_DX) as *const f32);
-                    let bs: [__m512; 8] = std::array::from_fn(|j| {
-                        _mm512_loadu_ps(rec.add(OFF_V + 64 * j) as *const f32)
-                    });
-                    for (i, av) in acc[tb * TILE..(tb + 1) * TILE].iter_mut().enumerate() {
-                        // I = 8·C_hi + C_lo (exact), then the group's f32 chain: `fma(I, d·dx)`,
-                        // and the mins `M = Σ_j m_j·bsum_j` (exact in f32: |M| < 2^24).
-                        let c = |k: usize| {
-                            _mm512_load_si512(cb.add(k * TILE * TILE + i * TILE) as *const __m512i)
-                        };
-                        let isum = _mm512_cvtepi32_ps(_mm512_add_epi32(
-                            _mm512_slli_epi32::<3>(c(0)),
-                            c(1),
-                        ));
-                        let d = _mm512_mul_ps(_mm512_set1_ps(ws[0][i]), dx);
-                        *av = _mm512_fmadd_ps(isum, d, *av);
-                        let mut mins = _mm512_mul_ps(_mm512_set1_ps(ws[2][i]), bs[0]);
-                        for (j, bj) in bs.iter().enumerate().skip(1) {
-                            mins = _mm512_fmadd_ps(_mm512_set1_ps(ws[2 + j][i]), *bj, mins);
-                        }
-                        let dmin = _mm512_mul_ps(_mm512_set1_ps(ws[1][i]), dx);
-                        *av = _mm512_fnmadd_ps(mins, dmin, *av);
-                    }
+                    fold_epilogue(cptr, &ws[s], rec, &mut acc[tb * TILE..(tb + 1) * TILE]);
                     continue;
                 }
                 let issue = |b: usize, abuf: &[ABuf; 2]| {
@@ -732,8 +684,8 @@ unsafe fn rows<K: Kind>(w: &QMatrix, act: *const u8, n_tok: usize, r0: usize, r1
                     // Keep the tile unit busy while this batch's products are scaled.
                     if b + 1 < nb {
                         issue(b + 1, &abuf);
-                    } else if tb + 1 == n_tb && g + 1 < n_groups {
-                        unpack(&mut abuf, &mut ws, o0, nr, g + 1);
+                    } else if let (true, Some((no, ng))) = (tb + 1 == n_tb, next) {
+                        unpack(&mut abuf, &mut ws, 1 - s, no, ng);
                     }
                     let ws = &ws[s];
                     for p in 4 * b..4 * b + 4 {
@@ -770,31 +722,114 @@ unsafe fn rows<K: Kind>(w: &QMatrix, act: *const u8, n_tok: usize, r0: usize, r1
                 }
             }
         }
-        let mut lanes = [0f32; TILE];
-        for tb in 0..n_tb {
-            let nt = (n_tok - tb * TILE).min(TILE);
-            if nr == TILE {
-                // Rows × activation rows → activation rows × rows: one 64-byte store per row of y
-                // (16 scalar stores per output row would hit the same L1 set when `n_out` is a
-                // multiple of 1024).
-                let mut r = [_mm512_setzero_si512(); TILE];
-                for (ri, a) in r.iter_mut().zip(&acc[tb * TILE..(tb + 1) * TILE]) {
-                    *ri = _mm512_castps_si512(*a);
-                }
-                super::x86_avx512::transpose16(&mut r);
-                for (t, v) in r.iter().take(nt).enumerate() {
-                    y.write16(tb * TILE + t, o0, _mm512_castsi512_ps(*v));
-                }
-                continue;
-            }
-            for i in 0..nr {
-                _mm512_storeu_ps(lanes.as_mut_ptr(), acc[tb * TILE + i]);
-                for (t, &v) in lanes.iter().take(nt).enumerate() {
-                    y.write(tb * TILE + t, o0 + i, v);
-                }
-            }
-        }
+        write_tile(&acc, n_tok, nr, o0, y);
         o0 += TILE;
     }
     asm!("tilerelease", options(nostack, nomem));
+}
+
+/// Unpacks group `g` of the row tile at `o0` (rows past `r1` repeat the last one; their results
+/// are dropped) into the A scratch at `a` and the scales `ws`, and prefetches into L2 each row's
+/// group `PREFETCH_GROUPS` ahead (past the last group: the next row tile's first groups).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn unpack_group<K: Kind>(
+    w: &QMatrix,
+    r1: usize,
+    a: *mut u8,
+    ws: &mut [[f32; 16]; TILE],
+    o0: usize,
+    g: usize,
+) {
+    let (base, rb, n_groups) = (w.data.as_ptr(), w.row_bytes(), w.n_in / GROUP);
+    let nr = (r1 - o0).min(TILE);
+    let mut heads = [[0u8; 64]; TILE];
+    let (po, pg) = if g + PREFETCH_GROUPS < n_groups {
+        (o0, g + PREFETCH_GROUPS)
+    } else {
+        (
+            o0 + TILE,
+            (g + PREFETCH_GROUPS - n_groups).min(n_groups - 1),
+        )
+    };
+    for (i, wsi) in ws.iter_mut().enumerate() {
+        let p = base.add((o0 + i.min(nr - 1)) * rb + g * K::GB);
+        // Every line the group touches (its start is not line-aligned).
+        let q = (po + i) * rb + pg * K::GB;
+        for off in (q & !63..q + K::GB).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T1>(base.wrapping_add(off) as *const i8);
+        }
+        K::unpack(p, a.add(i * K::AROW), wsi.as_mut_ptr());
+        if K::TILE_SCALES {
+            heads[i][..16].copy_from_slice(std::slice::from_raw_parts(p, 16));
+        }
+    }
+    if K::TILE_SCALES {
+        let f = super::x86_avx512::k4_fields_by_row(heads.as_ptr() as *const u8);
+        _mm512_storeu_ps(ws[0].as_mut_ptr(), f.d);
+        _mm512_storeu_ps(ws[1].as_mut_ptr(), f.dmin);
+        for (row, m) in ws[2..10].iter_mut().zip(&f.m) {
+            _mm512_storeu_ps(row.as_mut_ptr(), _mm512_cvtepi32_ps(*m));
+        }
+    }
+}
+
+/// The Q4_K (`FOLD`) epilogue of one group and 16-row activation block: products `C_hi`, `C_lo`
+/// at `cb` (2 × 256 i32), scales `ws` (`d`, `dmin`, mins), record `rec`, accumulators `acc`
+/// (one per output row, the activation rows in the lanes).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn fold_epilogue(
+    cb: *const i32,
+    ws: &[[f32; 16]; TILE],
+    rec: *const u8,
+    acc: &mut [__m512],
+) {
+    let dx = _mm512_loadu_ps(rec.add(OFF_DX) as *const f32);
+    let bs: [__m512; 8] =
+        std::array::from_fn(|j| _mm512_loadu_ps(rec.add(OFF_V + 64 * j) as *const f32));
+    for (i, av) in acc.iter_mut().enumerate() {
+        // I = 8·C_hi + C_lo (exact), then the group's f32 chain: `fma(I, d·dx)`, and the mins
+        // `M = Σ_j m_j·bsum_j` (exact in f32: |M| < 2^24).
+        let c = |k: usize| _mm512_load_si512(cb.add(k * TILE * TILE + i * TILE) as *const __m512i);
+        let isum = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32::<3>(c(0)), c(1)));
+        let d = _mm512_mul_ps(_mm512_set1_ps(ws[0][i]), dx);
+        *av = _mm512_fmadd_ps(isum, d, *av);
+        let mut mins = _mm512_mul_ps(_mm512_set1_ps(ws[2][i]), bs[0]);
+        for (j, bj) in bs.iter().enumerate().skip(1) {
+            mins = _mm512_fmadd_ps(_mm512_set1_ps(ws[2 + j][i]), *bj, mins);
+        }
+        let dmin = _mm512_mul_ps(_mm512_set1_ps(ws[1][i]), dx);
+        *av = _mm512_fnmadd_ps(mins, dmin, *av);
+    }
+}
+
+/// Writes a row tile's accumulators (`acc[tb * 16 + i]`: output row `o0 + i`, activation rows
+/// `16 tb ..` in the lanes) to `y`, 16 rows at a time per activation row (transposed) when the
+/// tile is whole: with `n_out` a multiple of 1024, 16 scalar stores per output row would all hit
+/// one L1 set.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn write_tile(acc: &[__m512], n_tok: usize, nr: usize, o0: usize, y: YPtr) {
+    let mut lanes = [0f32; TILE];
+    for tb in 0..n_tok.div_ceil(TILE) {
+        let nt = (n_tok - tb * TILE).min(TILE);
+        if nr == TILE {
+            let mut r = [_mm512_setzero_si512(); TILE];
+            for (ri, a) in r.iter_mut().zip(&acc[tb * TILE..(tb + 1) * TILE]) {
+                *ri = _mm512_castps_si512(*a);
+            }
+            super::x86_avx512::transpose16(&mut r);
+            for (t, v) in r.iter().take(nt).enumerate() {
+                y.write16(tb * TILE + t, o0, _mm512_castsi512_ps(*v));
+            }
+            continue;
+        }
+        for i in 0..nr {
+            _mm512_storeu_ps(lanes.as_mut_ptr(), acc[tb * TILE + i]);
+            for (t, &v) in lanes.iter().take(nt).enumerate() {
+                y.write(tb * TILE + t, o0 + i, v);
+            }
+        }
+    }
 }

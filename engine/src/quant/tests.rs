@@ -506,7 +506,7 @@ fn rows_bit_identical_to_single_row(level: KernelLevel) {
             let n_out = 37;
             let data = random_matrix(&mut rng, ty, n_out, n_in, true);
             let w = QMatrix::new(ty, &data, n_out, n_in).unwrap();
-            for n_tok in [2usize, 3, 4, 5, 7, 8, 16, 17, 33, 64] {
+            for n_tok in [2usize, 3, 4, 5, 7, 8, 16, 17, 33, 64, 80] {
                 let x = activations(&mut rng, n_tok, n_in);
                 let mut want = vec![0f32; n_tok * n_out];
                 for (xr, yr) in x.chunks(n_in).zip(want.chunks_mut(n_out)) {
