@@ -460,7 +460,7 @@ unsafe fn q80_scales(p: *const u8, ws: *mut f32) {
 
 /// The scales `ws` of one 256-element group at `p`, exactly as the AMX epilogue multiplies them:
 /// Q6_K `d·sc` for its 16 sub-blocks, Q8_0 the 8 block scales. (Q4_K's come for 16 rows at once
-/// from `x86_avx512::k4_scales_by_row`; other types have none here.) The AMX-order VNNI kernel
+/// from `x86_avx512::k4_fields_by_row`; other types have none here.) The AMX-order VNNI kernel
 /// (`x86_avx512::amx_order_rows`) reads them from here so both paths use the same values.
 ///
 /// # Safety
@@ -609,16 +609,15 @@ unsafe fn quant_rows(w: &QMatrix, act: *const u8, n_tok: usize, r0: usize, r1: u
     }
 }
 
-/// Row tiles × groups × 16-row activation blocks × sub-blocks, software-pipelined: all tile
-/// products of a (group, block) are issued first (4 sub-blocks per `tiles4`), then the next
-/// group's weights are unpacked into the other scratch buffer while the tiles compute, then the
-/// float epilogue reads the stored products into 16 per-row registers. Each row's unpack
-/// prefetches into L2 the same row's group `PREFETCH_GROUPS` ahead (the next row tile's rows past
-/// the last group), as the single-row kernels stream their 16 rows (measured on
-/// qwen2.5-coder-1.5b, forward over 16 tokens: ~7% faster than spreading the prefetches of the
-/// next group step over the epilogue, which stalled on full fill buffers). Results are written 16 rows at a time per
-/// activation row (transposed), not one scalar per row: with `n_out` a multiple of 1024 the
-/// scalar stores all fell in one L1 set.
+/// Row tiles × groups × 16-row activation blocks, software-pipelined: a step's tile products are
+/// issued first (Q4_K: `tiles_fold`, both planes of the group; Q6_K / Q8_0: 4 sub-blocks per
+/// `tiles4`), then the next group's weights (this tile's next group, or the next tile's first) are
+/// unpacked into the other scratch buffer while the tiles compute, then the epilogue reads the
+/// stored products into 16 per-row registers. Each row's unpack prefetches into L2 the same row's
+/// group `PREFETCH_GROUPS` ahead (the next row tile's rows past the last group), as the
+/// single-row kernels stream their 16 rows (measured on qwen2.5-coder-1.5b, forward over 16
+/// tokens: ~7% faster than spreading the prefetches of the next group step over the epilogue,
+/// which stalled on full fill buffers). Results leave through `write_tile`.
 // `p` indexes the record vectors, the product buffer and the scales alike.
 #[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]

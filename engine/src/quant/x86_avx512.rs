@@ -1062,10 +1062,11 @@ const AO_TOK: usize = 8;
 /// Quantized rows `[r0, r1)` with the AMX kernels' arithmetic (`amx`): for Q4_K, Q6_K and Q8_0
 /// groups of 256, every output `y[t, o]` is the same sequence of f32 operations as in the AMX
 /// epilogue, so one row computed here is bit-identical to the same row of an AMX batch. Per 16
-/// output rows and group: the chunk dot products of each row (`vpdpbusd`, exact integers as the
-/// tile products) are transposed to one register per chunk with the 16 rows in its lanes, the
-/// chunks of a sub-block are added (exact), and the f32 chain runs over the sub-blocks in the
-/// AMX order with the AMX scale values (`k4_scales_by_row`, `amx::group_scales`).
+/// output rows and group, from the chunk dot products of each row (`vpdpbusd`, exact integers as
+/// the tile products): Q4_K sums them, times their scales, into the group's exact integer
+/// (`ao_q4k`); Q6_K / Q8_0 transpose them to one register per chunk with the 16 rows in its
+/// lanes, add the chunks of a sub-block (exact) and run the f32 chain over the sub-blocks with
+/// the AMX scale values (`amx::group_scales`) (`ao_rows`).
 ///
 /// # Safety
 /// The CPU must support the enabled features; `ty` must be Q4_K, Q6_K or Q8_0 with
