@@ -730,6 +730,10 @@ unsafe fn rows<K: Kind>(w: &QMatrix, act: *const u8, n_tok: usize, r0: usize, r1
 /// Unpacks group `g` of the row tile at `o0` (rows past `r1` repeat the last one; their results
 /// are dropped) into the A scratch at `a` and the scales `ws`, and prefetches into L2 each row's
 /// group `PREFETCH_GROUPS` ahead (past the last group: the next row tile's first groups).
+///
+/// # Safety
+/// AVX-512 VNNI present; `w` validated with `n_in % 256 == 0`; `o0 < r1 <= w.n_out`; `a` must
+/// hold `TILE * K::AROW` bytes.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn unpack_group<K: Kind>(
@@ -776,6 +780,9 @@ unsafe fn unpack_group<K: Kind>(
 /// The Q4_K (`FOLD`) epilogue of one group and 16-row activation block: products `C_hi`, `C_lo`
 /// at `cb` (2 × 256 i32), scales `ws` (`d`, `dmin`, mins), record `rec`, accumulators `acc`
 /// (one per output row, the activation rows in the lanes).
+///
+/// # Safety
+/// AVX-512 present; `cb` must hold the two stored product tiles and `rec` one packed record.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn fold_epilogue(
@@ -807,6 +814,10 @@ unsafe fn fold_epilogue(
 /// `16 tb ..` in the lanes) to `y`, 16 rows at a time per activation row (transposed) when the
 /// tile is whole: with `n_out` a multiple of 1024, 16 scalar stores per output row would all hit
 /// one L1 set.
+///
+/// # Safety
+/// AVX-512 present; `acc` holds `16 * ceil(n_tok / 16)` registers; rows `o0 .. o0 + nr` belong
+/// to the calling task's range of `y`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn write_tile(acc: &[__m512], n_tok: usize, nr: usize, o0: usize, y: YPtr) {

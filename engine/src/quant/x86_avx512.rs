@@ -414,6 +414,9 @@ impl Kind for Q80 {
 
 /// The eight six-bit scales and the eight mins of a Q4_K/Q5_K block (`p` = block start), one
 /// byte each in sub-block order (ggml's `get_scale_min_k4`).
+///
+/// # Safety
+/// `p` must cover the block's first 16 bytes.
 #[inline(always)]
 pub(crate) unsafe fn k4_sc_m8(p: *const u8) -> (u64, u64) {
     const KMASK1: u32 = 0x3f3f_3f3f;
@@ -1001,6 +1004,9 @@ pub(crate) struct K4Fields {
 /// The Q4_K block-head fields of 16 rows from their 16-byte heads at `heads + 64 i` (f16 d and
 /// dmin, then the 12 bytes of packed six-bit scales and mins): ggml's `get_scale_min_k4` for the
 /// mins, vectorized over rows.
+///
+/// # Safety
+/// AVX-512 present; `heads` must cover 16 heads of 64 bytes each (the first 16 of each read).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(crate) unsafe fn k4_fields_by_row(heads: *const u8) -> K4Fields {
@@ -1094,6 +1100,9 @@ pub(crate) unsafe fn amx_order_rows(
 
 /// A Q4_K group unpacked for the integer chain of `ao_q4k`: the chunk registers of `Q4K::unpack`,
 /// and per lane the six-bit scale of its sub-block as an i32 (high 16 bits zero, for `vpmaddwd`).
+///
+/// # Safety
+/// AVX-512 VNNI present; `p` must cover one Q4_K block (144 bytes).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn k4_int_unpack(p: *const u8) -> ([__m512i; 4], __m512i) {
@@ -1114,6 +1123,9 @@ unsafe fn k4_int_unpack(p: *const u8) -> ([__m512i; 4], __m512i) {
 /// group: each row's chunk dot products (`vpdpbusd`) times its lanes' scales (`vpmaddwd`: a chunk
 /// sum fits 16 bits) leave 16 registers per activation row, summed lane-wise into one register
 /// with the 16 rows in its lanes (`reduce16_epi32`), so the f32 chain runs for 16 rows at once.
+///
+/// # Safety
+/// As `amx_order_rows`, for Q4_K.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn ao_q4k(
     w: &QMatrix,
