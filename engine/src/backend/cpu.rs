@@ -148,11 +148,11 @@ impl Backend for CpuBackend {
                 "attention buffers do not match shape".into(),
             ));
         }
-        let scale = 1.0 / (hd as f32).sqrt();
         if s.n_tok * s.n_head_kv >= 8 && group <= MAX_GROUP {
             attention_by_kv_head(s, mask, q, k, v, out, SCORES_MAX);
             return Ok(());
         }
+        let scale = 1.0 / (hd as f32).sqrt();
         // Decoding-sized batches: one task per (token, head), so every thread has work.
         out.par_chunks_mut(hd).enumerate().for_each_init(
             || (Vec::<f32>::new(), Vec::<usize>::new(), vec![0.0f32; hd]),

@@ -315,6 +315,16 @@ mod x86 {
         max
     }
 
+    /// The first `min(rem, 16)` lanes.
+    #[inline(always)]
+    fn lanes_mask(rem: usize) -> __mmask16 {
+        if rem >= 16 {
+            0xFFFF
+        } else {
+            (1u16 << rem) - 1
+        }
+    }
+
     /// `exp` of 16 lanes (`exp_portable`'s operations; `vscalefps` applies `2^n`, saturating to
     /// 0 and +inf).
     #[inline]
@@ -346,11 +356,7 @@ mod x86 {
         let one = _mm512_set1_ps(1.0);
         let mut i = 0;
         while i < g.len() {
-            let m: __mmask16 = if g.len() - i >= 16 {
-                0xFFFF
-            } else {
-                (1u16 << (g.len() - i)) - 1
-            };
+            let m = lanes_mask(g.len() - i);
             let x = _mm512_maskz_loadu_ps(m, g.as_ptr().add(i));
             let y = _mm512_maskz_loadu_ps(m, u.as_ptr().add(i));
             let e = exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), x));
@@ -366,11 +372,7 @@ mod x86 {
         let sv = _mm512_set1_ps(sub);
         let mut i = 0;
         while i < x.len() {
-            let m: __mmask16 = if x.len() - i >= 16 {
-                0xFFFF
-            } else {
-                (1u16 << (x.len() - i)) - 1
-            };
+            let m = lanes_mask(x.len() - i);
             let v = _mm512_maskz_loadu_ps(m, x.as_ptr().add(i));
             let e = exp_avx512(_mm512_sub_ps(v, sv));
             _mm512_mask_storeu_ps(x.as_mut_ptr().add(i), m, e);

@@ -305,19 +305,18 @@ trait Kind {
     /// Bytes of one 256-element group.
     const GB: usize;
     /// Bytes of one unpacked row of the A scratch: 256 int8, or (`FOLD`) two planes of 256.
-    const AROW: usize = GROUP;
+    const AROW: usize = if Self::FOLD { 2 * GROUP } else { GROUP };
     /// Q4_K: the six-bit sub-block scales are folded into the weights as two int8 planes,
     /// `q·(sc >> 3)` and `q·(sc & 7)` (both at most 105), so one K = 256 product per plane gives
-    /// the exact integer `I = 8·C_hi + C_lo = Σ_j sc_j Σ_{k in j} q_k a_k` of the group.
+    /// the exact integer `I = 8·C_hi + C_lo = Σ_j sc_j Σ_{k in j} q_k a_k` of the group. `unpack`
+    /// then leaves `ws` alone: the f32 scales are decoded for a whole row tile at once
+    /// (`x86_avx512::k4_fields_by_row`) and stored transposed, `ws[p][row]`: `d`, `dmin`, then the
+    /// eight mins `m_j`.
     const FOLD: bool = false;
     /// Q8_0: the activation scale is per sub-block (record vectors), not per group.
     const SUB_DX: bool;
-    /// Q4_K: `unpack` leaves the f32 scales alone; they are decoded for a whole row tile at once
-    /// (`x86_avx512::k4_fields_by_row`) and stored transposed, `ws[p][row]`: `d`, `dmin`, then
-    /// the eight mins `m_j`.
-    const TILE_SCALES: bool = false;
     /// Unpacks the group at `p` into `AROW` bytes at `a` (A-tile column order) and, unless
-    /// `TILE_SCALES`, its scales into `ws` (16 f32, see `group_scales`).
+    /// `FOLD`, its scales into `ws` (16 f32, see `group_scales`).
     unsafe fn unpack(p: *const u8, a: *mut u8, ws: *mut f32);
 }
 
@@ -345,10 +344,8 @@ unsafe fn nibbles(p: *const u8) -> (__m512i, __m512i) {
 impl Kind for Q4K {
     const KS: usize = 64;
     const GB: usize = 144;
-    const AROW: usize = 2 * GROUP;
     const FOLD: bool = true;
     const SUB_DX: bool = false;
-    const TILE_SCALES: bool = true;
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn unpack(p: *const u8, a: *mut u8, ws: *mut f32) {
@@ -551,10 +548,9 @@ unsafe fn tiles4(a: *const u8, b: *const u8, ks: usize, c: *mut i32) {
     );
 }
 
-/// Q4_K (`Kind::FOLD`): `C_hi = A_hi · B`, `C_lo = A_lo · B` and `C_m = A_m · B` over the whole
-/// group (four K = 64 products each) into `c` (3 × 1 KiB), where `A_hi`, `A_lo`, `A_m` are the
-/// 16 × 256 planes at `a`, `a + 256`, `a + 512` (row stride 768) and `B` the 64 × 64 B activation
-/// rows at `b`.
+/// Q4_K (`Kind::FOLD`): `C_hi = A_hi · B` and `C_lo = A_lo · B` over the whole group (four K = 64
+/// products each) into `c` (2 × 1 KiB), where `A_hi` and `A_lo` are the 16 × 256 planes at `a`
+/// and `a + 256` (row stride 512) and `B` the 64 × 64 B activation rows at `b`.
 ///
 /// # Safety
 /// Tiles must be configured by `tile_cfg(64)` on this thread; the pointers must cover the tiles.
@@ -630,8 +626,8 @@ unsafe fn rows<K: Kind>(w: &QMatrix, act: *const u8, n_tok: usize, r0: usize, r1
     let mut abuf = [ABuf([0; TILE * AROW_MAX]), ABuf([0; TILE * AROW_MAX])];
     let mut cbuf = CBuf([0; 16 * TILE * TILE]);
     let mut ws = [[[0f32; 16]; TILE]; 2];
-    // Scale `p` of row `i` of one buffer (stored by row; `TILE_SCALES`, read by the `FOLD`
-    // epilogue only, are stored transposed).
+    // Scale `p` of row `i` of one buffer (stored by row; `FOLD`'s are transposed and read by
+    // `fold_epilogue`).
     let scale = |ws: &[[f32; 16]; TILE], i: usize, p: usize| ws[i][p];
     let mut acc = vec![_mm512_setzero_ps(); TILE * n_tb];
     let unpack =
@@ -747,14 +743,7 @@ unsafe fn unpack_group<K: Kind>(
     let (base, rb, n_groups) = (w.data.as_ptr(), w.row_bytes(), w.n_in / GROUP);
     let nr = (r1 - o0).min(TILE);
     let mut heads = [[0u8; 64]; TILE];
-    let (po, pg) = if g + PREFETCH_GROUPS < n_groups {
-        (o0, g + PREFETCH_GROUPS)
-    } else {
-        (
-            o0 + TILE,
-            (g + PREFETCH_GROUPS - n_groups).min(n_groups - 1),
-        )
-    };
+    let (po, pg) = super::x86_avx512::group_ahead(o0, g, n_groups, PREFETCH_GROUPS);
     for (i, wsi) in ws.iter_mut().enumerate() {
         let p = base.add((o0 + i.min(nr - 1)) * rb + g * K::GB);
         // Every line the group touches (its start is not line-aligned).
@@ -763,11 +752,11 @@ unsafe fn unpack_group<K: Kind>(
             _mm_prefetch::<_MM_HINT_T1>(base.wrapping_add(off) as *const i8);
         }
         K::unpack(p, a.add(i * K::AROW), wsi.as_mut_ptr());
-        if K::TILE_SCALES {
+        if K::FOLD {
             heads[i][..16].copy_from_slice(std::slice::from_raw_parts(p, 16));
         }
     }
-    if K::TILE_SCALES {
+    if K::FOLD {
         let f = super::x86_avx512::k4_fields_by_row(heads.as_ptr() as *const u8);
         _mm512_storeu_ps(ws[0].as_mut_ptr(), f.d);
         _mm512_storeu_ps(ws[1].as_mut_ptr(), f.dmin);

@@ -584,15 +584,7 @@ unsafe fn unpack_group<K: Kind>(
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn step<K: Kind>(w: &W, a: *const u8, acc: __m512) -> __m512 {
-    let mut p = if K::OFFSET {
-        _mm512_loadu_si512(a.add(256) as *const __m512i)
-    } else {
-        _mm512_setzero_si512()
-    };
-    p = _mm512_dpbusd_epi32(p, w.y[0], _mm512_loadu_si512(a as *const __m512i));
-    p = _mm512_dpbusd_epi32(p, w.y[1], _mm512_loadu_si512(a.add(64) as *const __m512i));
-    p = _mm512_dpbusd_epi32(p, w.y[2], _mm512_loadu_si512(a.add(128) as *const __m512i));
-    p = _mm512_dpbusd_epi32(p, w.y[3], _mm512_loadu_si512(a.add(192) as *const __m512i));
+    let p = chunk_dots::<K>(&w.y, a);
     let dx = _mm512_loadu_ps(a.add(320) as *const f32);
     let acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(w.ls, dx), acc);
     if K::MINS {
@@ -1062,6 +1054,59 @@ pub(crate) unsafe fn k4_fields_by_row(heads: *const u8) -> K4Fields {
     K4Fields { d, dmin, m }
 }
 
+/// Where a kernel that walks 16-row tiles group by group (all 16 rows of a group, then the next
+/// group) prefetches while at group `g` of the tile at row `o0`: the same rows `dist` groups
+/// ahead, or past the last group the next tile's rows (its first groups). Returns (first row,
+/// group); rows past the matrix only make harmless prefetches.
+#[inline(always)]
+pub(crate) fn group_ahead(o0: usize, g: usize, n_groups: usize, dist: usize) -> (usize, usize) {
+    if g + dist < n_groups {
+        (o0, g + dist)
+    } else {
+        (o0 + 16, (g + dist - n_groups).min(n_groups - 1))
+    }
+}
+
+/// The exact integer dot products of one unpacked group's 16 chunks (`y`, lane layout) with one
+/// activation record at `a`, the weight offset's `init` included.
+///
+/// # Safety
+/// AVX-512 VNNI present; `a` must cover one lane record (`REC` bytes) built for `K`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn chunk_dots<K: Kind>(y: &[__m512i; 4], a: *const u8) -> __m512i {
+    let mut d = if K::OFFSET {
+        _mm512_loadu_si512(a.add(256) as *const __m512i)
+    } else {
+        _mm512_setzero_si512()
+    };
+    for (k, yk) in y.iter().enumerate() {
+        d = _mm512_dpbusd_epi32(d, *yk, _mm512_loadu_si512(a.add(64 * k) as *const __m512i));
+    }
+    d
+}
+
+/// Writes the AMX-order kernels' accumulators (`acc[t]`: output rows `o0 .. o0 + nr` in the
+/// lanes, activation row `t0 + t`) to `y`: one store per activation row for a whole tile.
+///
+/// # Safety
+/// AVX-512 present; rows `o0 .. o0 + nr` (`nr <= 16`) belong to the calling task's range of `y`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn write_rows16(acc: &[__m512], t0: usize, o0: usize, nr: usize, y: YPtr) {
+    let mut lanes = [0f32; 16];
+    for (t, a) in acc.iter().enumerate() {
+        if nr == 16 {
+            y.write16(t0 + t, o0, *a);
+            continue;
+        }
+        _mm512_storeu_ps(lanes.as_mut_ptr(), *a);
+        for (i, &v) in lanes.iter().take(nr).enumerate() {
+            y.write(t0 + t, o0 + i, v);
+        }
+    }
+}
+
 /// Activation rows per pass of `amx_order_rows` (the AMX kernels take larger batches).
 const AO_TOK: usize = 8;
 
@@ -1150,12 +1195,7 @@ unsafe fn ao_q4k(
             let nr = (r1 - o0).min(16);
             let mut acc = [_mm512_setzero_ps(); AO_TOK];
             for g in 0..n_groups {
-                // The weight stream `PREFETCH_GROUPS` groups ahead (or the next tile's rows).
-                let (po, pg) = if g + PREFETCH_GROUPS < n_groups {
-                    (o0, g + PREFETCH_GROUPS)
-                } else {
-                    (o0 + 16, (g + PREFETCH_GROUPS - n_groups).min(n_groups - 1))
-                };
+                let (po, pg) = group_ahead(o0, g, n_groups, PREFETCH_GROUPS);
                 for (i, head) in heads.iter_mut().enumerate() {
                     // Rows past the end repeat the last one (their results are dropped).
                     let p = base.add((o0 + i.min(nr - 1)) * rb + g * gb);
@@ -1167,15 +1207,7 @@ unsafe fn ao_q4k(
                     let (wy, scl) = k4_int_unpack(p);
                     for (t, pt) in part.iter_mut().take(nt).enumerate() {
                         let ag = act.add((t0 + t) * stride + g * AREC);
-                        let mut d = _mm512_setzero_si512();
-                        for (k, wk) in wy.iter().enumerate() {
-                            d = _mm512_dpbusd_epi32(
-                                d,
-                                *wk,
-                                _mm512_loadu_si512(ag.add(64 * k) as *const __m512i),
-                            );
-                        }
-                        pt[i] = _mm512_madd_epi16(d, scl);
+                        pt[i] = _mm512_madd_epi16(chunk_dots::<Q4K>(&wy, ag), scl);
                     }
                 }
                 let f = k4_fields_by_row(heads.as_ptr() as *const u8);
@@ -1192,17 +1224,7 @@ unsafe fn ao_q4k(
                     acc[t] = _mm512_fnmadd_ps(mins, _mm512_mul_ps(f.dmin, dx), acc[t]);
                 }
             }
-            let mut lanes = [0f32; 16];
-            for (t, a) in acc.iter().take(nt).enumerate() {
-                if nr == 16 {
-                    y.write16(t0 + t, o0, *a);
-                    continue;
-                }
-                _mm512_storeu_ps(lanes.as_mut_ptr(), *a);
-                for (i, &v) in lanes.iter().take(nr).enumerate() {
-                    y.write(t0 + t, o0 + i, v);
-                }
-            }
+            write_rows16(&acc[..nt], t0, o0, nr, y);
             o0 += 16;
         }
         t0 += nt;
@@ -1238,12 +1260,7 @@ unsafe fn ao_rows<K: Kind, const T: u8>(
             let nr = (r1 - o0).min(16);
             let mut acc = [_mm512_setzero_ps(); AO_TOK];
             for g in 0..n_groups {
-                // The weight stream `PREFETCH_GROUPS` groups ahead (or the next tile's rows).
-                let (po, pg) = if g + PREFETCH_GROUPS < n_groups {
-                    (o0, g + PREFETCH_GROUPS)
-                } else {
-                    (o0 + 16, (g + PREFETCH_GROUPS - n_groups).min(n_groups - 1))
-                };
+                let (po, pg) = group_ahead(o0, g, n_groups, PREFETCH_GROUPS);
                 for (i, sc) in scales.iter_mut().enumerate() {
                     // Rows past the end repeat the last one (their results are dropped).
                     let p = base.add((o0 + i.min(nr - 1)) * rb + g * gbytes);
@@ -1253,20 +1270,7 @@ unsafe fn ao_rows<K: Kind, const T: u8>(
                     super::amx::group_scales(w.ty, p, &mut ws);
                     *sc = _mm512_loadu_si512(ws.as_ptr() as *const __m512i);
                     for (t, pt) in part.iter_mut().take(nt).enumerate() {
-                        let ag = act.add((t0 + t) * stride + g * AREC);
-                        let mut d = if K::OFFSET {
-                            _mm512_loadu_si512(ag.add(256) as *const __m512i)
-                        } else {
-                            _mm512_setzero_si512()
-                        };
-                        for k in 0..4 {
-                            d = _mm512_dpbusd_epi32(
-                                d,
-                                wv.y[k],
-                                _mm512_loadu_si512(ag.add(64 * k) as *const __m512i),
-                            );
-                        }
-                        pt[i] = d;
+                        pt[i] = chunk_dots::<K>(&wv.y, act.add((t0 + t) * stride + g * AREC));
                     }
                 }
                 // Scales and chunk sums with the 16 rows in the lanes of one register each.
@@ -1293,17 +1297,7 @@ unsafe fn ao_rows<K: Kind, const T: u8>(
                     }
                 }
             }
-            let mut lanes = [0f32; 16];
-            for (t, a) in acc.iter().take(nt).enumerate() {
-                if nr == 16 {
-                    y.write16(t0 + t, o0, *a);
-                    continue;
-                }
-                _mm512_storeu_ps(lanes.as_mut_ptr(), *a);
-                for (i, &v) in lanes.iter().take(nr).enumerate() {
-                    y.write(t0 + t, o0 + i, v);
-                }
-            }
+            write_rows16(&acc[..nt], t0, o0, nr, y);
             o0 += 16;
         }
         t0 += nt;
