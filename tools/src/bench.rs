@@ -92,36 +92,42 @@ pub fn decode_bench(
     // One forward over n new tokens at a context of `context`: logits for every new token, and
     // for the last one only. The tokens form a chain verified with a tree mask, so this measures
     // the tree-verification path (the kernels of single-token decoding; prompt prefill may use
-    // faster ones, see `Backend::scope_prefill`).
-    let mut forward_ms = BTreeMap::new();
-    let mut forward_last_ms = BTreeMap::new();
-    for n in [1usize, 4, 16, 64] {
-        let toks: Vec<u32> = prompt.iter().copied().cycle().skip(7).take(n).collect();
-        let pos: Vec<usize> = (context..context + n).collect();
-        let all: Vec<usize> = (0..n).collect();
-        let parents: Vec<Option<usize>> = (0..n).map(|i| i.checked_sub(1)).collect();
-        let chain = TreeMask::from_parents(&parents);
-        for (rows, out) in [
-            (&all[..], &mut forward_ms),
-            (&all[n - 1..], &mut forward_last_ms),
-        ] {
-            let mut times = Vec::with_capacity(reps);
-            for _ in 0..reps {
+    // faster ones, see `Backend::scope_prefill`). The sizes take turns within each repetition, so
+    // a drift in the machine's speed moves all of them alike (the 16-over-1 ratio is the figure
+    // tree verification lives on); each time is the median of its `reps`.
+    const SIZES: [usize; 4] = [1, 4, 16, 64];
+    let reps = reps.max(1);
+    let runs: Vec<(usize, Vec<u32>, Vec<usize>, TreeMask)> = SIZES
+        .iter()
+        .map(|&n| {
+            let toks: Vec<u32> = prompt.iter().copied().cycle().skip(7).take(n).collect();
+            let pos: Vec<usize> = (context..context + n).collect();
+            let parents: Vec<Option<usize>> = (0..n).map(|i| i.checked_sub(1)).collect();
+            (n, toks, pos, TreeMask::from_parents(&parents))
+        })
+        .collect();
+    // times[size][0: all rows, 1: last row]
+    let mut times = vec![[Vec::with_capacity(reps), Vec::with_capacity(reps)]; SIZES.len()];
+    for _ in 0..reps {
+        for ((n, toks, pos, chain), t_n) in runs.iter().zip(times.iter_mut()) {
+            let all: Vec<usize> = (0..*n).collect();
+            for (rows, t_rows) in [&all[..], &all[n - 1..]].into_iter().zip(t_n.iter_mut()) {
                 cache.truncate(context);
                 let t = Instant::now();
-                model.forward(
-                    backend,
-                    &mut cache,
-                    &toks,
-                    &pos,
-                    chain.as_batch_mask(),
-                    rows,
-                )?;
-                times.push(t.elapsed().as_secs_f64() * 1e3);
+                model.forward(backend, &mut cache, toks, pos, chain.as_batch_mask(), rows)?;
+                t_rows.push(t.elapsed().as_secs_f64() * 1e3);
             }
-            times.sort_by(f64::total_cmp);
-            out.insert(n.to_string(), times[times.len() / 2]);
         }
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let mut forward_ms = BTreeMap::new();
+    let mut forward_last_ms = BTreeMap::new();
+    for (n, [all, last]) in SIZES.iter().zip(times.iter_mut()) {
+        forward_ms.insert(n.to_string(), median(all));
+        forward_last_ms.insert(n.to_string(), median(last));
     }
     Ok(DecodeBench {
         model: model_name.to_string(),

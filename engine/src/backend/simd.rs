@@ -390,9 +390,29 @@ mod x86 {
         off: usize,
         o: &mut [f32],
     ) {
-        let chunks = o.len() / 16;
-        // The output stays in registers across all slots.
-        let mut acc = [_mm512_setzero_ps(); 16];
+        // A fixed chunk count for the usual head sizes keeps the output in registers (a runtime
+        // count leaves it on the stack: a load and a store around every FMA). The same FMAs, in
+        // the same order, either way.
+        match o.len() / 16 {
+            8 => weighted_sum_chunks::<8>(p, v, slots, stride, off, o),
+            4 => weighted_sum_chunks::<4>(p, v, slots, stride, off, o),
+            _ => weighted_sum_chunks::<16>(p, v, slots, stride, off, o),
+        }
+    }
+
+    /// `attn_weighted_sum_avx512` with at most `C` 16-float chunks (`o.len() / 16` of them).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn weighted_sum_chunks<const C: usize>(
+        p: &[f32],
+        v: &[f32],
+        slots: &[usize],
+        stride: usize,
+        off: usize,
+        o: &mut [f32],
+    ) {
+        let chunks = (o.len() / 16).min(C);
+        let mut acc = [_mm512_setzero_ps(); C];
         for (c, a) in acc.iter_mut().enumerate().take(chunks) {
             *a = _mm512_loadu_ps(o.as_ptr().add(c * 16));
         }

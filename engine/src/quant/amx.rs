@@ -1,4 +1,4 @@
-//! AMX int8 tile kernels: `tdpbssd` on 16 output rows × 16 activation rows; Q4_K with its scales folded into the weights (exact integer per group), Q6_K/Q8_0 with a float epilogue per sub-block.
+//! AMX int8 tile kernels: `tdpbssd` on 16 output rows × 16 activation rows; Q4_K and Q6_K with their scales folded into the weights (exact integer per group), Q8_0 with a float epilogue per block.
 //!
 //! Used by `matmul_with` at `KernelLevel::Amx` for Q4_K, Q6_K and Q8_0 weights with `n_in % 256 == 0`
 //! and at least `MIN_TOK` activation rows; everything else keeps the AVX-512 VNNI kernels. The
@@ -13,20 +13,21 @@
 //!
 //! * Weights stay in their GGUF blocks: each 256-element group of 16 rows is unpacked into a
 //!   per-task scratch tile, then dotted with every 16-row activation block.
-//!   - Q6_K (−32..31) and Q8_0 (as stored): one plane of int8, one f32 scale per sub-block.
+//!   - Q8_0 (as stored): one plane of int8, one f32 scale per block.
 //!   - Q4_K: two planes, `q · (sc >> 3)` and `q · (sc & 7)` (six-bit scales split in two halves;
 //!     each product at most 105), so two K = 256 products give the exact group integer
 //!     `I = 8·C_hi + C_lo = Σ_j sc_j Σ_{k in j} q_k a_k`.
+//!   - Q6_K: two planes, `w >> 6` and `w & 63` of the products `w = q · sc` (q in −32..31, signed
+//!     eight-bit scales, |w| <= 4096), so `I = 64·C_hi + C_lo` exactly.
 //! * Activations are quantized once per call (Q8_K / Q8_0 as the other kernels) and packed per
 //!   (16-row block, group) into records of `AREC` bytes: `[0, 4096)` the 64 B rows of the VNNI
 //!   layout (element order permuted to match the weight unpack), `[4096, 4160)` f32 `d` per row
 //!   (Q8_K), `[4160, 5184)` one f32 vector of 16 rows per sub-block: Q4_K 32-element sums of the
 //!   quantized values (for the mins), Q8_0 the block scales.
 //! * Epilogues, per output and group:
-//!   - Q4_K: `acc = fma(cvt(I), d·dx, acc)`, then `acc = fnmadd(M, dmin·dx, acc)` with the mins
-//!     `M = Σ_j m_j · bsum_j` (exact in f32).
-//!   - Q6_K / Q8_0, per sub-block `p`: `G += cvt(C_p) · ws[p]` (Q8_0: `· ws · d_x[p]`), then
-//!     Q6_K scales by the activation `d`.
+//!   - Q4_K, Q6_K: `acc = fma(cvt(I), d·dx, acc)`; Q4_K then `acc = fnmadd(M, dmin·dx, acc)` with
+//!     the mins `M = Σ_j m_j · bsum_j` (exact in f32).
+//!   - Q8_0, per block `p`: `G += cvt(C_p) · (ws[p] · d_x[p])`.
 //!
 //!   Only the order of the f32 sums differs from the scalar kernel.
 //!
@@ -300,19 +301,29 @@ fn pack_record(
 
 /// One weight type: its sub-block size and its unpack of one 256-element group.
 trait Kind {
-    /// Elements per `tdpbssd` (the K of one product): a scale sub-block, or (Q4_K, `FOLD`) 64.
+    /// Elements per `tdpbssd` (the K of one product): a scale sub-block, or (`FOLD`) 64.
     const KS: usize;
     /// Bytes of one 256-element group.
     const GB: usize;
     /// Bytes of one unpacked row of the A scratch: 256 int8, or (`FOLD`) two planes of 256.
     const AROW: usize = if Self::FOLD { 2 * GROUP } else { GROUP };
-    /// Q4_K: the six-bit sub-block scales are folded into the weights as two int8 planes,
-    /// `q·(sc >> 3)` and `q·(sc & 7)` (both at most 105), so one K = 256 product per plane gives
-    /// the exact integer `I = 8·C_hi + C_lo = Σ_j sc_j Σ_{k in j} q_k a_k` of the group. `unpack`
-    /// then leaves `ws` alone: the f32 scales are decoded for a whole row tile at once
-    /// (`x86_avx512::k4_fields_by_row`) and stored transposed, `ws[p][row]`: `d`, `dmin`, then the
-    /// eight mins `m_j`.
+    /// The sub-block scales are folded into the weights as two int8 planes `hi`, `lo` with
+    /// `w = 2^SHIFT · hi + lo` for every weight times its sub-block scale, so one K = 256 product
+    /// per plane gives the exact integer `I = 2^SHIFT · C_hi + C_lo = Σ_j sc_j Σ_{k in j} q_k a_k`
+    /// of the group.
+    /// - Q4_K (`SHIFT` 3): `hi = q·(sc >> 3)`, `lo = q·(sc & 7)` (six-bit scales, products at most
+    ///   105). The f32 scales are decoded for a whole row tile at once
+    ///   (`x86_avx512::k4_fields_by_row`) and stored transposed, `ws[p][row]`: `d`, `dmin`, then
+    ///   the eight mins `m_j`.
+    /// - Q6_K (`SHIFT` 6): `w = q·sc` (q in −32..31, signed eight-bit scales: |w| <= 4096) split
+    ///   as `hi = w >> 6` (−64..64), `lo = w & 63`. `ws[0][row]` is the row's `d`.
+    ///
+    /// `unpack` then leaves `ws` alone; `unpack_group` fills it.
     const FOLD: bool = false;
+    /// `FOLD`: the power of two of the `hi` plane.
+    const SHIFT: u32 = 0;
+    /// `FOLD`: Q4_K's mins (`M = Σ_j m_j · bsum_j`, subtracted times `dmin`).
+    const MINS: bool = false;
     /// Q8_0: the activation scale is per sub-block (record vectors), not per group.
     const SUB_DX: bool;
     /// Unpacks the group at `p` into `AROW` bytes at `a` (A-tile column order) and, unless
@@ -345,6 +356,8 @@ impl Kind for Q4K {
     const KS: usize = 64;
     const GB: usize = 144;
     const FOLD: bool = true;
+    const SHIFT: u32 = 3;
+    const MINS: bool = true;
     const SUB_DX: bool = false;
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -389,8 +402,10 @@ const fn k4_word_sc() -> [[u16; 32]; 4] {
 }
 
 impl Kind for Q6K {
-    const KS: usize = 16;
+    const KS: usize = 64;
     const GB: usize = 210;
+    const FOLD: bool = true;
+    const SHIFT: u32 = 6;
     const SUB_DX: bool = false;
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -400,30 +415,68 @@ impl Kind for Q6K {
         // Word shift counts: bytes 0..32 of a register take one 2-bit field of qh, bytes 32..64 the next.
         let shl = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
         let shr = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+        // The 16 signed scales as words.
+        let sc = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(
+            p.add(192) as *const __m128i
+        )));
         for h in 0..2 {
             let (lo, hi) = nibbles(p.add(64 * h));
             let qh =
                 _mm512_broadcast_i64x4(_mm256_loadu_si256(p.add(128 + 32 * h) as *const __m256i));
             let h0 = _mm512_and_si512(_mm512_sllv_epi16(qh, shl), m30);
             let h1 = _mm512_and_si512(_mm512_srlv_epi16(qh, shr), m30);
-            let r0 = _mm512_sub_epi8(_mm512_or_si512(lo, h0), c32);
-            let r1 = _mm512_sub_epi8(_mm512_or_si512(hi, h1), c32);
-            _mm512_storeu_si512(a.add(128 * h) as *mut __m512i, r0);
-            _mm512_storeu_si512(a.add(128 * h + 64) as *mut __m512i, r1);
+            // Registers of elements 64r .. 64r + 64 (natural order), q in −32..31.
+            for (k, q) in [(lo, h0), (hi, h1)].into_iter().enumerate() {
+                let r = 2 * h + k;
+                let q = _mm512_sub_epi8(_mm512_or_si512(q.0, q.1), c32);
+                let s = _mm512_permutexvar_epi16(
+                    _mm512_loadu_si512(K6_WORD_SC[r].as_ptr() as *const _),
+                    sc,
+                );
+                let (whi, wlo) = split_products(q, s);
+                _mm512_storeu_si512(a.add(64 * r) as *mut __m512i, whi);
+                _mm512_storeu_si512(a.add(GROUP + 64 * r) as *mut __m512i, wlo);
+            }
         }
-        q6k_scales(p, ws);
+        let _ = ws;
     }
 }
 
-/// Q6_K: `d·sc` of the 16 sub-blocks of the group at `p` into `ws`.
+/// The products `w = q · s` of 64 signed bytes `q` with the word scales `s` (word `i` scales
+/// bytes `2i` and `2i + 1`; |w| < 2^13), as two planes of bytes in `q`'s order: `w >> 6` (signed)
+/// and `w & 63`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn q6k_scales(p: *const u8, ws: *mut f32) {
-    let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(rd_u16(p.add(208)) as i32)));
-    let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-        p.add(192) as *const __m128i
-    )));
-    _mm512_storeu_ps(ws, _mm512_mul_ps(sc, _mm512_set1_ps(d)));
+unsafe fn split_products(q: __m512i, s: __m512i) -> (__m512i, __m512i) {
+    const ODD: __mmask64 = 0xAAAA_AAAA_AAAA_AAAA;
+    // Even and odd bytes sign-extended to words, times their scale (exact in 16 bits).
+    let we = _mm512_mullo_epi16(_mm512_srai_epi16::<8>(_mm512_slli_epi16::<8>(q)), s);
+    let wo = _mm512_mullo_epi16(_mm512_srai_epi16::<8>(q), s);
+    // Bits 6..14 of each product into its byte (`wo << 2`: the odd product's into the high byte).
+    let hi = _mm512_mask_blend_epi8(ODD, _mm512_srli_epi16::<6>(we), _mm512_slli_epi16::<2>(wo));
+    let lo = _mm512_and_si512(
+        _mm512_mask_blend_epi8(ODD, we, _mm512_slli_epi16::<8>(wo)),
+        _mm512_set1_epi8(63),
+    );
+    (hi, lo)
+}
+
+/// `vpermw` indices: word `i` of the register of elements 64r .. 64r + 64 scales elements
+/// `64r + 2i` and `64r + 2i + 1`, of sub-block `4r + i/8`.
+static K6_WORD_SC: [[u16; 32]; 4] = k6_word_sc();
+
+const fn k6_word_sc() -> [[u16; 32]; 4] {
+    let mut t = [[0u16; 32]; 4];
+    let mut r = 0;
+    while r < 4 {
+        let mut i = 0;
+        while i < 32 {
+            t[r][i] = (4 * r + i / 8) as u16;
+            i += 1;
+        }
+        r += 1;
+    }
+    t
 }
 
 impl Kind for Q80 {
@@ -456,18 +509,16 @@ unsafe fn q80_scales(p: *const u8, ws: *mut f32) {
 }
 
 /// The scales `ws` of one 256-element group at `p`, exactly as the AMX epilogue multiplies them:
-/// Q6_K `d·sc` for its 16 sub-blocks, Q8_0 the 8 block scales. (Q4_K's come for 16 rows at once
-/// from `x86_avx512::k4_fields_by_row`; other types have none here.) The AMX-order VNNI kernel
+/// Q8_0 the 8 block scales. (The folded types' come for 16 rows at once from `unpack_group`;
+/// other types have none here.) The AMX-order VNNI kernel
 /// (`x86_avx512::amx_order_rows`) reads them from here so both paths use the same values.
 ///
 /// # Safety
 /// AVX-512 must be present; `p` must cover one group of `ty`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn group_scales(ty: GgmlType, p: *const u8, ws: &mut [f32; 16]) {
-    match ty {
-        GgmlType::Q6_K => q6k_scales(p, ws.as_mut_ptr()),
-        GgmlType::Q8_0 => q80_scales(p, ws.as_mut_ptr()),
-        _ => {}
+    if ty == GgmlType::Q8_0 {
+        q80_scales(p, ws.as_mut_ptr())
     }
 }
 
@@ -548,7 +599,7 @@ unsafe fn tiles4(a: *const u8, b: *const u8, ks: usize, c: *mut i32) {
     );
 }
 
-/// Q4_K (`Kind::FOLD`): `C_hi = A_hi · B` and `C_lo = A_lo · B` over the whole group (four K = 64
+/// `Kind::FOLD` (Q4_K, Q6_K): `C_hi = A_hi · B` and `C_lo = A_lo · B` over the whole group (four K = 64
 /// products each) into `c` (2 × 1 KiB), where `A_hi` and `A_lo` are the 16 × 256 planes at `a`
 /// and `a + 256` (row stride 512) and `B` the 64 × 64 B activation rows at `b`.
 ///
@@ -606,7 +657,7 @@ unsafe fn quant_rows(w: &QMatrix, act: *const u8, n_tok: usize, r0: usize, r1: u
 }
 
 /// Row tiles × groups × 16-row activation blocks, software-pipelined: a step's tile products are
-/// issued first (Q4_K: `tiles_fold`, both planes of the group; Q6_K / Q8_0: 4 sub-blocks per
+/// issued first (Q4_K, Q6_K: `tiles_fold`, both planes of the group; Q8_0: 4 blocks per
 /// `tiles4`), then the next group's weights (this tile's next group, or the next tile's first) are
 /// unpacked into the other scratch buffer while the tiles compute, then the epilogue reads the
 /// stored products into 16 per-row registers. Each row's unpack prefetches into L2 the same row's
@@ -623,21 +674,25 @@ unsafe fn rows<K: Kind>(w: &QMatrix, act: *const u8, n_tok: usize, r0: usize, r1
     let n_groups = w.n_in / GROUP;
     let n_tb = n_tok.div_ceil(TILE);
     let nsub = GROUP / K::KS;
-    let mut abuf = [ABuf([0; TILE * AROW_MAX]), ABuf([0; TILE * AROW_MAX])];
-    let mut cbuf = CBuf([0; 16 * TILE * TILE]);
+    // Scratch, left uninitialized (48 KiB per call): every A row is unpacked and every product
+    // tile stored before it is read.
+    let mut abuf = std::mem::MaybeUninit::<[ABuf; 2]>::uninit();
+    let mut cbuf = std::mem::MaybeUninit::<CBuf>::uninit();
+    let abase = abuf.as_mut_ptr() as *mut u8;
+    let aptr = |s: usize| abase.add(s * std::mem::size_of::<ABuf>());
+    let cptr = cbuf.as_mut_ptr() as *mut i32;
     let mut ws = [[[0f32; 16]; TILE]; 2];
     // Scale `p` of row `i` of one buffer (stored by row; `FOLD`'s are transposed and read by
     // `fold_epilogue`).
     let scale = |ws: &[[f32; 16]; TILE], i: usize, p: usize| ws[i][p];
     let mut acc = vec![_mm512_setzero_ps(); TILE * n_tb];
-    let unpack =
-        |abuf: &mut [ABuf; 2], ws: &mut [[[f32; 16]; TILE]; 2], s: usize, o0: usize, g: usize| {
-            unpack_group::<K>(w, r1, abuf[s].0.as_mut_ptr(), &mut ws[s], o0, g)
-        };
+    let unpack = |ws: &mut [[[f32; 16]; TILE]; 2], s: usize, o0: usize, g: usize| {
+        unpack_group::<K>(w, r1, aptr(s), &mut ws[s], o0, g)
+    };
     // Scratch buffer `cur` holds the group being multiplied; the next one (this tile's next group,
     // or the next tile's first) is unpacked into the other while the tiles compute.
     let mut cur = 0;
-    unpack(&mut abuf, &mut ws, cur, r0, 0);
+    unpack(&mut ws, cur, r0, 0);
     let mut o0 = r0;
     while o0 < r1 {
         let nr = (r1 - o0).min(TILE);
@@ -654,33 +709,32 @@ unsafe fn rows<K: Kind>(w: &QMatrix, act: *const u8, n_tok: usize, r0: usize, r1
             cur = 1 - cur;
             for tb in 0..n_tb {
                 let rec = act.add((tb * n_groups + g) * AREC);
-                let cptr = cbuf.0.as_mut_ptr();
                 if K::FOLD {
-                    tiles_fold(abuf[s].0.as_ptr(), rec, cptr);
+                    tiles_fold(aptr(s), rec, cptr);
                     // Unpack the next group while the tiles compute.
                     if let (true, Some((no, ng))) = (tb + 1 == n_tb, next) {
-                        unpack(&mut abuf, &mut ws, 1 - s, no, ng);
+                        unpack(&mut ws, 1 - s, no, ng);
                     }
-                    fold_epilogue(cptr, &ws[s], rec, &mut acc[tb * TILE..(tb + 1) * TILE]);
+                    fold_epilogue::<K>(cptr, &ws[s], rec, &mut acc[tb * TILE..(tb + 1) * TILE]);
                     continue;
                 }
-                let issue = |b: usize, abuf: &[ABuf; 2]| {
+                let issue = |b: usize| {
                     tiles4(
-                        abuf[s].0.as_ptr().add(4 * b * K::KS),
+                        aptr(s).add(4 * b * K::KS),
                         rec.add(4 * b * 16 * K::KS),
                         K::KS,
                         cptr.add(4 * b * TILE * TILE),
                     )
                 };
                 let nb = nsub / 4;
-                issue(0, &abuf);
+                issue(0);
                 let mut gacc = [_mm512_setzero_ps(); TILE];
                 for b in 0..nb {
                     // Keep the tile unit busy while this batch's products are scaled.
                     if b + 1 < nb {
-                        issue(b + 1, &abuf);
+                        issue(b + 1);
                     } else if let (true, Some((no, ng))) = (tb + 1 == n_tb, next) {
-                        unpack(&mut abuf, &mut ws, 1 - s, no, ng);
+                        unpack(&mut ws, 1 - s, no, ng);
                     }
                     let ws = &ws[s];
                     for p in 4 * b..4 * b + 4 {
@@ -743,6 +797,7 @@ unsafe fn unpack_group<K: Kind>(
     let (base, rb, n_groups) = (w.data.as_ptr(), w.row_bytes(), w.n_in / GROUP);
     let nr = (r1 - o0).min(TILE);
     let mut heads = [[0u8; 64]; TILE];
+    let mut dh = [0u16; TILE];
     let (po, pg) = super::x86_avx512::group_ahead(o0, g, n_groups, PREFETCH_GROUPS);
     for (i, wsi) in ws.iter_mut().enumerate() {
         let p = base.add((o0 + i.min(nr - 1)) * rb + g * K::GB);
@@ -752,11 +807,19 @@ unsafe fn unpack_group<K: Kind>(
             _mm_prefetch::<_MM_HINT_T1>(base.wrapping_add(off) as *const i8);
         }
         K::unpack(p, a.add(i * K::AROW), wsi.as_mut_ptr());
-        if K::FOLD {
+        if K::MINS {
             heads[i][..16].copy_from_slice(std::slice::from_raw_parts(p, 16));
+        } else if K::FOLD {
+            dh[i] = rd_u16(p.add(K::GB - 2));
         }
     }
-    if K::FOLD {
+    if K::FOLD && !K::MINS {
+        _mm512_storeu_ps(
+            ws[0].as_mut_ptr(),
+            _mm512_cvtph_ps(_mm256_loadu_si256(dh.as_ptr() as *const __m256i)),
+        );
+    }
+    if K::MINS {
         let f = super::x86_avx512::k4_fields_by_row(heads.as_ptr() as *const u8);
         _mm512_storeu_ps(ws[0].as_mut_ptr(), f.d);
         _mm512_storeu_ps(ws[1].as_mut_ptr(), f.dmin);
@@ -766,15 +829,15 @@ unsafe fn unpack_group<K: Kind>(
     }
 }
 
-/// The Q4_K (`FOLD`) epilogue of one group and 16-row activation block: products `C_hi`, `C_lo`
-/// at `cb` (2 × 256 i32), scales `ws` (`d`, `dmin`, mins), record `rec`, accumulators `acc`
-/// (one per output row, the activation rows in the lanes).
+/// The `FOLD` epilogue of one group and 16-row activation block: products `C_hi`, `C_lo` at `cb`
+/// (2 × 256 i32), scales `ws` (`d`, and for Q4_K `dmin` and the mins), record `rec`,
+/// accumulators `acc` (one per output row, the activation rows in the lanes).
 ///
 /// # Safety
 /// AVX-512 present; `cb` must hold the two stored product tiles and `rec` one packed record.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn fold_epilogue(
+unsafe fn fold_epilogue<K: Kind>(
     cb: *const i32,
     ws: &[[f32; 16]; TILE],
     rec: *const u8,
@@ -783,13 +846,17 @@ unsafe fn fold_epilogue(
     let dx = _mm512_loadu_ps(rec.add(OFF_DX) as *const f32);
     let bs: [__m512; 8] =
         std::array::from_fn(|j| _mm512_loadu_ps(rec.add(OFF_V + 64 * j) as *const f32));
+    let shift = _mm_cvtsi32_si128(K::SHIFT as i32);
     for (i, av) in acc.iter_mut().enumerate() {
-        // I = 8·C_hi + C_lo (exact), then the group's f32 chain: `fma(I, d·dx)`, and the mins
-        // `M = Σ_j m_j·bsum_j` (exact in f32: |M| < 2^24).
+        // I = 2^SHIFT·C_hi + C_lo (exact), then the group's f32 chain: `fma(I, d·dx)`, and for
+        // Q4_K the mins `M = Σ_j m_j·bsum_j` (exact in f32: |M| < 2^24).
         let c = |k: usize| _mm512_load_si512(cb.add(k * TILE * TILE + i * TILE) as *const __m512i);
-        let isum = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32::<3>(c(0)), c(1)));
+        let isum = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_sll_epi32(c(0), shift), c(1)));
         let d = _mm512_mul_ps(_mm512_set1_ps(ws[0][i]), dx);
         *av = _mm512_fmadd_ps(isum, d, *av);
+        if !K::MINS {
+            continue;
+        }
         let mut mins = _mm512_mul_ps(_mm512_set1_ps(ws[2][i]), bs[0]);
         for (j, bj) in bs.iter().enumerate().skip(1) {
             mins = _mm512_fmadd_ps(_mm512_set1_ps(ws[2 + j][i]), *bj, mins);

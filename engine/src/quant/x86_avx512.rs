@@ -1114,10 +1114,10 @@ const AO_TOK: usize = 8;
 /// groups of 256, every output `y[t, o]` is the same sequence of f32 operations as in the AMX
 /// epilogue, so one row computed here is bit-identical to the same row of an AMX batch. Per 16
 /// output rows and group, from the chunk dot products of each row (`vpdpbusd`, exact integers as
-/// the tile products): Q4_K sums them, times their scales, into the group's exact integer
-/// (`ao_q4k`); Q6_K / Q8_0 transpose them to one register per chunk with the 16 rows in its
-/// lanes, add the chunks of a sub-block (exact) and run the f32 chain over the sub-blocks with
-/// the AMX scale values (`amx::group_scales`) (`ao_rows`).
+/// the tile products): Q4_K and Q6_K sum them, times their scales, into the group's exact
+/// integer (`ao_fold`); Q8_0 transposes them to one register per chunk with the 16 rows in its
+/// lanes, adds the chunks of a block (exact) and runs the f32 chain over the blocks with the AMX
+/// scale values (`amx::group_scales`) (`ao_q80`).
 ///
 /// # Safety
 /// The CPU must support the enabled features; `ty` must be Q4_K, Q6_K or Q8_0 with
@@ -1136,43 +1136,77 @@ pub(crate) unsafe fn amx_order_rows(
     debug_assert!(act.len() >= n_tok * stride);
     let a = act.as_ptr();
     match w.ty {
-        GgmlType::Q4_K => ao_q4k(w, a, stride, n_tok, r0, r1, y),
-        GgmlType::Q6_K => ao_rows::<Q6K, 1>(w, a, stride, n_tok, r0, r1, y),
-        GgmlType::Q8_0 => ao_rows::<Q80, 2>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q4_K => ao_fold::<Q4K>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q6_K => ao_fold::<Q6K>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q8_0 => ao_q80(w, a, stride, n_tok, r0, r1, y),
         _ => {}
     }
 }
 
-/// A Q4_K group unpacked for the integer chain of `ao_q4k`: the chunk registers of `Q4K::unpack`,
-/// and per lane the six-bit scale of its sub-block as an i32 (high 16 bits zero, for `vpmaddwd`).
-///
-/// # Safety
-/// AVX-512 VNNI present; `p` must cover one Q4_K block (144 bytes).
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn k4_int_unpack(p: *const u8) -> ([__m512i; 4], __m512i) {
-    let (r0, r1) = nibbles(_mm512_loadu_si512(p.add(16) as *const __m512i));
-    let (r2, r3) = nibbles(_mm512_loadu_si512(p.add(80) as *const __m512i));
-    let (sc8, _) = k4_sc_m8(p);
-    let sc = _mm512_cvtepu8_epi32(_mm_cvtsi64_si128(sc8 as i64));
-    (
-        transpose4([r0, r1, r2, r3]),
-        _mm512_permutexvar_epi32(ld_i32x16(&SIG_K4), sc),
-    )
+/// A type whose sub-block scales the AMX tiles fold into the weights (`amx`, `Kind::FOLD`): its
+/// AMX-order kernel `ao_fold` forms the same exact group integer from the chunk dot products.
+trait Fold: Kind {
+    /// Q4_K's mins.
+    const FOLD_MINS: bool;
+    /// The chunk registers of `Kind::unpack`, and per lane the integer scale of its sub-block.
+    unsafe fn int_unpack(p: *const u8) -> ([__m512i; 4], __m512i);
+    /// The chunk dot products `c` times their scales `s`.
+    unsafe fn scaled(c: __m512i, s: __m512i) -> __m512i;
 }
 
-/// Q4_K rows of the AMX family below the tiles' batch size, with the tiles' arithmetic
-/// (`amx`, Q4_K): per output row, activation row and group the exact integers
-/// `I = Σ_j sc_j · Σ_{k in j} q_k a_k` and `M = Σ_j m_j · bsum_j`, then
-/// `acc = fma(cvt(I), d·dx, acc)` and `acc = fnmadd(M, dmin·dx, acc)`. Per 16 output rows and
-/// group: each row's chunk dot products (`vpdpbusd`) times its lanes' scales (`vpmaddwd`: a chunk
-/// sum fits 16 bits) leave 16 registers per activation row, summed lane-wise into one register
-/// with the 16 rows in its lanes (`reduce16_epi32`), so the f32 chain runs for 16 rows at once.
+impl Fold for Q4K {
+    const FOLD_MINS: bool = true;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn int_unpack(p: *const u8) -> ([__m512i; 4], __m512i) {
+        let (r0, r1) = nibbles(_mm512_loadu_si512(p.add(16) as *const __m512i));
+        let (r2, r3) = nibbles(_mm512_loadu_si512(p.add(80) as *const __m512i));
+        let (sc8, _) = k4_sc_m8(p);
+        // The six-bit scales as i32 with the high 16 bits zero, for `vpmaddwd`.
+        let sc = _mm512_cvtepu8_epi32(_mm_cvtsi64_si128(sc8 as i64));
+        (
+            transpose4([r0, r1, r2, r3]),
+            _mm512_permutexvar_epi32(ld_i32x16(&SIG_K4), sc),
+        )
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn scaled(c: __m512i, s: __m512i) -> __m512i {
+        // A 16-element chunk sum of 4-bit weights fits 16 bits.
+        _mm512_madd_epi16(c, s)
+    }
+}
+
+impl Fold for Q6K {
+    const FOLD_MINS: bool = false;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn int_unpack(p: *const u8) -> ([__m512i; 4], __m512i) {
+        let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(192) as *const __m128i));
+        (
+            Q6K::unpack(p).y,
+            _mm512_permutexvar_epi32(ld_i32x16(&SIG_K6), sc),
+        )
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn scaled(c: __m512i, s: __m512i) -> __m512i {
+        _mm512_mullo_epi32(c, s)
+    }
+}
+
+/// Q4_K and Q6_K rows of the AMX family below the tiles' batch size, with the tiles' arithmetic
+/// (`amx`, `Kind::FOLD`): per output row, activation row and group the exact integer
+/// `I = Σ_j sc_j · Σ_{k in j} q_k a_k`, then `acc = fma(cvt(I), d·dx, acc)`; for Q4_K also the
+/// mins `M = Σ_j m_j · bsum_j` and `acc = fnmadd(M, dmin·dx, acc)`. Per 16 output rows and
+/// group: each row's chunk dot products (`vpdpbusd`) times its lanes' scales (`Fold::scaled`)
+/// leave 16 registers per activation row, summed lane-wise into one register with the 16 rows in
+/// its lanes (`reduce16_epi32`), so the f32 chain runs for 16 rows at once.
 ///
 /// # Safety
-/// As `amx_order_rows`, for Q4_K.
+/// As `amx_order_rows`, for Q4_K or Q6_K.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn ao_q4k(
+unsafe fn ao_fold<K: Fold>(
     w: &QMatrix,
     act: *const u8,
     stride: usize,
@@ -1182,11 +1216,12 @@ unsafe fn ao_q4k(
     y: YPtr,
 ) {
     let rb = w.row_bytes();
-    let gb = Q4K::BB;
+    let gb = K::BB;
     let n_groups = w.n_in / GROUP;
     let base = w.data.as_ptr();
     let mut part = [[_mm512_setzero_si512(); 16]; AO_TOK];
     let mut heads = [[0u8; 64]; 16];
+    let mut dh = [0u16; 16];
     let mut t0 = 0;
     while t0 < n_tok {
         let nt = (n_tok - t0).min(AO_TOK);
@@ -1199,24 +1234,39 @@ unsafe fn ao_q4k(
                 for (i, head) in heads.iter_mut().enumerate() {
                     // Rows past the end repeat the last one (their results are dropped).
                     let p = base.add((o0 + i.min(nr - 1)) * rb + g * gb);
-                    prefetch_group::<Q4K>(base.wrapping_add((po + i) * rb + pg * gb));
-                    _mm_storeu_si128(
-                        head.as_mut_ptr() as *mut __m128i,
-                        _mm_loadu_si128(p as *const __m128i),
-                    );
-                    let (wy, scl) = k4_int_unpack(p);
+                    prefetch_group::<K>(base.wrapping_add((po + i) * rb + pg * gb));
+                    if K::FOLD_MINS {
+                        _mm_storeu_si128(
+                            head.as_mut_ptr() as *mut __m128i,
+                            _mm_loadu_si128(p as *const __m128i),
+                        );
+                    } else {
+                        dh[i] = rd_u16(p.add(gb - 2));
+                    }
+                    let (wy, scl) = K::int_unpack(p);
                     for (t, pt) in part.iter_mut().take(nt).enumerate() {
                         let ag = act.add((t0 + t) * stride + g * AREC);
-                        pt[i] = _mm512_madd_epi16(chunk_dots::<Q4K>(&wy, ag), scl);
+                        pt[i] = K::scaled(chunk_dots::<K>(&wy, ag), scl);
                     }
                 }
-                let f = k4_fields_by_row(heads.as_ptr() as *const u8);
+                let f = if K::FOLD_MINS {
+                    k4_fields_by_row(heads.as_ptr() as *const u8)
+                } else {
+                    K4Fields {
+                        d: _mm512_cvtph_ps(_mm256_loadu_si256(dh.as_ptr() as *const __m256i)),
+                        dmin: _mm512_setzero_ps(),
+                        m: [_mm512_setzero_si512(); 8],
+                    }
+                };
                 let mf: [__m512; 8] = std::array::from_fn(|j| _mm512_cvtepi32_ps(f.m[j]));
                 for (t, pt) in part.iter().take(nt).enumerate() {
                     let v = act.add((t0 + t) * stride + g * AREC + REC) as *const f32;
                     let dx = _mm512_set1_ps(*v);
                     let isum = _mm512_cvtepi32_ps(reduce16_epi32(pt));
                     acc[t] = _mm512_fmadd_ps(isum, _mm512_mul_ps(f.d, dx), acc[t]);
+                    if !K::FOLD_MINS {
+                        continue;
+                    }
                     let mut mins = _mm512_mul_ps(mf[0], _mm512_set1_ps(*v.add(1)));
                     for (j, mj) in mf.iter().enumerate().skip(1) {
                         mins = _mm512_fmadd_ps(*mj, _mm512_set1_ps(*v.add(1 + j)), mins);
@@ -1231,11 +1281,11 @@ unsafe fn ao_q4k(
     }
 }
 
-/// `amx_order_rows` for Q6_K (`T` = 1) and Q8_0 (`T` = 2).
+/// `amx_order_rows` for Q8_0: per 32-element block `G += cvt(C_b) · (dx_b · d_b)`.
 // `j` indexes the chunk registers, the scales and the record values alike.
 #[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn ao_rows<K: Kind, const T: u8>(
+unsafe fn ao_q80(
     w: &QMatrix,
     act: *const u8,
     stride: usize,
@@ -1245,7 +1295,7 @@ unsafe fn ao_rows<K: Kind, const T: u8>(
     y: YPtr,
 ) {
     let rb = w.row_bytes();
-    let gbytes = K::BLOCKS * K::BB;
+    let gbytes = Q80::BLOCKS * Q80::BB;
     let n_groups = w.n_in / GROUP;
     let base = w.data.as_ptr();
     // Per row tile and group: the chunk dot products of its 16 rows per activation row, and the
@@ -1264,13 +1314,13 @@ unsafe fn ao_rows<K: Kind, const T: u8>(
                 for (i, sc) in scales.iter_mut().enumerate() {
                     // Rows past the end repeat the last one (their results are dropped).
                     let p = base.add((o0 + i.min(nr - 1)) * rb + g * gbytes);
-                    prefetch_group::<K>(base.wrapping_add((po + i) * rb + pg * gbytes));
-                    let wv = K::unpack(p);
+                    prefetch_group::<Q80>(base.wrapping_add((po + i) * rb + pg * gbytes));
+                    let wv = Q80::unpack(p);
                     let mut ws = [0f32; 16];
                     super::amx::group_scales(w.ty, p, &mut ws);
                     *sc = _mm512_loadu_si512(ws.as_ptr() as *const __m512i);
                     for (t, pt) in part.iter_mut().take(nt).enumerate() {
-                        pt[i] = chunk_dots::<K>(&wv.y, act.add((t0 + t) * stride + g * AREC));
+                        pt[i] = chunk_dots::<Q80>(&wv.y, act.add((t0 + t) * stride + g * AREC));
                     }
                 }
                 // Scales and chunk sums with the 16 rows in the lanes of one register each.
@@ -1282,19 +1332,12 @@ unsafe fn ao_rows<K: Kind, const T: u8>(
                     let c = &*pt;
                     let v = act.add((t0 + t) * stride + g * AREC + REC) as *const f32;
                     let mut gs = _mm512_setzero_ps();
-                    if T == 1 {
-                        for j in 0..16 {
-                            gs = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c[LANE_NAT[j]]), ws[j], gs);
-                        }
-                        acc[t] = _mm512_fmadd_ps(gs, _mm512_set1_ps(*v), acc[t]);
-                    } else {
-                        for j in 0..8 {
-                            let s = _mm512_add_epi32(c[LANE_NAT[2 * j]], c[LANE_NAT[2 * j + 1]]);
-                            let sc = _mm512_mul_ps(_mm512_set1_ps(*v.add(j)), ws[j]);
-                            gs = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sc, gs);
-                        }
-                        acc[t] = _mm512_add_ps(acc[t], gs);
+                    for j in 0..8 {
+                        let s = _mm512_add_epi32(c[LANE_NAT[2 * j]], c[LANE_NAT[2 * j + 1]]);
+                        let sc = _mm512_mul_ps(_mm512_set1_ps(*v.add(j)), ws[j]);
+                        gs = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sc, gs);
                     }
+                    acc[t] = _mm512_add_ps(acc[t], gs);
                 }
             }
             write_rows16(&acc[..nt], t0, o0, nr, y);
