@@ -271,10 +271,38 @@ mod x86 {
         scale: f32,
         scores: &mut Vec<f32>,
     ) -> f32 {
+        // As in `attn_weighted_sum_avx512`: a fixed chunk count for the usual head sizes keeps the
+        // query in registers and unrolls each dot; the same FMAs in the same order either way.
+        match q.len() / 16 {
+            8 => scores_chunks::<8>(q, k, slots, stride, off, scale, scores),
+            4 => scores_chunks::<4>(q, k, slots, stride, off, scale, scores),
+            _ => scores_chunks::<0>(q, k, slots, stride, off, scale, scores),
+        }
+    }
+
+    /// `attn_scores_avx512` for `C` 16-float chunks per head (`C` = 0: any multiple of 16).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn scores_chunks<const C: usize>(
+        q: &[f32],
+        k: &[f32],
+        slots: &[usize],
+        stride: usize,
+        off: usize,
+        scale: f32,
+        scores: &mut Vec<f32>,
+    ) -> f32 {
         let hd = q.len();
+        let qr: [__m512; C] = std::array::from_fn(|c| _mm512_loadu_ps(q.as_ptr().add(16 * c)));
         let dot = |s: usize| {
             let row = k.as_ptr().add(s * stride + off);
             let mut acc = _mm512_setzero_ps();
+            if C > 0 {
+                for (c, qc) in qr.iter().enumerate() {
+                    acc = _mm512_fmadd_ps(*qc, _mm512_loadu_ps(row.add(16 * c)), acc);
+                }
+                return acc;
+            }
             let mut i = 0;
             while i < hd {
                 acc = _mm512_fmadd_ps(
