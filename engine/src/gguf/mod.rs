@@ -103,6 +103,8 @@ impl TensorInfo {
 }
 
 enum Storage {
+    /// The file, read into anonymous memory (huge pages where granted), and its length.
+    Anon(memmap2::Mmap, usize),
     Mmap(memmap2::Mmap),
     Owned(Vec<u8>),
 }
@@ -110,13 +112,14 @@ enum Storage {
 impl Storage {
     fn bytes(&self) -> &[u8] {
         match self {
+            Storage::Anon(m, len) => &m[..*len],
             Storage::Mmap(m) => m,
             Storage::Owned(v) => v,
         }
     }
 }
 
-/// A parsed GGUF file; tensor data stays in the mapping.
+/// A parsed GGUF file; tensor data stays in the loaded image.
 pub struct GgufFile {
     storage: Storage,
     pub version: u32,
@@ -138,13 +141,45 @@ impl std::fmt::Debug for GgufFile {
 }
 
 impl GgufFile {
-    /// Memory-map and parse a GGUF file.
+    /// Load and parse a GGUF file: the file is read once into anonymous memory backed by huge
+    /// pages where the OS grants them (Linux transparent huge pages, `MADV_HUGEPAGE`).
+    ///
+    /// Every forward pass streams all the weights; with 4 KiB pages of a file mapping that is a
+    /// TLB miss every 4 KiB (~250k per pass on a 1 GB model) and a hardware prefetcher that stops
+    /// at every page boundary. On 2 MiB pages a qwen2.5-coder-1.5b forward pass over 1 and over
+    /// 16 tokens runs ~18% faster (docs/benchmarks.md). Resident memory is the same as a fully
+    /// touched mapping (the file's size), and a copy cannot change under us if the file does.
+    /// Falls back to a read-only file mapping where anonymous memory cannot be mapped.
     pub fn open(path: &Path) -> Result<GgufFile> {
         let file = std::fs::File::open(path).map_err(|e| EngineError::io(path, e))?;
-        // SAFETY: the mapping is read-only; model files are not modified while we run
-        // (the fetcher writes to a temporary name and renames atomically).
-        let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| EngineError::io(path, e))?;
-        let mut g = Self::parse(Storage::Mmap(mmap))?;
+        let len = file.metadata().map_err(|e| EngineError::io(path, e))?.len();
+        let len = usize::try_from(len).map_err(|_| {
+            EngineError::io(
+                path,
+                std::io::Error::new(std::io::ErrorKind::InvalidData, "file too large"),
+            )
+        })?;
+        let storage = match memmap2::MmapMut::map_anon(len.max(1)) {
+            Ok(mut m) => {
+                use std::io::Read;
+                #[cfg(target_os = "linux")]
+                {
+                    // A hint: without it (or without THP) the copy still works on 4 KiB pages.
+                    let _ = m.advise(memmap2::Advice::HugePage);
+                }
+                (&file)
+                    .read_exact(&mut m[..len])
+                    .map_err(|e| EngineError::io(path, e))?;
+                let m = m.make_read_only().map_err(|e| EngineError::io(path, e))?;
+                Storage::Anon(m, len)
+            }
+            // SAFETY: the mapping is read-only; model files are not modified while we run
+            // (the fetcher writes to a temporary name and renames atomically).
+            Err(_) => Storage::Mmap(
+                unsafe { memmap2::Mmap::map(&file) }.map_err(|e| EngineError::io(path, e))?,
+            ),
+        };
+        let mut g = Self::parse(storage)?;
         g.path = Some(path.to_path_buf());
         Ok(g)
     }
