@@ -1,4 +1,4 @@
-//! GGUF v2/v3 reader (ggml's model file format): memory-mapped, bounds-checked metadata and tensor infos.
+//! GGUF v2/v3 reader (ggml's model file format): loaded onto huge pages (or memory-mapped), bounds-checked metadata and tensor infos.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
