@@ -173,13 +173,21 @@ impl GgufFile {
                 let m = m.make_read_only().map_err(|e| EngineError::io(path, e))?;
                 Storage::Anon(m, len)
             }
-            // SAFETY: the mapping is read-only; model files are not modified while we run
-            // (the fetcher writes to a temporary name and renames atomically).
-            Err(_) => Storage::Mmap(
-                unsafe { memmap2::Mmap::map(&file) }.map_err(|e| EngineError::io(path, e))?,
-            ),
+            Err(_) => return Self::open_mapped(path),
         };
         let mut g = Self::parse(storage)?;
+        g.path = Some(path.to_path_buf());
+        Ok(g)
+    }
+
+    /// Memory-map and parse a GGUF file (4 KiB pages of the page cache, shared with other
+    /// processes mapping the same file; see [`GgufFile::open`] for the faster default).
+    pub fn open_mapped(path: &Path) -> Result<GgufFile> {
+        let file = std::fs::File::open(path).map_err(|e| EngineError::io(path, e))?;
+        // SAFETY: the mapping is read-only; model files are not modified while we run
+        // (the fetcher writes to a temporary name and renames atomically).
+        let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| EngineError::io(path, e))?;
+        let mut g = Self::parse(Storage::Mmap(mmap))?;
         g.path = Some(path.to_path_buf());
         Ok(g)
     }

@@ -29,6 +29,40 @@ fn round_trip() {
     assert_eq!(v.offset % 32, 0);
 }
 
+/// A file loads the same through `open` (anonymous memory, huge pages) and `open_mapped`; an empty
+/// or truncated file is an error from both.
+#[test]
+fn open_and_open_mapped_agree() {
+    let dir = std::env::temp_dir().join(format!("arbor-gguf-open-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let bytes = sample();
+    let whole = dir.join("whole.gguf");
+    std::fs::write(&whole, &bytes).expect("write");
+    let a = GgufFile::open(&whole).expect("open");
+    let b = GgufFile::open_mapped(&whole).expect("open_mapped");
+    for name in ["w", "v"] {
+        let (ta, tb) = (
+            a.tensor_info(name).expect("a"),
+            b.tensor_info(name).expect("b"),
+        );
+        assert_eq!(ta.dims, tb.dims);
+        assert_eq!(a.tensor_bytes(ta), b.tensor_bytes(tb));
+    }
+    assert_eq!(
+        a.tensor_bytes(a.tensor_info("v").expect("v")),
+        &[1u8; 12][..]
+    );
+    assert_eq!(a.path.as_deref(), Some(whole.as_path()));
+    for (name, len) in [("empty.gguf", 0), ("cut.gguf", bytes.len() - 5)] {
+        let p = dir.join(name);
+        std::fs::write(&p, &bytes[..len]).expect("write");
+        assert!(GgufFile::open(&p).is_err(), "{name} opened");
+        assert!(GgufFile::open_mapped(&p).is_err(), "{name} mapped");
+    }
+    assert!(GgufFile::open(&dir.join("missing.gguf")).is_err());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn every_truncation_is_an_error_not_a_panic() {
     let bytes = sample();
