@@ -385,15 +385,18 @@ impl Kind for Q4K {
 }
 
 /// `vpermw` indices: word `i` of unpacked register `r` belongs to sub-block `Q4K_ORDER[2r + i/16]`.
-static K4_WORD_SC: [[u16; 32]; 4] = k4_word_sc();
+static K4_WORD_SC: [[u16; 32]; 4] = word_sc(16, &Q4K_ORDER);
 
-const fn k4_word_sc() -> [[u16; 32]; 4] {
+/// `vpermw` indices of the four unpacked registers (32 words each, `wps` words per sub-block, the
+/// register's sub-blocks in the order `order`): word `i` of register `r` is scaled by sub-block
+/// `order[(32r + i) / wps]`.
+const fn word_sc(wps: usize, order: &[usize]) -> [[u16; 32]; 4] {
     let mut t = [[0u16; 32]; 4];
     let mut r = 0;
     while r < 4 {
         let mut i = 0;
         while i < 32 {
-            t[r][i] = Q4K_ORDER[2 * r + i / 16] as u16;
+            t[r][i] = order[(32 * r + i) / wps] as u16;
             i += 1;
         }
         r += 1;
@@ -463,21 +466,8 @@ unsafe fn split_products(q: __m512i, s: __m512i) -> (__m512i, __m512i) {
 
 /// `vpermw` indices: word `i` of the register of elements 64r .. 64r + 64 scales elements
 /// `64r + 2i` and `64r + 2i + 1`, of sub-block `4r + i/8`.
-static K6_WORD_SC: [[u16; 32]; 4] = k6_word_sc();
-
-const fn k6_word_sc() -> [[u16; 32]; 4] {
-    let mut t = [[0u16; 32]; 4];
-    let mut r = 0;
-    while r < 4 {
-        let mut i = 0;
-        while i < 32 {
-            t[r][i] = (4 * r + i / 8) as u16;
-            i += 1;
-        }
-        r += 1;
-    }
-    t
-}
+static K6_WORD_SC: [[u16; 32]; 4] =
+    word_sc(8, &[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]);
 
 impl Kind for Q80 {
     const KS: usize = 32;
