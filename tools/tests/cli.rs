@@ -32,6 +32,46 @@ fn generate_json_reports_tokens_and_rates() {
     assert_eq!(j["finish_reason"], "length");
 }
 
+/// A reader that stops early (`arbor generate ... | head`) ends the process quietly, as SIGPIPE
+/// ends other Unix filters, instead of a panic on the next print.
+#[cfg(unix)]
+#[test]
+fn closed_stdout_ends_quietly() {
+    use std::io::Read;
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_arbor"))
+        .args([
+            "generate",
+            "--prompt",
+            "Count from one to fifty:",
+            "--max-tokens",
+            "48",
+            "--ignore-eos",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("arbor runs");
+    let mut first = [0u8; 1];
+    let mut stdout = child.stdout.take().expect("stdout");
+    stdout.read_exact(&mut first).expect("some output");
+    drop(stdout);
+    let mut stderr = String::new();
+    child
+        .stderr
+        .take()
+        .expect("stderr")
+        .read_to_string(&mut stderr)
+        .expect("stderr");
+    let status = child.wait().expect("exits");
+    assert!(!stderr.contains("panicked"), "stderr: {stderr}");
+    assert!(
+        status.success() || status.signal() == Some(libc::SIGPIPE),
+        "{status:?}, stderr: {stderr}"
+    );
+}
+
 #[test]
 fn generate_text_streams_then_prints_one_stats_line() {
     let out = arbor(&[

@@ -234,6 +234,22 @@ enum BenchCmd {
 
 fn main() {
     let cli = Cli::parse();
+    // Commands that print to stdout end quietly, like other Unix filters, when its reader goes
+    // away (`arbor generate ... | head`): Rust ignores SIGPIPE, which turns the next print into a
+    // panic. (A command serving sockets must keep ignoring it: there a closed peer is an error
+    // to handle, not a reason to exit. The match lists every command so a new one decides.)
+    let filter = match cli.cmd {
+        Cmd::Generate(_) | Cmd::Models { .. } | Cmd::Bench { .. } => true,
+    };
+    #[cfg(unix)]
+    if filter {
+        // SAFETY: restoring the default disposition of one signal before any thread is started.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = filter;
     if let Err(e) = run(cli) {
         eprintln!("error: {e:#}");
         std::process::exit(1);
