@@ -105,6 +105,10 @@ impl Backend for CpuBackend {
         quant::matmul(w, x, n_tok, y)
     }
 
+    fn matmul_new(&self, w: &QMatrix, x: &[f32], n_tok: usize) -> Result<Vec<f32>> {
+        quant::matmul_new(w, x, n_tok)
+    }
+
     fn matmul_many(
         &self,
         ws: &[QMatrix],

@@ -95,6 +95,16 @@ pub trait Backend: Send + Sync {
     /// y[t, o] = sum_k W[o, k] x[t, k].  x: [n_tok, n_in], y: [n_tok, n_out].
     fn matmul(&self, w: &QMatrix, x: &[f32], n_tok: usize, y: &mut [f32]) -> Result<()>;
 
+    /// `matmul` into a new vector `[n_tok, n_out]` (backends may skip clearing it first).
+    fn matmul_new(&self, w: &QMatrix, x: &[f32], n_tok: usize) -> Result<Vec<f32>> {
+        let n = n_tok.checked_mul(w.n_out).ok_or_else(|| {
+            crate::EngineError::Shape(format!("{n_tok} rows of {} outputs overflow", w.n_out))
+        })?;
+        let mut y = vec![0.0f32; n];
+        self.matmul(w, x, n_tok, &mut y)?;
+        Ok(y)
+    }
+
     /// Several matmuls of the same input (e.g. Q, K and V): `outs[i] = ws[i] x`.
     /// Backends may run them concurrently; the default runs them in turn.
     fn matmul_many(

@@ -265,9 +265,8 @@ impl Model {
         }
         let mut seln = vec![0.0f32; n_out * d];
         rms_norm(&sel, self.output_norm(), c.rms_eps, &mut seln);
-        let mut logits = vec![0.0f32; n_out * c.vocab_size]; // [n_out, vocab]
-        backend.matmul(&self.output_matrix(), &seln, n_out, &mut logits)?;
-        Ok(logits)
+        // [n_out, vocab]
+        backend.matmul_new(&self.output_matrix(), &seln, n_out)
     }
 }
 

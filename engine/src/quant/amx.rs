@@ -153,13 +153,45 @@ pub(crate) fn matmul(w: &QMatrix, x: &[f32], n_tok: usize, y: &mut [f32]) -> boo
 /// granted or any matrix is not covered (`supports`, all with the same `n_in`). Shapes must have
 /// been validated as in `matmul_with`.
 pub(crate) fn matmul_many(ws: &[QMatrix], x: &[f32], n_tok: usize, ys: &mut [&mut [f32]]) -> bool {
+    if ws.len() != ys.len() {
+        return false;
+    }
+    let yps: Vec<YPtr> = ys
+        .iter_mut()
+        .zip(ws)
+        .map(|(y, w)| {
+            debug_assert_eq!(y.len(), n_tok * w.n_out);
+            YPtr {
+                ptr: y.as_mut_ptr(),
+                n_out: w.n_out,
+            }
+        })
+        .collect();
+    // SAFETY: each `YPtr` comes from the unique borrow of an output of `n_tok * n_out` floats.
+    unsafe { matmul_many_raw(ws, x, n_tok, &yps) }
+}
+
+/// `matmul_many` into raw outputs. When it returns true it has written every element
+/// `[n_tok, n_out]` of every output (so they may start uninitialized).
+///
+/// # Safety
+/// `yps[i]` must point to `n_tok * ws[i].n_out` writable floats that nothing else accesses
+/// during the call.
+pub(crate) unsafe fn matmul_many_raw(
+    ws: &[QMatrix],
+    x: &[f32],
+    n_tok: usize,
+    yps: &[YPtr],
+) -> bool {
     let Some(n_in) = ws.first().map(|w| w.n_in) else {
         return false;
     };
     if !granted()
         || n_tok == 0
-        || ws.len() != ys.len()
-        || ws.iter().any(|w| !supports(w.ty, w.n_in) || w.n_in != n_in)
+        || ws.len() != yps.len()
+        || ws
+            .iter()
+            .any(|w| !supports(w.ty, w.n_in) || w.n_in != n_in || w.n_out == 0)
     {
         return false;
     }
@@ -193,17 +225,6 @@ pub(crate) fn matmul_many(ws: &[QMatrix], x: &[f32], n_tok: usize, ys: &mut [&mu
             act_bytes.chunks_mut(AREC).enumerate().for_each(fill);
         }
         let act_ro: &[u8] = act_bytes;
-        let yps: Vec<YPtr> = ys
-            .iter_mut()
-            .zip(ws)
-            .map(|(y, w)| {
-                debug_assert_eq!(y.len(), n_tok * w.n_out);
-                YPtr {
-                    ptr: y.as_mut_ptr(),
-                    n_out: w.n_out,
-                }
-            })
-            .collect();
         // Row ranges of whole tiles, a few per thread over all the matrices together.
         let threads = rayon::current_num_threads().max(1);
         let total: usize = ws.iter().map(|w| w.n_out).sum();

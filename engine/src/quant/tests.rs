@@ -845,3 +845,48 @@ fn matmul_many_bit_identical_to_one_at_a_time() {
     let mut y = vec![0f32; 48];
     assert!(matmul_many_in(AmxScope::Family, &ws, &x, 1, &mut [&mut y]).is_err());
 }
+
+/// `matmul_new` (the output head's entry: no clearing where the AMX tiles write every output)
+/// gives exactly `matmul`'s bits, inside and outside the AMX family, for tile-sized and smaller
+/// batches, covered and uncovered types; a bad input length is an error.
+#[test]
+fn matmul_new_equals_matmul() {
+    let mut rng = StdRng::seed_from_u64(21);
+    for ty in [
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+        GgmlType::Q8_0,
+        GgmlType::Q4_0,
+    ] {
+        let (n_out, n_in) = (45, 512);
+        let data = random_matrix(&mut rng, ty, n_out, n_in, true);
+        let w = QMatrix::new(ty, &data, n_out, n_in).unwrap();
+        for n_tok in [1usize, 8, 16, 21] {
+            let x = activations(&mut rng, n_tok, n_in);
+            for family in [false, true] {
+                let run = |f: &dyn Fn() -> Result<Vec<f32>>| {
+                    if family {
+                        with_amx_family(f)
+                    } else {
+                        f()
+                    }
+                };
+                let got = run(&|| matmul_new(&w, &x, n_tok)).unwrap();
+                let want = run(&|| {
+                    let mut y = vec![f32::NAN; n_tok * n_out];
+                    matmul(&w, &x, n_tok, &mut y).map(|_| y)
+                })
+                .unwrap();
+                assert_eq!(got.len(), want.len());
+                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                    assert_eq!(
+                        a.to_bits(),
+                        b.to_bits(),
+                        "{ty} n_tok {n_tok} family {family} [{i}]: {a} vs {b}"
+                    );
+                }
+            }
+            assert!(with_amx_family(|| matmul_new(&w, &x[1..], n_tok)).is_err());
+        }
+    }
+}
