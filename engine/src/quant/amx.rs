@@ -610,9 +610,9 @@ unsafe fn tiles4(a: *const u8, b: *const u8, ks: usize, c: *mut i32) {
     );
 }
 
-/// `Kind::FOLD` (Q4_K, Q6_K): `C_hi = A_hi · B` and `C_lo = A_lo · B` over the whole group (four K = 64
-/// products each) into `c` (2 × 1 KiB), where `A_hi` and `A_lo` are the 16 × 256 planes at `a`
-/// and `a + 256` (row stride 512) and `B` the 64 × 64 B activation rows at `b`.
+/// `Kind::FOLD` (Q4_K, Q6_K): `C_hi = A_hi · B` and `C_lo = A_lo · B` over the whole group (four
+/// K = 64 products each) into `c` (2 × 1 KiB), where `A_hi` and `A_lo` are the 16 × 256 planes at
+/// `a` and `a + 256` (row stride 512) and `B` the 64 × 64 B activation rows at `b`.
 ///
 /// # Safety
 /// Tiles must be configured by `tile_cfg(64)` on this thread; the pointers must cover the tiles.
