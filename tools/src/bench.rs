@@ -97,21 +97,23 @@ pub fn decode_bench(
     // tree verification lives on); each time is the median of its `reps`.
     const SIZES: [usize; 4] = [1, 4, 16, 64];
     let reps = reps.max(1);
-    let runs: Vec<(usize, Vec<u32>, Vec<usize>, TreeMask)> = SIZES
+    // Per size: tokens, positions, the chain's mask, and the rows (0..n) whose logits are asked.
+    let runs: Vec<_> = SIZES
         .iter()
         .map(|&n| {
             let toks: Vec<u32> = prompt.iter().copied().cycle().skip(7).take(n).collect();
             let pos: Vec<usize> = (context..context + n).collect();
             let parents: Vec<Option<usize>> = (0..n).map(|i| i.checked_sub(1)).collect();
-            (n, toks, pos, TreeMask::from_parents(&parents))
+            let all: Vec<usize> = (0..n).collect();
+            (toks, pos, TreeMask::from_parents(&parents), all)
         })
         .collect();
     // times[size][0: all rows, 1: last row]
     let mut times = vec![[Vec::with_capacity(reps), Vec::with_capacity(reps)]; SIZES.len()];
     for _ in 0..reps {
-        for ((n, toks, pos, chain), t_n) in runs.iter().zip(times.iter_mut()) {
-            let all: Vec<usize> = (0..*n).collect();
-            for (rows, t_rows) in [&all[..], &all[n - 1..]].into_iter().zip(t_n.iter_mut()) {
+        for ((toks, pos, chain, all), t_n) in runs.iter().zip(times.iter_mut()) {
+            let last = &all[all.len() - 1..];
+            for (rows, t_rows) in [&all[..], last].into_iter().zip(t_n.iter_mut()) {
                 cache.truncate(context);
                 let t = Instant::now();
                 model.forward(backend, &mut cache, toks, pos, chain.as_batch_mask(), rows)?;

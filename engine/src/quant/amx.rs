@@ -189,9 +189,7 @@ pub(crate) unsafe fn matmul_many_raw(
     if !granted()
         || n_tok == 0
         || ws.len() != yps.len()
-        || ws
-            .iter()
-            .any(|w| !supports(w.ty, w.n_in) || w.n_in != n_in || w.n_out == 0)
+        || ws.iter().any(|w| !supports(w.ty, w.n_in) || w.n_in != n_in)
     {
         return false;
     }
@@ -345,10 +343,8 @@ trait Kind {
     const SHIFT: u32 = 0;
     /// `FOLD`: Q4_K's mins (`M = Σ_j m_j · bsum_j`, subtracted times `dmin`).
     const MINS: bool = false;
-    /// Q8_0: the activation scale is per sub-block (record vectors), not per group.
-    const SUB_DX: bool;
     /// Unpacks the group at `p` into `AROW` bytes at `a` (A-tile column order) and, unless
-    /// `FOLD`, its scales into `ws` (16 f32, see `group_scales`).
+    /// `FOLD` (Q8_0, the one type that is not), its block scales into `ws` (`q80_scales`).
     unsafe fn unpack(p: *const u8, a: *mut u8, ws: *mut f32);
 }
 
@@ -379,7 +375,6 @@ impl Kind for Q4K {
     const FOLD: bool = true;
     const SHIFT: u32 = 3;
     const MINS: bool = true;
-    const SUB_DX: bool = false;
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn unpack(p: *const u8, a: *mut u8, ws: *mut f32) {
@@ -430,7 +425,6 @@ impl Kind for Q6K {
     const GB: usize = 210;
     const FOLD: bool = true;
     const SHIFT: u32 = 6;
-    const SUB_DX: bool = false;
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn unpack(p: *const u8, a: *mut u8, ws: *mut f32) {
@@ -493,7 +487,6 @@ static K6_WORD_SC: [[u16; 32]; 4] =
 impl Kind for Q80 {
     const KS: usize = 32;
     const GB: usize = 8 * 34;
-    const SUB_DX: bool = true;
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn unpack(p: *const u8, a: *mut u8, ws: *mut f32) {
@@ -505,10 +498,15 @@ impl Kind for Q80 {
     }
 }
 
-/// Q8_0: the 8 block scales of the group at `p` into `ws`.
+/// Q8_0: the 8 block scales of the group at `p` into `ws`, exactly as the AMX epilogue multiplies
+/// them. The AMX-order VNNI kernel (`x86_avx512::amx_order_rows`) reads them from here so both
+/// paths use the same values.
+///
+/// # Safety
+/// AVX-512 must be present; `p` must cover one Q8_0 group (8 blocks); `ws` must hold 8 floats.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn q80_scales(p: *const u8, ws: *mut f32) {
+pub(super) unsafe fn q80_scales(p: *const u8, ws: *mut f32) {
     let mut h = [0u16; 8];
     for (b, v) in h.iter_mut().enumerate() {
         *v = rd_u16(p.add(34 * b));
@@ -517,20 +515,6 @@ unsafe fn q80_scales(p: *const u8, ws: *mut f32) {
         ws,
         _mm256_cvtph_ps(_mm_loadu_si128(h.as_ptr() as *const __m128i)),
     );
-}
-
-/// The scales `ws` of one 256-element group at `p`, exactly as the AMX epilogue multiplies them:
-/// Q8_0 the 8 block scales. (The folded types' come for 16 rows at once from `unpack_group`;
-/// other types have none here.) The AMX-order VNNI kernel
-/// (`x86_avx512::amx_order_rows`) reads them from here so both paths use the same values.
-///
-/// # Safety
-/// AVX-512 must be present; `p` must cover one group of `ty`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(super) unsafe fn group_scales(ty: GgmlType, p: *const u8, ws: &mut [f32; 16]) {
-    if ty == GgmlType::Q8_0 {
-        q80_scales(p, ws.as_mut_ptr())
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -692,10 +676,9 @@ unsafe fn rows<K: Kind>(w: &QMatrix, act: *const u8, n_tok: usize, r0: usize, r1
     let abase = abuf.as_mut_ptr() as *mut u8;
     let aptr = |s: usize| abase.add(s * std::mem::size_of::<ABuf>());
     let cptr = cbuf.as_mut_ptr() as *mut i32;
+    // Scales of the two buffers: Q8_0's by row (`ws[s][row][block]`); `FOLD`'s transposed, read by
+    // `fold_epilogue`.
     let mut ws = [[[0f32; 16]; TILE]; 2];
-    // Scale `p` of row `i` of one buffer (stored by row; `FOLD`'s are transposed and read by
-    // `fold_epilogue`).
-    let scale = |ws: &[[f32; 16]; TILE], i: usize, p: usize| ws[i][p];
     let mut acc = vec![_mm512_setzero_ps(); TILE * n_tb];
     let unpack = |ws: &mut [[[f32; 16]; TILE]; 2], s: usize, o0: usize, g: usize| {
         unpack_group::<K>(w, r1, aptr(s), &mut ws[s], o0, g)
@@ -747,38 +730,23 @@ unsafe fn rows<K: Kind>(w: &QMatrix, act: *const u8, n_tok: usize, r0: usize, r1
                     } else if let (true, Some((no, ng))) = (tb + 1 == n_tb, next) {
                         unpack(&mut ws, 1 - s, no, ng);
                     }
+                    // Q8_0: the activation scale is per block (record vectors).
                     let ws = &ws[s];
                     for p in 4 * b..4 * b + 4 {
                         let cb = cptr.add(p * TILE * TILE) as *const i32;
-                        if K::SUB_DX {
-                            let dx = _mm512_loadu_ps(rec.add(OFF_V + 64 * p) as *const f32);
-                            for (i, ga) in gacc.iter_mut().enumerate() {
-                                let c = _mm512_cvtepi32_ps(_mm512_load_si512(
-                                    cb.add(i * TILE) as *const __m512i
-                                ));
-                                let sc = _mm512_mul_ps(dx, _mm512_set1_ps(scale(ws, i, p)));
-                                *ga = _mm512_fmadd_ps(c, sc, *ga);
-                            }
-                        } else {
-                            for (i, ga) in gacc.iter_mut().enumerate() {
-                                let c = _mm512_cvtepi32_ps(_mm512_load_si512(
-                                    cb.add(i * TILE) as *const __m512i
-                                ));
-                                *ga = _mm512_fmadd_ps(c, _mm512_set1_ps(scale(ws, i, p)), *ga);
-                            }
+                        let dx = _mm512_loadu_ps(rec.add(OFF_V + 64 * p) as *const f32);
+                        for (i, ga) in gacc.iter_mut().enumerate() {
+                            let c = _mm512_cvtepi32_ps(_mm512_load_si512(
+                                cb.add(i * TILE) as *const __m512i
+                            ));
+                            let sc = _mm512_mul_ps(dx, _mm512_set1_ps(ws[i][p]));
+                            *ga = _mm512_fmadd_ps(c, sc, *ga);
                         }
                     }
                 }
                 let a = &mut acc[tb * TILE..(tb + 1) * TILE];
-                if K::SUB_DX {
-                    for (av, ga) in a.iter_mut().zip(&gacc) {
-                        *av = _mm512_add_ps(*av, *ga);
-                    }
-                } else {
-                    let dx = _mm512_loadu_ps(rec.add(OFF_DX) as *const f32);
-                    for (av, ga) in a.iter_mut().zip(&gacc) {
-                        *av = _mm512_fmadd_ps(*ga, dx, *av);
-                    }
+                for (av, ga) in a.iter_mut().zip(&gacc) {
+                    *av = _mm512_add_ps(*av, *ga);
                 }
             }
         }

@@ -452,12 +452,9 @@ pub fn matmul_new(w: &QMatrix, x: &[f32], n_tok: usize) -> Result<Vec<f32>> {
     let n = n_tok.checked_mul(w.n_out).ok_or_else(|| {
         EngineError::Shape(format!("{n_tok} rows of {} outputs overflow", w.n_out))
     })?;
+    let scope = amx_scope();
     #[cfg(target_arch = "x86_64")]
-    if n_tok >= amx::MIN_TOK
-        && amx_scope() == AmxScope::Family
-        && *LEVEL.get_or_init(KernelLevel::detect) == KernelLevel::Amx
-        && w.n_in > 0
-    {
+    if tiles_take(scope, n_tok) {
         let mut y: Vec<f32> = Vec::with_capacity(n);
         let yp = YPtr {
             ptr: y.as_mut_ptr(),
@@ -473,8 +470,18 @@ pub fn matmul_new(w: &QMatrix, x: &[f32], n_tok: usize) -> Result<Vec<f32>> {
         }
     }
     let mut y = vec![0.0f32; n];
-    matmul(w, x, n_tok, &mut y)?;
+    matmul_in(scope, w, x, n_tok, &mut y)?;
     Ok(y)
+}
+
+/// Whether the AMX tiles take a batch of `n_tok` rows in `scope` (for matrices they cover): the
+/// choice `matmul_in` makes, for the callers that hand the tiles several matrices at once
+/// (`matmul_many_in`) or an uninitialized output (`matmul_new`).
+#[cfg(target_arch = "x86_64")]
+fn tiles_take(scope: AmxScope, n_tok: usize) -> bool {
+    scope != AmxScope::Off
+        && n_tok >= amx_min_rows()
+        && *LEVEL.get_or_init(KernelLevel::detect) == KernelLevel::Amx
 }
 
 /// `matmul` in the AMX scope the caller read (`amx_scope()` on the thread that owns the scope):
@@ -634,16 +641,12 @@ pub fn matmul_many_in(
         )));
     }
     #[cfg(target_arch = "x86_64")]
-    {
-        let level = *LEVEL.get_or_init(KernelLevel::detect);
-        let tiles = scope != AmxScope::Off && n_tok >= amx_min_rows();
-        if tiles && level == KernelLevel::Amx && !ws.is_empty() {
-            for (w, y) in ws.iter().zip(ys.iter()) {
-                check_shapes(w, x, n_tok, y)?;
-            }
-            if amx::matmul_many(ws, x, n_tok, ys) {
-                return Ok(());
-            }
+    if tiles_take(scope, n_tok) && !ws.is_empty() {
+        for (w, y) in ws.iter().zip(ys.iter()) {
+            check_shapes(w, x, n_tok, y)?;
+        }
+        if amx::matmul_many(ws, x, n_tok, ys) {
+            return Ok(());
         }
     }
     for (w, y) in ws.iter().zip(ys.iter_mut()) {

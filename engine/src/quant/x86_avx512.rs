@@ -1117,7 +1117,7 @@ const AO_TOK: usize = 8;
 /// the tile products): Q4_K and Q6_K sum them, times their scales, into the group's exact
 /// integer (`ao_fold`); Q8_0 transposes them to one register per chunk with the 16 rows in its
 /// lanes, adds the chunks of a block (exact) and runs the f32 chain over the blocks with the AMX
-/// scale values (`amx::group_scales`) (`ao_q80`).
+/// scale values (`amx::q80_scales`) (`ao_q80`).
 ///
 /// # Safety
 /// The CPU must support the enabled features; `ty` must be Q4_K, Q6_K or Q8_0 with
@@ -1299,7 +1299,7 @@ unsafe fn ao_q80(
     let n_groups = w.n_in / GROUP;
     let base = w.data.as_ptr();
     // Per row tile and group: the chunk dot products of its 16 rows per activation row, and the
-    // rows' 16 scales (`amx::group_scales`), combined as soon as the group is done.
+    // rows' 16 scales (`amx::q80_scales`), combined as soon as the group is done.
     let mut part = [[_mm512_setzero_si512(); 16]; AO_TOK];
     let mut scales = [_mm512_setzero_si512(); 16];
     let mut t0 = 0;
@@ -1317,7 +1317,7 @@ unsafe fn ao_q80(
                     prefetch_group::<Q80>(base.wrapping_add((po + i) * rb + pg * gbytes));
                     let wv = Q80::unpack(p);
                     let mut ws = [0f32; 16];
-                    super::amx::group_scales(w.ty, p, &mut ws);
+                    super::amx::q80_scales(p, ws.as_mut_ptr());
                     *sc = _mm512_loadu_si512(ws.as_ptr() as *const __m512i);
                     for (t, pt) in part.iter_mut().take(nt).enumerate() {
                         pt[i] = chunk_dots::<Q80>(&wv.y, act.add((t0 + t) * stride + g * AREC));
