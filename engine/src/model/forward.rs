@@ -274,7 +274,21 @@ impl Model {
 fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let d = weight.len();
     for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-        let ss: f64 = xr.iter().map(|&v| (v as f64) * (v as f64)).sum();
+        // The sum of squares in f64 as eight interleaved partial sums: a single running sum is
+        // one dependent add per element (~2 µs per 1536-float row), these vectorize.
+        let mut part = [0f64; 8];
+        let mut blocks = xr.chunks_exact(8);
+        for b in blocks.by_ref() {
+            for (p, &v) in part.iter_mut().zip(b) {
+                *p += (v as f64) * (v as f64);
+            }
+        }
+        let ss = blocks
+            .remainder()
+            .iter()
+            .fold(part.iter().sum::<f64>(), |a, &v| {
+                a + (v as f64) * (v as f64)
+            });
         let scale = 1.0 / ((ss / d as f64) as f32 + eps).sqrt();
         for ((o, &xv), &wv) in or.iter_mut().zip(xr).zip(weight) {
             *o = xv * scale * wv;
