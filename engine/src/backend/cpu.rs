@@ -130,6 +130,24 @@ impl Backend for CpuBackend {
             .try_for_each(|(w, y)| quant::matmul_in(amx, w, x, n_tok, y))
     }
 
+    fn matmul_swiglu(
+        &self,
+        w_gate: &QMatrix,
+        w_up: &QMatrix,
+        x: &[f32],
+        n_tok: usize,
+        gate: &mut [f32],
+        up: &mut [f32],
+    ) -> Result<()> {
+        // Batches as `matmul_many`'s (the AMX tiles gate each task's rows in its cache).
+        if n_tok > 4 {
+            return quant::matmul_swiglu_in(quant::amx_scope(), w_gate, w_up, x, n_tok, gate, up);
+        }
+        self.matmul_many(&[*w_gate, *w_up], x, n_tok, &mut [&mut *gate, &mut *up])?;
+        simd::silu_mul(gate, up);
+        Ok(())
+    }
+
     fn attention(
         &self,
         s: AttentionShape,

@@ -120,6 +120,23 @@ pub trait Backend: Send + Sync {
         Ok(())
     }
 
+    /// SwiGLU's projections and gate: `gate = silu(W_gate x) · (W_up x)`, `up = W_up x`
+    /// (x: [n_tok, n_in]; gate, up: [n_tok, n_out]). The default runs `matmul_many`, then
+    /// [`simd::silu_mul`]; a backend may fuse them, with the same bits.
+    fn matmul_swiglu(
+        &self,
+        w_gate: &QMatrix,
+        w_up: &QMatrix,
+        x: &[f32],
+        n_tok: usize,
+        gate: &mut [f32],
+        up: &mut [f32],
+    ) -> Result<()> {
+        self.matmul_many(&[*w_gate, *w_up], x, n_tok, &mut [&mut *gate, &mut *up])?;
+        simd::silu_mul(gate, up);
+        Ok(())
+    }
+
     /// Scaled dot-product attention of new tokens over slots `0..n_past + n_tok` of one layer.
     /// q: [n_tok, n_head * head_dim]; k, v: [slots, n_head_kv * head_dim]; out like q.
     fn attention(

@@ -237,13 +237,14 @@ impl Model {
 
             // Feed-forward block (SwiGLU).
             rms_norm(&x, &w.ffn_norm, c.rms_eps, &mut xn);
-            backend.matmul_many(
-                &[self.mat(&w.w_gate), self.mat(&w.w_up)],
+            backend.matmul_swiglu(
+                &self.mat(&w.w_gate),
+                &self.mat(&w.w_up),
                 &xn,
                 n_tok,
-                &mut [&mut gate, &mut up],
+                &mut gate,
+                &mut up,
             )?;
-            simd::silu_mul(&mut gate, &up);
             backend.matmul(&self.mat(&w.w_down), &gate, n_tok, &mut proj)?;
             add_in_place(&mut x, &proj);
         }

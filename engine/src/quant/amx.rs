@@ -168,11 +168,36 @@ pub(crate) fn matmul_many(ws: &[QMatrix], x: &[f32], n_tok: usize, ys: &mut [&mu
         })
         .collect();
     // SAFETY: each `YPtr` comes from the unique borrow of an output of `n_tok * n_out` floats.
-    unsafe { matmul_many_raw(ws, x, n_tok, &yps) }
+    unsafe { matmul_many_raw(ws, x, n_tok, &yps, false) }
+}
+
+/// `gate = silu(W_gate x) · (W_up x)`, `up = W_up x` with the AMX kernels: each row task runs its
+/// rows of both matrices, then gates them (`matmul_swiglu_in`). Returns false, touching nothing,
+/// as `matmul_many` does; the matrices must have the same `n_out`.
+pub(crate) fn matmul_swiglu(
+    w_gate: &QMatrix,
+    w_up: &QMatrix,
+    x: &[f32],
+    n_tok: usize,
+    gate: &mut [f32],
+    up: &mut [f32],
+) -> bool {
+    if w_gate.n_out != w_up.n_out {
+        return false;
+    }
+    let yp = |y: &mut [f32], w: &QMatrix| YPtr {
+        ptr: y.as_mut_ptr(),
+        n_out: w.n_out,
+    };
+    let yps = [yp(gate, w_gate), yp(up, w_up)];
+    // SAFETY: each `YPtr` comes from the unique borrow of an output of `n_tok * n_out` floats.
+    unsafe { matmul_many_raw(&[*w_gate, *w_up], x, n_tok, &yps, true) }
 }
 
 /// `matmul_many` into raw outputs. When it returns true it has written every element
-/// `[n_tok, n_out]` of every output (so they may start uninitialized).
+/// `[n_tok, n_out]` of every output (so they may start uninitialized). `swiglu`: `ws` is
+/// `[gate, up]` (same `n_out`), each task runs the same rows of both and then gates them,
+/// `y_gate = silu(y_gate) · y_up` (`simd::silu_mul`).
 ///
 /// # Safety
 /// `yps[i]` must point to `n_tok * ws[i].n_out` writable floats that nothing else accesses
@@ -182,6 +207,7 @@ pub(crate) unsafe fn matmul_many_raw(
     x: &[f32],
     n_tok: usize,
     yps: &[YPtr],
+    swiglu: bool,
 ) -> bool {
     let Some(n_in) = ws.first().map(|w| w.n_in) else {
         return false;
@@ -189,6 +215,7 @@ pub(crate) unsafe fn matmul_many_raw(
     if !granted()
         || n_tok == 0
         || ws.len() != yps.len()
+        || (swiglu && (ws.len() != 2 || ws[0].n_out != ws[1].n_out))
         || ws.iter().any(|w| !supports(w.ty, w.n_in) || w.n_in != n_in)
     {
         return false;
@@ -223,12 +250,18 @@ pub(crate) unsafe fn matmul_many_raw(
             act_bytes.chunks_mut(AREC).enumerate().for_each(fill);
         }
         let act_ro: &[u8] = act_bytes;
-        // Row ranges of whole tiles, a few per thread over all the matrices together.
+        // Row ranges of whole tiles, a few per thread over all the matrices together (SwiGLU:
+        // over the gate's rows, each task taking the same rows of both matrices).
         let threads = rayon::current_num_threads().max(1);
-        let total: usize = ws.iter().map(|w| w.n_out).sum();
+        let total: usize = ws
+            .iter()
+            .take(if swiglu { 1 } else { ws.len() })
+            .map(|w| w.n_out)
+            .sum();
         let per = total.div_ceil(threads * 4).next_multiple_of(TILE).max(TILE);
         let tasks: Vec<(usize, usize, usize)> = ws
             .iter()
+            .take(if swiglu { 1 } else { ws.len() })
             .enumerate()
             .flat_map(|(m, w)| {
                 (0..w.n_out)
@@ -236,13 +269,24 @@ pub(crate) unsafe fn matmul_many_raw(
                     .map(move |r0| (m, r0, (r0 + per).min(w.n_out)))
             })
             .collect();
-        let run = |&(m, r0, r1): &(usize, usize, usize)| {
+        let rows = |m: usize, r0: usize, r1: usize| {
             let act = act_ro[slot[m] * per_ty..].as_ptr();
             // SAFETY: `granted()` confirmed AMX-INT8, the tile grant and AVX-512 VNNI; `act`
             // holds `n_tb * n_groups` records built by `pack_record` for `ws[m].ty`;
             // `r1 <= n_out`; the caller validated the matrices; tasks own disjoint row ranges of
             // their matrix's output.
             unsafe { quant_rows(&ws[m], act, n_tok, r0, r1, yps[m]) }
+        };
+        let run = |&(m, r0, r1): &(usize, usize, usize)| {
+            rows(m, r0, r1);
+            if swiglu {
+                rows(1, r0, r1);
+                for t in 0..n_tok {
+                    // SAFETY: rows `[r0, r1)` of both outputs belong to this task alone.
+                    let (g, u) = unsafe { (yps[0].row_mut(t, r0, r1), yps[1].row_mut(t, r0, r1)) };
+                    crate::backend::simd::silu_mul(g, u);
+                }
+            }
         };
         if threads == 1 || tasks.len() == 1 {
             tasks.iter().for_each(run);

@@ -463,7 +463,7 @@ pub fn matmul_new(w: &QMatrix, x: &[f32], n_tok: usize) -> Result<Vec<f32>> {
         check_shapes_len(w, x, n_tok, n)?;
         // SAFETY: `yp` points to the vector's `n` floats of capacity, which nothing else accesses;
         // a true return means every one of them was written, so they are initialized.
-        if unsafe { amx::matmul_many_raw(std::slice::from_ref(w), x, n_tok, &[yp]) } {
+        if unsafe { amx::matmul_many_raw(std::slice::from_ref(w), x, n_tok, &[yp], false) } {
             // SAFETY: as above.
             unsafe { y.set_len(n) };
             return Ok(y);
@@ -655,6 +655,41 @@ pub fn matmul_many_in(
     Ok(())
 }
 
+/// SwiGLU's two projections and gate: `gate = silu(W_gate x) · (W_up x)` ([`simd::silu_mul`]),
+/// `up = W_up x`, in `scope`. Where the AMX tiles take the batch, each row task computes its rows
+/// of both matrices and gates them while they are in its cache (one parallel region, no serial
+/// pass over `[n_tok, n_ff]`); otherwise `matmul_many_in`, then the gate. The same bits either
+/// way (the gate is elementwise).
+///
+/// [`simd::silu_mul`]: crate::backend::simd::silu_mul
+pub fn matmul_swiglu_in(
+    scope: AmxScope,
+    w_gate: &QMatrix,
+    w_up: &QMatrix,
+    x: &[f32],
+    n_tok: usize,
+    gate: &mut [f32],
+    up: &mut [f32],
+) -> Result<()> {
+    #[cfg(target_arch = "x86_64")]
+    if tiles_take(scope, n_tok) && w_gate.n_out == w_up.n_out {
+        check_shapes(w_gate, x, n_tok, gate)?;
+        check_shapes(w_up, x, n_tok, up)?;
+        if amx::matmul_swiglu(w_gate, w_up, x, n_tok, gate, up) {
+            return Ok(());
+        }
+    }
+    matmul_many_in(
+        scope,
+        &[*w_gate, *w_up],
+        x,
+        n_tok,
+        &mut [&mut *gate, &mut *up],
+    )?;
+    crate::backend::simd::silu_mul(gate, up);
+    Ok(())
+}
+
 /// Fewer than `amx::MIN_TOK` rows of a type the AMX kernels cover, with their arithmetic
 /// (`x86_avx512::amx_order_rows`): bit-identical to the same rows inside an AMX batch.
 #[cfg(target_arch = "x86_64")]
@@ -738,6 +773,16 @@ impl YPtr {
     ///
     /// # Safety
     /// As `write` for each of the 16 columns; AVX-512F must be present.
+    /// y[t, r0..r1] as a slice.
+    ///
+    /// # Safety
+    /// `t < n_tok`, `r0 <= r1 <= n_out`, and the columns must lie in the calling task's own row
+    /// range (no other reference to them may live while the slice does).
+    #[inline]
+    pub(crate) unsafe fn row_mut<'a>(self, t: usize, r0: usize, r1: usize) -> &'a mut [f32] {
+        std::slice::from_raw_parts_mut(self.ptr.add(t * self.n_out + r0), r1 - r0)
+    }
+
     #[cfg(target_arch = "x86_64")]
     #[inline]
     #[target_feature(enable = "avx512f")]

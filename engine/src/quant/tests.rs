@@ -890,3 +890,39 @@ fn matmul_new_equals_matmul() {
         }
     }
 }
+
+/// SwiGLU fused into the AMX row tasks (each task gates its own rows) equals the two matmuls
+/// followed by `silu_mul`, bit for bit, in every scope, with a partial last row tile.
+#[test]
+fn matmul_swiglu_equals_matmuls_then_gate() {
+    let mut rng = StdRng::seed_from_u64(33);
+    for ty in [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0] {
+        let (n_out, n_in) = (45, 512);
+        let dg = random_matrix(&mut rng, ty, n_out, n_in, true);
+        let du = random_matrix(&mut rng, ty, n_out, n_in, true);
+        let wg = QMatrix::new(ty, &dg, n_out, n_in).unwrap();
+        let wu = QMatrix::new(ty, &du, n_out, n_in).unwrap();
+        for n_tok in [1usize, 8, 16, 21] {
+            let x = activations(&mut rng, n_tok, n_in);
+            for scope in [AmxScope::Off, AmxScope::Prefill, AmxScope::Family] {
+                let (mut g, mut u) = (vec![f32::NAN; n_tok * n_out], vec![f32::NAN; n_tok * n_out]);
+                matmul_swiglu_in(scope, &wg, &wu, &x, n_tok, &mut g, &mut u).unwrap();
+                let (mut g2, mut u2) = (vec![0f32; n_tok * n_out], vec![0f32; n_tok * n_out]);
+                matmul_many_in(scope, &[wg, wu], &x, n_tok, &mut [&mut g2, &mut u2]).unwrap();
+                crate::backend::simd::silu_mul(&mut g2, &u2);
+                for (i, ((a, b), (c, d))) in g.iter().zip(&g2).zip(u.iter().zip(&u2)).enumerate() {
+                    assert_eq!(
+                        a.to_bits(),
+                        b.to_bits(),
+                        "{ty} n_tok {n_tok} {scope:?} gate [{i}]"
+                    );
+                    assert_eq!(
+                        c.to_bits(),
+                        d.to_bits(),
+                        "{ty} n_tok {n_tok} {scope:?} up [{i}]"
+                    );
+                }
+            }
+        }
+    }
+}
