@@ -173,7 +173,7 @@ pub(crate) fn matmul_many(ws: &[QMatrix], x: &[f32], n_tok: usize, ys: &mut [&mu
 
 /// `gate = silu(W_gate x) · (W_up x)`, `up = W_up x` with the AMX kernels: each row task runs its
 /// rows of both matrices, then gates them (`matmul_swiglu_in`). Returns false, touching nothing,
-/// as `matmul_many` does; the matrices must have the same `n_out`.
+/// as `matmul_many` does, and where the matrices' `n_out` differ.
 pub(crate) fn matmul_swiglu(
     w_gate: &QMatrix,
     w_up: &QMatrix,
@@ -182,9 +182,6 @@ pub(crate) fn matmul_swiglu(
     gate: &mut [f32],
     up: &mut [f32],
 ) -> bool {
-    if w_gate.n_out != w_up.n_out {
-        return false;
-    }
     let yp = |y: &mut [f32], w: &QMatrix| YPtr {
         ptr: y.as_mut_ptr(),
         n_out: w.n_out,
@@ -253,15 +250,11 @@ pub(crate) unsafe fn matmul_many_raw(
         // Row ranges of whole tiles, a few per thread over all the matrices together (SwiGLU:
         // over the gate's rows, each task taking the same rows of both matrices).
         let threads = rayon::current_num_threads().max(1);
-        let total: usize = ws
-            .iter()
-            .take(if swiglu { 1 } else { ws.len() })
-            .map(|w| w.n_out)
-            .sum();
+        let split = if swiglu { &ws[..1] } else { ws };
+        let total: usize = split.iter().map(|w| w.n_out).sum();
         let per = total.div_ceil(threads * 4).next_multiple_of(TILE).max(TILE);
-        let tasks: Vec<(usize, usize, usize)> = ws
+        let tasks: Vec<(usize, usize, usize)> = split
             .iter()
-            .take(if swiglu { 1 } else { ws.len() })
             .enumerate()
             .flat_map(|(m, w)| {
                 (0..w.n_out)

@@ -672,7 +672,7 @@ pub fn matmul_swiglu_in(
     up: &mut [f32],
 ) -> Result<()> {
     #[cfg(target_arch = "x86_64")]
-    if tiles_take(scope, n_tok) && w_gate.n_out == w_up.n_out {
+    if tiles_take(scope, n_tok) {
         check_shapes(w_gate, x, n_tok, gate)?;
         check_shapes(w_up, x, n_tok, up)?;
         if amx::matmul_swiglu(w_gate, w_up, x, n_tok, gate, up) {
