@@ -82,8 +82,8 @@ pub fn silu_mul(g: &mut [f32], u: &[f32]) {
 }
 
 /// `x[i] = exp(x[i] − sub)` in place; returns the sum of the results as 16 lane sums (lane `j`
-/// adds elements `j, j + 16, …` in order) added lane by lane: one dependent add per element
-/// (softmax over a 16-token batch's scores) cost ~4 cycles each.
+/// adds elements `j, j + 16, …` in order), then the lanes in turn. (A single running sum, one
+/// dependent add per element, cost ~4 cycles per score in a 16-token batch's softmax.)
 pub fn exp_sub_sum(x: &mut [f32], sub: f32) -> f32 {
     let lanes = match level() {
         // SAFETY: the level was chosen from CPUID.

@@ -769,10 +769,6 @@ impl YPtr {
         *self.ptr.add(t * self.n_out + o) = v;
     }
 
-    /// Writes y[t, o..o + 16] from the 16 lanes of `v`.
-    ///
-    /// # Safety
-    /// As `write` for each of the 16 columns; AVX-512F must be present.
     /// y[t, r0..r1] as a slice.
     ///
     /// # Safety
@@ -783,6 +779,10 @@ impl YPtr {
         std::slice::from_raw_parts_mut(self.ptr.add(t * self.n_out + r0), r1 - r0)
     }
 
+    /// Writes y[t, o..o + 16] from the 16 lanes of `v`.
+    ///
+    /// # Safety
+    /// As `write` for each of the 16 columns; AVX-512F must be present.
     #[cfg(target_arch = "x86_64")]
     #[inline]
     #[target_feature(enable = "avx512f")]
