@@ -1,5 +1,5 @@
-//! f32 vector kernels for attention (dot product, scaled accumulate), dispatched at run time to
-//! AVX-512F or AVX2+FMA, with a portable fallback.
+//! f32 vector kernels for attention (dot product, scaled accumulate), softmax and SwiGLU, dispatched at run time to
+//! AVX-512F or AVX2+FMA+F16C (`ARBOR_KERNEL=avx2` forces the latter, `scalar` the portable code).
 
 use std::sync::OnceLock;
 
@@ -17,13 +17,18 @@ fn level() -> Level {
     *L.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            if std::env::var("ARBOR_KERNEL").as_deref() == Ok("scalar") {
+            let want = std::env::var("ARBOR_KERNEL").unwrap_or_default();
+            let want = want.trim();
+            if want.eq_ignore_ascii_case("scalar") {
                 return Level::Portable;
             }
-            if is_x86_feature_detected!("avx512f") {
+            if is_x86_feature_detected!("avx512f") && !want.eq_ignore_ascii_case("avx2") {
                 return Level::Avx512;
             }
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            if is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+            {
                 return Level::Avx2;
             }
         }
@@ -73,6 +78,9 @@ pub fn silu_mul(g: &mut [f32], u: &[f32]) {
         // SAFETY: the level was chosen from CPUID; slices have equal length.
         #[cfg(target_arch = "x86_64")]
         Level::Avx512 => unsafe { x86::silu_mul_avx512(g, u) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => unsafe { x86::silu_mul_avx2(g, u) },
         _ => {
             for (a, &b) in g.iter_mut().zip(u) {
                 *a = *a / (1.0 + exp_portable(-*a)) * b;
@@ -89,6 +97,9 @@ pub fn exp_sub_sum(x: &mut [f32], sub: f32) -> f32 {
         // SAFETY: the level was chosen from CPUID.
         #[cfg(target_arch = "x86_64")]
         Level::Avx512 => unsafe { x86::exp_sub_avx512(x, sub) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => unsafe { x86::exp_sub_avx2(x, sub) },
         _ => {
             let mut lanes = [0f32; 16];
             for (i, v) in x.iter_mut().enumerate() {
@@ -139,6 +150,9 @@ pub fn round_f16_slice(x: &mut [f32]) {
         // SAFETY: the level was chosen from CPUID (AVX-512F includes the f16 conversions).
         #[cfg(target_arch = "x86_64")]
         Level::Avx512 => unsafe { x86::round_f16_avx512(x) },
+        // SAFETY: the level was chosen from CPUID (AVX2 level implies F16C).
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => unsafe { x86::round_f16_avx2(x) },
         _ => {
             for v in x.iter_mut() {
                 *v = half::f16::from_f32(*v).to_f32();
@@ -167,6 +181,14 @@ pub fn attn_scores(
     {
         // SAFETY: AVX-512F detected; every row read was bounds-checked just above.
         return unsafe { x86::attn_scores_avx512(q, k, slots, stride, off, scale, scores) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if level() == Level::Avx2
+        && hd.is_multiple_of(16)
+        && slots.iter().all(|&s| s * stride + off + hd <= k.len())
+    {
+        // SAFETY: AVX2/FMA detected; every row read was bounds-checked just above.
+        return unsafe { x86::attn_scores_avx2(q, k, slots, stride, off, scale, scores) };
     }
     let mut max = f32::NEG_INFINITY;
     for &s in slots {
@@ -197,6 +219,14 @@ pub fn attn_weighted_sum(
     {
         // SAFETY: AVX-512F detected; every row read was bounds-checked just above.
         return unsafe { x86::attn_weighted_sum_avx512(p, v, slots, stride, off, o) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if level() == Level::Avx2
+        && hd.is_multiple_of(8)
+        && slots.iter().all(|&s| s * stride + off + hd <= v.len())
+    {
+        // SAFETY: AVX2/FMA detected; every row read was bounds-checked just above.
+        return unsafe { x86::attn_weighted_sum_avx2(p, v, slots, stride, off, o) };
     }
     for (&s, &w) in slots.iter().zip(p) {
         axpy(o, w, &v[s * stride + off..s * stride + off + hd]);
@@ -521,13 +551,7 @@ mod x86 {
             );
             i += 16;
         }
-        let acc = _mm256_add_ps(acc0, acc1);
-        let hi = _mm256_extractf128_ps(acc, 1);
-        let lo = _mm256_castps256_ps128(acc);
-        let s4 = _mm_add_ps(hi, lo);
-        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-        let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
-        let mut s = _mm_cvtss_f32(s1);
+        let mut s = hsum_avx2(_mm256_add_ps(acc0, acc1));
         while i < n {
             s += a[i] * b[i];
             i += 1;
@@ -551,6 +575,191 @@ mod x86 {
         while i < n {
             y[i] += s * x[i];
             i += 1;
+        }
+    }
+
+    /// The sum of 8 lanes: halves, then pairs, then the last two (`dot_avx2`'s reduction).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn hsum_avx2(acc: __m256) -> f32 {
+        let hi = _mm256_extractf128_ps(acc, 1);
+        let lo = _mm256_castps256_ps128(acc);
+        let s4 = _mm_add_ps(hi, lo);
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+        _mm_cvtss_f32(s1)
+    }
+
+    /// `exp` of 8 lanes: `exp_portable`'s operations, `2^n` applied in the same two exact steps,
+    /// so every lane has the portable function's bits.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn exp_avx2(x: __m256) -> __m256 {
+        let x = _mm256_min_ps(
+            _mm256_max_ps(x, _mm256_set1_ps(-104.0)),
+            _mm256_set1_ps(89.0),
+        );
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm256_mul_ps(x, _mm256_set1_ps(super::EXP_LOG2E)),
+        );
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(super::EXP_C1), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(super::EXP_C2), r);
+        let mut p = _mm256_set1_ps(super::EXP_P[0]);
+        for &c in &super::EXP_P[1..] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+        }
+        let e = _mm256_add_ps(
+            _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r),
+            _mm256_set1_ps(1.0),
+        );
+        // n = h + l with h = n / 2 rounded toward zero, as the portable code splits it.
+        let ni = _mm256_cvtps_epi32(n);
+        let h = _mm256_srai_epi32::<1>(_mm256_add_epi32(ni, _mm256_srli_epi32::<31>(ni)));
+        let l = _mm256_sub_epi32(ni, h);
+        let bias = _mm256_set1_epi32(127);
+        let ph = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(h, bias)));
+        let pl = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(l, bias)));
+        _mm256_mul_ps(_mm256_mul_ps(e, ph), pl)
+    }
+
+    /// SAFETY (caller): AVX2/FMA present, `g.len() == u.len()`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn silu_mul_avx2(g: &mut [f32], u: &[f32]) {
+        let one = _mm256_set1_ps(1.0);
+        let n = g.len();
+        let mut i = 0;
+        while i + 8 <= n {
+            let x = _mm256_loadu_ps(g.as_ptr().add(i));
+            let y = _mm256_loadu_ps(u.as_ptr().add(i));
+            let e = exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), x));
+            let s = _mm256_div_ps(x, _mm256_add_ps(one, e));
+            _mm256_storeu_ps(g.as_mut_ptr().add(i), _mm256_mul_ps(s, y));
+            i += 8;
+        }
+        for (a, &b) in g[i..].iter_mut().zip(&u[i..]) {
+            *a = *a / (1.0 + super::exp_portable(-*a)) * b;
+        }
+    }
+
+    /// SAFETY (caller): AVX2/FMA present.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn exp_sub_avx2(x: &mut [f32], sub: f32) -> [f32; 16] {
+        let sv = _mm256_set1_ps(sub);
+        let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let n = x.len();
+        let mut i = 0;
+        while i + 16 <= n {
+            let p = x.as_mut_ptr().add(i);
+            let e0 = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(p), sv));
+            let e1 = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(p.add(8)), sv));
+            _mm256_storeu_ps(p, e0);
+            _mm256_storeu_ps(p.add(8), e1);
+            acc0 = _mm256_add_ps(acc0, e0);
+            acc1 = _mm256_add_ps(acc1, e1);
+            i += 16;
+        }
+        let mut lanes = [0f32; 16];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), acc0);
+        _mm256_storeu_ps(lanes.as_mut_ptr().add(8), acc1);
+        for (j, v) in x[i..].iter_mut().enumerate() {
+            *v = super::exp_portable(*v - sub);
+            lanes[j] += *v;
+        }
+        lanes
+    }
+
+    /// SAFETY (caller): AVX2/F16C present.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn round_f16_avx2(x: &mut [f32]) {
+        let n = x.len();
+        let mut i = 0;
+        while i + 8 <= n {
+            let p = x.as_mut_ptr().add(i);
+            let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(p));
+            _mm256_storeu_ps(p, _mm256_cvtph_ps(h));
+            i += 8;
+        }
+        for v in &mut x[i..] {
+            *v = half::f16::from_f32(*v).to_f32();
+        }
+    }
+
+    /// Attention scores two rows at a time (each query load serves both); every score has the
+    /// bits of `dot_avx2(q, row) * scale`.
+    ///
+    /// SAFETY (caller): AVX2/FMA present, `q.len() % 16 == 0`, every row in bounds.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn attn_scores_avx2(
+        q: &[f32],
+        k: &[f32],
+        slots: &[usize],
+        stride: usize,
+        off: usize,
+        scale: f32,
+        scores: &mut Vec<f32>,
+    ) -> f32 {
+        let hd = q.len();
+        let qp = q.as_ptr();
+        let row = |s: usize| k.as_ptr().add(s * stride + off);
+        let mut max = f32::NEG_INFINITY;
+        let mut pairs = slots.chunks_exact(2);
+        for pr in pairs.by_ref() {
+            let (r0, r1) = (row(pr[0]), row(pr[1]));
+            let mut a = [_mm256_setzero_ps(); 4];
+            let mut i = 0;
+            while i < hd {
+                let (q0, q1) = (_mm256_loadu_ps(qp.add(i)), _mm256_loadu_ps(qp.add(i + 8)));
+                a[0] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(r0.add(i)), a[0]);
+                a[1] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(r0.add(i + 8)), a[1]);
+                a[2] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(r1.add(i)), a[2]);
+                a[3] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(r1.add(i + 8)), a[3]);
+                i += 16;
+            }
+            for acc in [_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])] {
+                let sc = hsum_avx2(acc) * scale;
+                max = max.max(sc);
+                scores.push(sc);
+            }
+        }
+        for &s in pairs.remainder() {
+            let sc = dot_avx2(q, std::slice::from_raw_parts(row(s), hd)) * scale;
+            max = max.max(sc);
+            scores.push(sc);
+        }
+        max
+    }
+
+    /// `o += sum_i p[i] * rows[slots[i]]`, 64 outputs at a time kept in registers; per output the
+    /// FMAs of `axpy_avx2` in slot order.
+    ///
+    /// SAFETY (caller): AVX2/FMA present, `o.len() % 8 == 0`, every row in bounds.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn attn_weighted_sum_avx2(
+        p: &[f32],
+        v: &[f32],
+        slots: &[usize],
+        stride: usize,
+        off: usize,
+        o: &mut [f32],
+    ) {
+        let mut c0 = 0;
+        while c0 < o.len() {
+            let chunks = ((o.len() - c0) / 8).min(8);
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for (c, a) in acc.iter_mut().enumerate().take(chunks) {
+                *a = _mm256_loadu_ps(o.as_ptr().add(c0 + 8 * c));
+            }
+            for (&s, &w) in slots.iter().zip(p) {
+                let row = v.as_ptr().add(s * stride + off + c0);
+                let wv = _mm256_set1_ps(w);
+                for (c, a) in acc.iter_mut().enumerate().take(chunks) {
+                    *a = _mm256_fmadd_ps(wv, _mm256_loadu_ps(row.add(8 * c)), *a);
+                }
+            }
+            for (c, a) in acc.iter().enumerate().take(chunks) {
+                _mm256_storeu_ps(o.as_mut_ptr().add(c0 + 8 * c), *a);
+            }
+            c0 += 8 * chunks;
         }
     }
 }
@@ -671,6 +880,87 @@ mod tests {
                     .sum::<f32>()
                     + 1.0;
                 assert!((o[d] - r).abs() < 1e-5, "hd {hd} dim {d}");
+            }
+        }
+    }
+
+    /// The AVX2 kernels (what AVX2-only CPUs run; `ARBOR_KERNEL=avx2` elsewhere) give the bits
+    /// of the portable `exp` / SiLU / f16 rounding, and attention scores and sums the bits of
+    /// `dot_avx2` / `axpy_avx2` per slot, whatever the slot count.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_kernels_bit_identical_to_their_references() {
+        if !(is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c"))
+        {
+            eprintln!("skipping: no AVX2/FMA/F16C");
+            return;
+        }
+        let mut rng = crate::sample::Rng::new(5);
+        let xs: Vec<f32> = (-1500..=1500).map(|i| i as f32 * 0.0613).collect();
+        for len in [xs.len(), 1, 8, 15, 16, 17, 31] {
+            let mut v = xs[..len].to_vec();
+            // SAFETY: features checked above.
+            let lanes = unsafe { x86::exp_sub_avx2(&mut v, 0.75) };
+            let mut want = [0f32; 16];
+            for (i, &got) in v.iter().enumerate() {
+                let e = exp_portable(xs[i] - 0.75);
+                assert_eq!(got.to_bits(), e.to_bits(), "exp({})", xs[i] - 0.75);
+                want[i % 16] += e;
+            }
+            for (a, b) in lanes.iter().zip(&want) {
+                assert_eq!(a.to_bits(), b.to_bits(), "len {len}");
+            }
+            let u: Vec<f32> = (0..len).map(|i| 0.5 + (i as f32 * 0.37).sin()).collect();
+            let mut g = xs[..len].to_vec();
+            // SAFETY: as above; equal lengths.
+            unsafe { x86::silu_mul_avx2(&mut g, &u) };
+            for i in 0..len {
+                let x = xs[i];
+                let w = x / (1.0 + exp_portable(-x)) * u[i];
+                assert_eq!(g[i].to_bits(), w.to_bits(), "silu({x})");
+            }
+            let mut r: Vec<f32> = xs[..len].iter().map(|v| v * 977.3).collect();
+            let want: Vec<f32> = r.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
+            // SAFETY: as above.
+            unsafe { x86::round_f16_avx2(&mut r) };
+            assert_eq!(r, want, "len {len}");
+        }
+        for hd in [64usize, 128, 32] {
+            let stride = hd * 2;
+            let rows = 19;
+            let k: Vec<f32> = (0..rows * stride)
+                .map(|_| rng.next_f64() as f32 - 0.5)
+                .collect();
+            let q: Vec<f32> = (0..hd).map(|_| rng.next_f64() as f32 - 0.5).collect();
+            for n in [1usize, 2, 5, 19] {
+                let slots: Vec<usize> = (0..n).map(|i| (i * 7) % rows).collect();
+                let mut sc = Vec::new();
+                // SAFETY: as above; rows in bounds.
+                let max =
+                    unsafe { x86::attn_scores_avx2(&q, &k, &slots, stride, hd, 0.3, &mut sc) };
+                let mut want_max = f32::NEG_INFINITY;
+                for (i, &s) in slots.iter().enumerate() {
+                    // SAFETY: as above.
+                    let w = unsafe { x86::dot_avx2(&q, &k[s * stride + hd..s * stride + 2 * hd]) }
+                        * 0.3;
+                    assert_eq!(sc[i].to_bits(), w.to_bits(), "hd {hd} n {n} slot {s}");
+                    want_max = want_max.max(w);
+                }
+                assert_eq!(max, want_max);
+                let mut o: Vec<f32> = (0..hd).map(|i| i as f32 * 0.01).collect();
+                let mut want = o.clone();
+                // SAFETY: as above.
+                unsafe {
+                    x86::attn_weighted_sum_avx2(&sc, &k, &slots, stride, hd, &mut o);
+                    for (&s, &w) in slots.iter().zip(&sc) {
+                        x86::axpy_avx2(&mut want, w, &k[s * stride + hd..s * stride + 2 * hd]);
+                    }
+                }
+                for (a, b) in o.iter().zip(&want) {
+                    assert_eq!(a.to_bits(), b.to_bits(), "hd {hd} n {n}");
+                }
             }
         }
     }

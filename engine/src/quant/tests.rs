@@ -471,6 +471,17 @@ fn avx512_rows_bit_identical_to_single_row() {
     rows_bit_identical_to_single_row(KernelLevel::Avx512Vnni);
 }
 
+/// The same for the AVX2 kernels (tiles of 2 output × 4 activation rows, remainders of 1-3 rows).
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avx2_rows_bit_identical_to_single_row() {
+    if !levels().contains(&KernelLevel::Avx2) {
+        eprintln!("skipping: no AVX2");
+        return;
+    }
+    rows_bit_identical_to_single_row(KernelLevel::Avx2);
+}
+
 /// The same at the AMX level: batches of `amx::MIN_TOK` or more rows run the AMX tiles, smaller
 /// ones (and single rows) the AMX-order VNNI kernel, and every row must still equal its single-row
 /// result bit for bit, for the covered types (Q4_K, Q6_K, Q8_0) and the rest alike.
