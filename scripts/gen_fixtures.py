@@ -9,17 +9,23 @@ Uses llama-cpp-python (the llama.cpp it bundles is the reference implementation)
     sample of token pieces.
 * tests/fixtures/greedy_smollm2.json (+ greedy_smollm2_logits_<i>.f32)
 * tests/fixtures/greedy_qwen15.json (+ greedy_qwen15_logits_<i>.f32)
-    greedy decoding (argmax, no EOS stop) with the top-2 logits of every step and
-    the full logits row of the last prompt position (little-endian f32).
+    greedy decoding (argmax, no EOS stop; the prompt in one batch, then one token per
+    step) with the top-2 and top-8 logits of every step and the full logits row of the
+    last prompt position (little-endian f32); and llama.cpp's own noise: the same model
+    with an f32 instead of the default f16 KV cache, teacher-forced along that greedy
+    path, per step (kv_f32_argmax, kv_f32_top8_logits: its logits of the f16 run's
+    top-8 ids, kv_f32_centered_diff: [mean, max] centered |d logit| over the vocabulary)
+    and aggregated in kv_f32_noise (printed too).
 
 Usage: python3 scripts/gen_fixtures.py [--models-dir DIR] [--out tests/fixtures]
-       [--only tokenize|greedy]
+       [--only tokenize|greedy|greedy-smollm2|greedy-qwen15]
 Models default to $ARBOR_HOME/models (ARBOR_HOME defaults to ~/.cache/arbor).
 """
 
 import argparse
 import ctypes
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -243,16 +249,102 @@ QWEN15_PROMPTS = [
 ]
 
 
+def centered_abs_diff(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """|a - b| after removing each row's mean (a uniform shift changes no probability)."""
+    a = a.astype(np.float64)
+    b = b.astype(np.float64)
+    return np.abs((a - a.mean()) - (b - b.mean()))
+
+
+def kv_noise(rows16, rows32, top8):
+    """llama.cpp against itself, f16 vs f32 KV cache, at each step of one prompt.
+
+    rows16/rows32: the full logit rows of each step; top8: the f16 run's 8 best ids per step.
+    Returns the per-step record fields (the f32 run's argmax, its logits of the f16 top-8 ids,
+    the centered |d logit| mean and max over the vocabulary)."""
+    argmax32, top8_32, diff = [], [], []
+    for r16, r32, ids in zip(rows16, rows32, top8):
+        d = centered_abs_diff(r16, r32)
+        argmax32.append(int(np.argmax(r32)))
+        top8_32.append([float(r32[t]) for t in ids])
+        diff.append([float(d.mean()), float(d.max())])
+    return {"kv_f32_argmax": argmax32, "kv_f32_top8_logits": top8_32, "kv_f32_centered_diff": diff}
+
+
+def quantile(values, q: float) -> float:
+    """The q quantile of values, nearest rank (as tests/llamacpp_greedy.rs computes it)."""
+    v = sorted(values)
+    return v[min(max(math.ceil(q * len(v)), 1), len(v)) - 1]
+
+
+def noise_summary(records):
+    """Aggregate llama.cpp's f16-vs-f32 KV noise over every step of every prompt.
+
+    gap shift of a step: max over the f16 run's top-8 ids t of
+    |(l[top1] - l[t]) under f16 - (l[top1] - l[t]) under f32|, the amount the KV precision moved
+    a near-top token's distance from the winner."""
+    steps = flips = 0
+    flip_gaps, shifts, top2_shifts = [], [], []
+    step_mean = step_max = 0.0
+    for r in records:
+        for s, (top, l32, a32, (mean, mx)) in enumerate(
+            zip(r["step_top8"], r["kv_f32_top8_logits"], r["kv_f32_argmax"], r["kv_f32_centered_diff"])
+        ):
+            steps += 1
+            g16 = [top[0][1] - l for _, l in top]
+            g32 = [l32[0] - l for l in l32]
+            sh = [abs(a - b) for a, b in zip(g16, g32)]
+            shifts.append(max(sh))
+            top2_shifts.append(sh[1])
+            step_mean, step_max = max(step_mean, mean), max(step_max, mx)
+            if a32 != top[0][0]:
+                flips += 1
+                # the larger of the two runs' gaps between their picks
+                j = next((j for j, (t, _) in enumerate(top) if t == a32), None)
+                gap = None if j is None else max(top[0][1] - top[j][1], l32[j] - l32[0])
+                flip_gaps.append(gap)
+                print(f"    f16/f32 flip: prompt {r['prompt'][-30:]!r} step {s}: gap between the picks {gap}")
+    last = [r["kv_f32_centered_diff"][0] for r in records]
+    known = [g for g in flip_gaps if g is not None]
+    return {
+        "steps": steps,
+        "argmax_flips": flips,
+        # at those steps, the largest gap between the two picks, in either run's logits
+        "max_gap_at_flip": max(known) if known else 0.0,
+        "flips_outside_top8": len(flip_gaps) - len(known),
+        # gap shift (see above) over the steps: largest, 95th percentile, mean; then the same of the
+        # top-2 gap alone
+        "max_gap_shift": max(shifts),
+        "p95_gap_shift": quantile(shifts, 0.95),
+        "mean_gap_shift": float(np.mean(shifts)),
+        "max_top2_gap_shift": max(top2_shifts),
+        "p95_top2_gap_shift": quantile(top2_shifts, 0.95),
+        # the last prompt position's logits (step 0): worst prompt's centered |d| mean and max
+        "last_logits_max_mean_abs": max(m for m, _ in last),
+        "last_logits_max_abs": max(x for _, x in last),
+        # every step's logits, worst step
+        "steps_max_mean_abs": step_mean,
+        "steps_max_abs": step_max,
+    }
+
+
 def greedy_fixture(model_path: Path, prompts, n_gen: int, out_dir: Path, stem: str) -> None:
-    llm = Llama(
-        model_path=str(model_path),
-        n_ctx=512,
-        n_threads=2,
-        n_batch=512,
-        logits_all=True,
-        seed=0,
-        verbose=False,
-    )
+    def load(**kv):
+        return Llama(
+            model_path=str(model_path),
+            n_ctx=512,
+            n_threads=2,
+            n_batch=512,
+            logits_all=True,
+            seed=0,
+            verbose=False,
+            **kv,
+        )
+
+    llm = load()  # default KV cache: f16, the reference
+    # The same model with an f32 KV cache: llama.cpp's own noise from one rounding choice.
+    f32 = getattr(llama_cpp, "GGML_TYPE_F32", 0)
+    llm32 = load(type_k=f32, type_v=f32)
     n_vocab = llm.n_vocab()
     records = []
     for i, prompt in enumerate(prompts):
@@ -267,29 +359,44 @@ def greedy_fixture(model_path: Path, prompts, n_gen: int, out_dir: Path, stem: s
         greedy_ids = []
         step_top2 = []
         step_top8 = []
+        rows16 = []
         logits = last
-        for _ in range(n_gen):
+        for s in range(n_gen):
+            rows16.append(logits)
             order = np.argsort(-logits, kind="stable")
             t1, t2 = int(order[0]), int(order[1])
             assert t1 == int(np.argmax(logits))
             step_top2.append([t1, float(logits[t1]), t2, float(logits[t2])])
             step_top8.append([[int(t), float(logits[t])] for t in order[:8]])
             greedy_ids.append(t1)
-            llm.eval([t1])
-            logits = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
-        records.append(
-            {
-                "prompt": prompt,
-                "prompt_ids": prompt_ids,
-                "greedy_ids": greedy_ids,
-                "greedy_text": llm.detokenize(greedy_ids, special=True).decode("utf-8", "replace"),
-                "step_top2": step_top2,
-                "step_top8": step_top8,
-                "last_logits_file": logits_file,
-            }
-        )
+            if s + 1 < n_gen:
+                llm.eval([t1])
+                logits = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+
+        # f32 KV cache, teacher-forced along the f16 run's greedy path (prompt in one batch, then
+        # one token per step, as above), so each step sees the same tokens.
+        llm32.reset()
+        llm32.eval(prompt_ids)
+        rows32 = [np.array(llm32.scores[llm32.n_tokens - 1], dtype=np.float32)]
+        for t in greedy_ids[:-1]:
+            llm32.eval([t])
+            rows32.append(np.array(llm32.scores[llm32.n_tokens - 1], dtype=np.float32))
+
+        rec = {
+            "prompt": prompt,
+            "prompt_ids": prompt_ids,
+            "greedy_ids": greedy_ids,
+            "greedy_text": llm.detokenize(greedy_ids, special=True).decode("utf-8", "replace"),
+            "step_top2": step_top2,
+            "step_top8": step_top8,
+            "last_logits_file": logits_file,
+        }
+        rec.update(kv_noise(rows16, rows32, [[t for t, _ in top] for top in step_top8]))
+        records.append(rec)
         print(f"  {stem}[{i}] {len(prompt_ids)} prompt tokens -> {greedy_ids[:8]}...")
 
+    noise = noise_summary(records)
+    print(f"  llama.cpp f16 vs f32 KV noise: {json.dumps(noise)}")
     doc = {
         "model": model_path.name,
         "llama_cpp_python": llama_cpp.__version__,
@@ -304,6 +411,9 @@ def greedy_fixture(model_path: Path, prompts, n_gen: int, out_dir: Path, stem: s
             "add_bos": False,
             "special": True,
         },
+        # llama.cpp with an f32 instead of f16 KV cache, teacher-forced along the same greedy
+        # paths: the per-step fields kv_f32_* of each prompt, aggregated (see noise_summary).
+        "kv_f32_noise": noise,
         "prompts": records,
     }
     out = out_dir / f"{stem}.json"
@@ -316,20 +426,29 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models-dir", type=Path, default=home / "models")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "tests" / "fixtures")
-    ap.add_argument("--only", choices=["tokenize", "greedy"], default=None)
+    ap.add_argument(
+        "--only", choices=["tokenize", "greedy", "greedy-smollm2", "greedy-qwen15"], default=None
+    )
     args = ap.parse_args()
 
+    jobs = {
+        "tokenize": [SMOLLM2, QWEN_TOKENIZER],
+        "greedy-smollm2": [SMOLLM2],
+        "greedy-qwen15": [QWEN15],
+    }
+    want = [j for j in jobs if args.only in (None, j) or (args.only == "greedy" and j.startswith("greedy"))]
     args.out.mkdir(parents=True, exist_ok=True)
-    for name in (SMOLLM2, QWEN_TOKENIZER, QWEN15):
+    for name in sorted({m for j in want for m in jobs[j]}):
         if not (args.models_dir / name).exists():
             print(f"missing model {args.models_dir / name} (run `arbor models fetch`)", file=sys.stderr)
             return 1
 
-    if args.only in (None, "tokenize"):
+    if "tokenize" in want:
         tokenize_fixture(args.models_dir / SMOLLM2, args.out / "tokenize_smollm2.json")
         tokenize_fixture(args.models_dir / QWEN_TOKENIZER, args.out / "tokenize_qwen2.json")
-    if args.only in (None, "greedy"):
+    if "greedy-smollm2" in want:
         greedy_fixture(args.models_dir / SMOLLM2, SMOLLM2_PROMPTS, 32, args.out, "greedy_smollm2")
+    if "greedy-qwen15" in want:
         greedy_fixture(args.models_dir / QWEN15, QWEN15_PROMPTS, 16, args.out, "greedy_qwen15")
     return 0
 
