@@ -529,6 +529,7 @@ fn always_accept(
         accepted,
         tokens,
         bonus,
+        broken_drafters: Vec::new(),
     }
 }
 

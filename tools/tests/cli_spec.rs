@@ -38,6 +38,7 @@ fn greedy_speculation_reports_metrics_and_matches_plain_generation() {
             15,
             "every token after the first is accepted or a bonus"
         );
+        assert_eq!(s["drafter_contract_failures"], 0, "{s}");
         let mean = s["mean_accepted"].as_f64().unwrap();
         assert!((mean - accepted as f64 / steps as f64).abs() < 1e-9);
         if drafters.contains("oracle") {
@@ -77,6 +78,7 @@ fn sampled_speculation_is_reproducible_and_text_mode_prints_one_stats_line() {
     assert!(last.starts_with("[arbor] prompt tokens:"), "{last}");
     assert!(last.contains("spec (mss): steps:"), "{last}");
     assert!(last.contains("mean accepted:"), "{last}");
+    assert!(last.contains("drafter contract failures: 0"), "{last}");
 }
 
 #[test]
