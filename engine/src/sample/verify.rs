@@ -603,16 +603,39 @@ mod tests {
         }
     }
 
+    /// Same seed, same outputs; another seed or another temperature, other outputs: at
+    /// temperature 0.01 (logit gaps of at least 0.12 become 12 nats) every step emits the
+    /// greedy path, at 1.0 the 4-token rows are far from one-hot. 40 steps, pinned seeds.
     #[test]
     fn verifier_is_deterministic_per_seed() {
         let t = TokenTree::chain(0, &[1, 2, 3], 0);
         let logits: Vec<f32> = (0..t.len() * 4).map(|i| (i as f32 * 0.7).sin()).collect();
-        let run = |seed| {
-            let mut v = Verifier::new(VerifyMode::Mss, sampling(seed)).unwrap();
-            (0..20)
+        let run = |mode, seed, temperature| {
+            let params = SamplingParams {
+                temperature,
+                ..sampling(seed)
+            };
+            let mut v = Verifier::new(mode, params).unwrap();
+            (0..40)
                 .map(|_| v.verify(&t, &logits, 4).unwrap().emitted())
                 .collect::<Vec<_>>()
         };
-        assert_eq!(run(5), run(5));
+        let greedy = verify_greedy(&t, &logits, 4).unwrap().emitted();
+        for mode in [VerifyMode::Mss, VerifyMode::Naive] {
+            assert_eq!(run(mode, 5, 1.0), run(mode, 5, 1.0), "{mode}");
+            assert_ne!(
+                run(mode, 5, 1.0),
+                run(mode, 6, 1.0),
+                "{mode}: the seed is used"
+            );
+            let cold = run(mode, 5, 0.01);
+            assert!(cold.iter().all(|e| *e == greedy), "{mode}: {cold:?}");
+            let hot = run(mode, 5, 1.0);
+            let off = hot.iter().filter(|e| **e != greedy).count();
+            assert!(
+                off >= 10,
+                "{mode}: temperature 1 left {off} of 40 non-greedy"
+            );
+        }
     }
 }
