@@ -588,6 +588,17 @@ mod tests {
     #[test]
     fn greedy_session_kv_bit_identical_to_incremental_for_any_amx_use() {
         use crate::backend::AmxUse;
+        let amx = CpuBackend::new(2)
+            .unwrap()
+            .with_amx_use(AmxUse::Always)
+            .scope_prefill(crate::quant::amx_active);
+        if !amx {
+            crate::testing::skip_hardware(
+                "spec::greedy_session_kv_bit_identical_to_incremental_for_any_amx_use",
+                "AMX int8 is not available or not granted by the OS: every AmxUse runs the \
+                 same VNNI / AVX2 kernels",
+            );
+        }
         let cases = [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0]
             .into_iter()
             .flat_map(|ty| [AmxUse::Never, AmxUse::Prefill, AmxUse::Always].map(|u| (ty, u)));

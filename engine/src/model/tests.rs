@@ -2,7 +2,7 @@ use crate::backend::{AmxUse, Backend, BatchMask, CpuBackend};
 use crate::kv::KvCache;
 use crate::quant::GgmlType;
 use crate::sample::Rng;
-use crate::testing::{tiny_model, TinySpec};
+use crate::testing::{skip_hardware, tiny_model, TinySpec};
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
@@ -58,7 +58,15 @@ fn batched_prefill_equals_incremental_decoding() {
     ] {
         let amx = backend.scope_prefill(crate::quant::amx_active);
         if backend.amx_use() != AmxUse::Never && !amx {
-            continue; // same kernels as the bit-exact run
+            // Same kernels as the bit-exact run.
+            skip_hardware(
+                "model::batched_prefill_equals_incremental_decoding",
+                &format!(
+                    "AmxUse::{:?}: AMX int8 is not available or not granted by the OS",
+                    backend.amx_use()
+                ),
+            );
+            continue;
         }
         for (i, spec) in specs().into_iter().enumerate() {
             let model = tiny_model(&spec, 100 + i as u64).unwrap();
