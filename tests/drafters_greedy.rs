@@ -93,14 +93,17 @@ fn real_drafters_greedy_equal_incremental() {
             );
             total_accepted += out.metrics.accepted;
             if name.starts_with("space") {
-                space_accepted += out.metrics.accepted;
                 assert!(out.metrics.placeholder_rows > 0, "{name}: placeholders ran");
+            }
+            // SPACE alone: in the merged run prompt lookup could meet the assertion by itself.
+            if name.starts_with("space") && !name.contains("ngram") {
+                space_accepted += out.metrics.accepted;
             }
         }
     }
     assert!(total_accepted > 0, "real drafters are accepted sometimes");
     assert!(
         space_accepted > 0,
-        "SPACE candidates are accepted sometimes"
+        "SPACE candidates (SPACE alone) are accepted sometimes"
     );
 }

@@ -19,6 +19,7 @@ use arbor_engine::spec::{self, SpecSession};
 use arbor_engine::testing::{tiny_model, TinySpec};
 use arbor_engine::tree::{DrawKind, ExpandMode, TokenTree};
 use arbor_engine::{BatchMask, CpuBackend, KvCache, Model};
+use statrs::distribution::{ChiSquared, ContinuousCDF};
 
 const VOCAB: usize = 8;
 const SAMPLES: usize = 20_000;
@@ -100,74 +101,6 @@ fn exact(model: &Model, be: &CpuBackend, p: &SamplingParams) -> (Vec<f64>, Vec<f
     (p1.to_vec(), p3)
 }
 
-/// ln Γ(x) (Lanczos, g = 7).
-fn ln_gamma(x: f64) -> f64 {
-    const C: [f64; 9] = [
-        0.999_999_999_999_809_9,
-        676.520_368_121_885_1,
-        -1_259.139_216_722_402_8,
-        771.323_428_777_653_1,
-        -176.615_029_162_140_6,
-        12.507_343_278_686_905,
-        -0.138_571_095_265_720_12,
-        9.984_369_578_019_572e-6,
-        1.505_632_735_149_311_6e-7,
-    ];
-    let x = x - 1.0;
-    let mut a = C[0];
-    let t = x + 7.5;
-    for (i, &c) in C.iter().enumerate().skip(1) {
-        a += c / (x + i as f64);
-    }
-    0.5 * (2.0 * std::f64::consts::PI).ln() + (x + 0.5) * t.ln() - t + a.ln()
-}
-
-/// Upper regularized incomplete gamma Q(a, x) (series / continued fraction).
-fn gamma_q(a: f64, x: f64) -> f64 {
-    if x <= 0.0 {
-        return 1.0;
-    }
-    let gln = ln_gamma(a);
-    if x < a + 1.0 {
-        let (mut ap, mut sum) = (a, 1.0 / a);
-        let mut del = sum;
-        for _ in 0..10_000 {
-            ap += 1.0;
-            del *= x / ap;
-            sum += del;
-            if del.abs() < sum.abs() * 1e-15 {
-                break;
-            }
-        }
-        1.0 - sum * (-x + a * x.ln() - gln).exp()
-    } else {
-        let tiny = 1e-300;
-        let mut b = x + 1.0 - a;
-        let mut c = 1.0 / tiny;
-        let mut d = 1.0 / b;
-        let mut h = d;
-        for i in 1..10_000 {
-            let an = -(i as f64) * (i as f64 - a);
-            b += 2.0;
-            d = an * d + b;
-            if d.abs() < tiny {
-                d = tiny;
-            }
-            c = b + an / c;
-            if c.abs() < tiny {
-                c = tiny;
-            }
-            d = 1.0 / d;
-            let del = d * c;
-            h *= del;
-            if (del - 1.0).abs() < 1e-15 {
-                break;
-            }
-        }
-        (-x + a * x.ln() - gln).exp() * h
-    }
-}
-
 /// Chi-square goodness of fit of `counts` against `probs` (cells with expected count < 5 pooled).
 /// Returns (chi2, degrees of freedom, p-value). A count in a zero-probability cell gives p = 0.
 fn chi_square(counts: &[usize], probs: &[f64]) -> (f64, usize, f64) {
@@ -192,7 +125,10 @@ fn chi_square(counts: &[usize], probs: &[f64]) -> (f64, usize, f64) {
         cells += 1;
     }
     let df = cells.saturating_sub(1).max(1);
-    (chi2, df, gamma_q(df as f64 / 2.0, chi2 / 2.0))
+    let p = ChiSquared::new(df as f64)
+        .expect("positive degrees of freedom")
+        .sf(chi2);
+    (chi2, df, p)
 }
 
 /// A synthetic drafter distribution: a deterministic function of the context, far from the LLM.
@@ -318,12 +254,22 @@ fn assert_matches_llm(name: &str, params: &SamplingParams, c1: &[usize], c3: &[u
 
 #[test]
 fn chi_square_helper_is_calibrated() {
-    // Known values: Q(1, 1) = e^-1; chi2 = 16.27 with 3 df has p ~ 0.001.
-    assert!((gamma_q(1.0, 1.0) - (-1.0f64).exp()).abs() < 1e-9);
-    let p = gamma_q(1.5, 16.27 / 2.0);
-    assert!((p - 0.001).abs() < 5e-5, "{p}");
-    let p = gamma_q(10.0, 20.0);
-    assert!((p - 0.004_995).abs() < 1e-4, "{p}");
+    // A perfect fit.
+    let (x, df, p) = chi_square(&[50, 50], &[0.5, 0.5]);
+    assert_eq!((x, df), (0.0, 1));
+    assert!((p - 1.0).abs() < 1e-12, "{p}");
+    // chi2 = 2 * 20^2 / 50 = 16 on 1 df: p = erfc(sqrt(8)) = 6.334e-5.
+    let (x, df, p) = chi_square(&[30, 70], &[0.5, 0.5]);
+    assert_eq!((x, df), (16.0, 1));
+    assert!((p - 6.334e-5).abs() < 1e-8, "{p}");
+    // Cells expecting fewer than 5 are pooled (2 + 2 -> one cell expecting 4): chi2 =
+    // 6^2 / 36 + 6^2 / 4 = 10 on 2 df, p = e^-5.
+    let (x, df, p) = chi_square(&[60, 30, 5, 5], &[0.6, 0.36, 0.02, 0.02]);
+    assert_eq!(df, 2);
+    assert!((x - 10.0).abs() < 1e-9, "{x}");
+    assert!((p - (-5.0f64).exp()).abs() < 1e-9, "{p}");
+    // A count where the LLM has no mass: rejected outright.
+    assert_eq!(chi_square(&[1, 99], &[0.0, 1.0]).2, 0.0);
 }
 
 #[test]
@@ -529,6 +475,7 @@ fn always_accept(
         accepted,
         tokens,
         bonus,
+        broken_drafters: Vec::new(),
     }
 }
 

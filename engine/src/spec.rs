@@ -55,6 +55,11 @@ pub struct SpecMetrics {
     pub drafted_by_depth: Vec<usize>,
     /// SPACE placeholder rows run alongside the trees (never verified).
     pub placeholder_rows: usize,
+    /// Broken drafter contracts: per step, the drafters whose proposals verification ignored
+    /// because they recorded a node as sampled that their distribution gave no mass
+    /// ([`VerifyOutcome::broken_drafters`]). Nonzero means a drafter is buggy; output stays
+    /// lossless, only that drafter's speculation is lost.
+    pub drafter_contract_failures: usize,
 }
 
 impl SpecMetrics {
@@ -80,6 +85,7 @@ impl SpecMetrics {
         self.steps += 1;
         self.drafted += tree.n_draft();
         self.accepted += outcome.accepted.len();
+        self.drafter_contract_failures += outcome.broken_drafters.len();
         let by_depth = tree.nodes_by_depth();
         grow(&mut self.drafted_by_depth, by_depth.len());
         for (d, n) in by_depth.iter().enumerate() {
@@ -582,6 +588,17 @@ mod tests {
     #[test]
     fn greedy_session_kv_bit_identical_to_incremental_for_any_amx_use() {
         use crate::backend::AmxUse;
+        let amx = CpuBackend::new(2)
+            .unwrap()
+            .with_amx_use(AmxUse::Always)
+            .scope_prefill(crate::quant::amx_active);
+        if !amx {
+            crate::testing::skip_hardware(
+                "spec::greedy_session_kv_bit_identical_to_incremental_for_any_amx_use",
+                "AMX int8 is not available or not granted by the OS: every AmxUse runs the \
+                 same VNNI / AVX2 kernels",
+            );
+        }
         let cases = [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0]
             .into_iter()
             .flat_map(|ty| [AmxUse::Never, AmxUse::Prefill, AmxUse::Always].map(|u| (ty, u)));
@@ -647,6 +664,50 @@ mod tests {
             assert_eq!(run(4, mode), run(4, mode));
             assert_ne!(run(4, mode), run(5, mode));
         }
+    }
+
+    /// A drafter that breaks its contract (a node recorded as sampled from a distribution that
+    /// gives it no mass) does not stop the request: its proposals are ignored every step, each
+    /// step counts the failure, and the sequence goes on one bonus token per step.
+    #[test]
+    fn a_drafter_sampling_tokens_it_gave_no_mass_is_counted_and_ignored() {
+        use crate::tree::{Proposal, TreeBuilder};
+        use std::sync::Arc;
+        struct Liar;
+        impl Drafter for Liar {
+            fn name(&self) -> &str {
+                "liar"
+            }
+            fn propose(&mut self, req: &DraftRequest<'_>) -> Result<TokenTree> {
+                let mut b = TreeBuilder::new(req.root());
+                b.add_child(0, 1, Some(Proposal::sampled(req.drafter, 0.5, 1)));
+                b.set_child_dist(0, req.drafter, Arc::from(vec![(2u32, 1.0f32)]));
+                Ok(b.build())
+            }
+        }
+        let model = tiny_model(&TinySpec::default(), 3).unwrap();
+        let be = CpuBackend::new(1).unwrap();
+        let (cache, _) = incremental(&model, &be, &[1, 2, 3], 0);
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 1,
+        };
+        let v = Verifier::new(VerifyMode::Mss, p).unwrap();
+        let mut s = SpecSession::new(&model, &be, cache, vec![1, 2, 3, 4], v, 8).unwrap();
+        let mut liar = Liar;
+        for _ in 0..12 {
+            let o = s.step(&mut [&mut liar], 4).unwrap();
+            assert_eq!(o.broken_drafters, vec![0]);
+            assert!(o.accepted.is_empty(), "{o:?}");
+        }
+        assert_eq!(s.tokens().len(), 4 + 12);
+        let m = s.metrics();
+        assert_eq!(
+            (m.steps, m.drafter_contract_failures, m.accepted),
+            (12, 12, 0)
+        );
     }
 
     #[test]

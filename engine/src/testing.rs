@@ -252,3 +252,48 @@ pub fn step_until<B: Backend>(
     }
     Ok(())
 }
+
+/// Environment variable naming a file to which [`skip_hardware`] appends its lines (`.ci/run`
+/// sets it and prints the file at the end: cargo test hides a passing test's stderr).
+#[cfg(test)]
+pub(crate) const SKIP_LOG_VAR: &str = "ARBOR_SKIP_LOG";
+
+/// A test that cannot run a hardware path on this machine (no AVX-512 VNNI, AMX not granted, …)
+/// calls this before returning (or skipping that part): it prints
+/// `SKIP(hardware): <test>: <reason>` to stderr and appends the line to the file named by
+/// [`SKIP_LOG_VAR`], if set.
+#[cfg(test)]
+pub(crate) fn skip_hardware(test: &str, reason: &str) {
+    let line = format!("SKIP(hardware): {test}: {reason}");
+    eprintln!("{line}");
+    if let Some(path) = std::env::var_os(SKIP_LOG_VAR) {
+        append_line(std::path::Path::new(&path), &line)
+            .unwrap_or_else(|e| panic!("{SKIP_LOG_VAR}: cannot append to {path:?}: {e}"));
+    }
+}
+
+/// Append `line` and a newline to `path` (created if missing) in one write.
+#[cfg(test)]
+fn append_line(path: &std::path::Path, line: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)?
+        .write_all(format!("{line}\n").as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    /// Skip lines accumulate in the log file, one per line, earlier ones kept.
+    #[test]
+    fn skip_lines_are_appended_to_the_log() {
+        let path = std::env::temp_dir().join(format!("arbor-skip-log-{}", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        super::append_line(&path, "SKIP(hardware): a: no x").unwrap();
+        super::append_line(&path, "SKIP(hardware): b: no y").unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        assert_eq!(text, "SKIP(hardware): a: no x\nSKIP(hardware): b: no y\n");
+    }
+}

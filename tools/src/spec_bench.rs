@@ -382,6 +382,9 @@ pub struct SuiteRow {
     pub code_speedup: f64,
     /// Greedy: whether every output equals incremental output (None under sampling).
     pub equal: Option<bool>,
+    /// Steps × drafters whose proposals were ignored for a broken sampling contract (a sampled
+    /// node without draft mass; `SpecMetrics::drafter_contract_failures`), over all prompts.
+    pub drafter_contract_failures: usize,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -494,11 +497,13 @@ pub fn suite_bench(
             speedup: 1.0,
             code_speedup: 1.0,
             equal: (temp == 0.0).then_some(true),
+            drafter_contract_failures: 0,
         });
         for (name, specs, shape, budget) in &configs {
             let ssm_models: Vec<&Model> = ssm.iter().map(|s| s.1).collect();
             let (mut secs, mut toks, mut acc, mut steps, mut equal, mut code) =
                 (0.0, 0usize, 0usize, 0usize, true, 0.0);
+            let mut broken = 0usize;
             for (i, p) in prompts.iter().enumerate() {
                 let mut ds = build_drafters(specs, llm, &ssm_models, backend, shape, 1)?;
                 let mut refs: Vec<&mut dyn Drafter> = ds
@@ -514,6 +519,7 @@ pub fn suite_bench(
                 toks += o.output.decode_steps;
                 acc += o.metrics.accepted;
                 steps += o.metrics.steps;
+                broken += o.metrics.drafter_contract_failures;
                 if temp == 0.0 && o.output.tokens != base_out[i] {
                     let at = o
                         .output
@@ -549,6 +555,7 @@ pub fn suite_bench(
                 speedup: tok_s / base_tok_s,
                 code_speedup: code / code_tok_s.max(1e-9),
                 equal,
+                drafter_contract_failures: broken,
             });
         }
     }
@@ -565,7 +572,7 @@ pub fn suite_bench(
 pub fn format_suite(r: &SuiteBench) -> String {
     let mut s = format!(
         "model: {}  draft model: {}  threads: {}  tokens per prompt: {}  prompts: {}\n\
-         {:<28} {:>5} {:>10} {:>14} {:>8} {:>13} {:>12}\n",
+         {:<28} {:>5} {:>10} {:>14} {:>8} {:>13} {:>12} {:>15}\n",
         r.model,
         r.draft_model,
         r.threads,
@@ -577,11 +584,12 @@ pub fn format_suite(r: &SuiteBench) -> String {
         "accepted/pass",
         "speedup",
         "code speedup",
-        "greedy equal"
+        "greedy equal",
+        "contract fails"
     );
     for row in &r.rows {
         s.push_str(&format!(
-            "{:<28} {:>5.1} {:>10.2} {:>14.2} {:>7.2}x {:>12.2}x {:>12}\n",
+            "{:<28} {:>5.1} {:>10.2} {:>14.2} {:>7.2}x {:>12.2}x {:>12} {:>15}\n",
             row.config,
             row.temperature,
             row.decode_tok_s,
@@ -592,7 +600,8 @@ pub fn format_suite(r: &SuiteBench) -> String {
                 Some(true) => "yes",
                 Some(false) => "NO",
                 None => "-",
-            }
+            },
+            row.drafter_contract_failures
         ));
     }
     s

@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::arbor;
+use common::{arbor, json};
 
 #[test]
 fn generate_json_reports_tokens_and_rates() {
@@ -93,27 +93,40 @@ fn generate_text_streams_then_prints_one_stats_line() {
     assert!(last.contains("decode:") && last.contains("tok/s"), "{last}");
 }
 
+/// Same seed, same tokens; another seed, other tokens; and the temperature is applied: at 0.01
+/// the tokens are the greedy ones, at 0.9 not (16 tokens, pinned seeds: the outcomes are fixed).
 #[test]
-fn sampling_is_reproducible_with_a_seed() {
-    let args = [
-        "generate",
-        "--prompt",
-        "Once upon a time",
-        "--max-tokens",
-        "16",
-        "--temperature",
-        "0.9",
-        "--top-p",
-        "0.95",
-        "--seed",
-        "1234",
-        "--format",
-        "json",
-        "--ignore-eos",
-    ];
-    let a: serde_json::Value = serde_json::from_slice(&arbor(&args).stdout).unwrap();
-    let b: serde_json::Value = serde_json::from_slice(&arbor(&args).stdout).unwrap();
-    assert_eq!(a["tokens"], b["tokens"]);
+fn sampling_is_reproducible_with_a_seed_and_follows_seed_and_temperature() {
+    let run = |seed: &str, temperature: &str| {
+        json(&[
+            "generate",
+            "--prompt",
+            "Once upon a time",
+            "--max-tokens",
+            "16",
+            "--temperature",
+            temperature,
+            "--top-p",
+            "0.95",
+            "--seed",
+            seed,
+            "--format",
+            "json",
+            "--ignore-eos",
+        ])["tokens"]
+            .clone()
+    };
+    let a = run("1234", "0.9");
+    assert_eq!(a.as_array().map(Vec::len), Some(16));
+    assert_eq!(a, run("1234", "0.9"));
+    assert_ne!(a, run("1235", "0.9"), "the seed is used");
+    let greedy = run("1234", "0");
+    assert_ne!(a, greedy, "temperature 0.9 is not greedy");
+    assert_eq!(
+        run("1234", "0.01"),
+        greedy,
+        "temperature 0.01 samples the argmax"
+    );
 }
 
 #[test]

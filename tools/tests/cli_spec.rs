@@ -38,6 +38,7 @@ fn greedy_speculation_reports_metrics_and_matches_plain_generation() {
             15,
             "every token after the first is accepted or a bonus"
         );
+        assert_eq!(s["drafter_contract_failures"], 0, "{s}");
         let mean = s["mean_accepted"].as_f64().unwrap();
         assert!((mean - accepted as f64 / steps as f64).abs() < 1e-9);
         if drafters.contains("oracle") {
@@ -46,37 +47,62 @@ fn greedy_speculation_reports_metrics_and_matches_plain_generation() {
     }
 }
 
+/// Same seed, same text; another seed, other text; temperature 0.01 gives the greedy text of
+/// plain generation, 0.9 not (pinned seeds: the outcomes are fixed). Text mode ends with one
+/// stats line.
 #[test]
 fn sampled_speculation_is_reproducible_and_text_mode_prints_one_stats_line() {
-    let args = [
+    let run = |seed: &str, temperature: &str| {
+        let out = arbor(&[
+            "generate",
+            "--prompt",
+            "Once upon a time",
+            "--max-tokens",
+            "12",
+            "--temperature",
+            temperature,
+            "--seed",
+            seed,
+            "--ignore-eos",
+            "--speculate",
+            "random",
+            "--speculate-verify",
+            "mss",
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    // The generated text; only the timings on the stats line may differ between runs.
+    let body = |t: &str| t.rsplit_once("\n[arbor]").map(|(body, _)| body.to_string());
+    let text = run("7", "0.9");
+    assert!(body(&text).is_some(), "{text}");
+    assert_eq!(body(&text), body(&run("7", "0.9")));
+    assert_ne!(body(&text), body(&run("8", "0.9")), "the seed is used");
+    let plain = arbor(&[
         "generate",
         "--prompt",
         "Once upon a time",
         "--max-tokens",
         "12",
-        "--temperature",
-        "0.9",
-        "--seed",
-        "7",
         "--ignore-eos",
-        "--speculate",
-        "random",
-        "--speculate-verify",
-        "mss",
-    ];
-    let a = arbor(&args);
-    let b = arbor(&args);
-    assert!(a.status.success(), "{}", String::from_utf8_lossy(&a.stderr));
-    // Same seed, same text; only the timings on the stats line may differ.
-    let text = String::from_utf8(a.stdout).unwrap();
-    let other = String::from_utf8(b.stdout).unwrap();
-    let body = |t: &str| t.rsplit_once("\n[arbor]").map(|(body, _)| body.to_string());
-    assert!(body(&text).is_some(), "{text}");
-    assert_eq!(body(&text), body(&other));
+    ]);
+    let greedy = body(&String::from_utf8(plain.stdout).unwrap());
+    assert!(greedy.is_some());
+    assert_ne!(body(&text), greedy, "temperature 0.9 is not greedy");
+    assert_eq!(
+        body(&run("7", "0.01")),
+        greedy,
+        "temperature 0.01 samples the argmax"
+    );
     let last = text.trim_end().lines().last().unwrap();
     assert!(last.starts_with("[arbor] prompt tokens:"), "{last}");
     assert!(last.contains("spec (mss): steps:"), "{last}");
     assert!(last.contains("mean accepted:"), "{last}");
+    assert!(last.contains("drafter contract failures: 0"), "{last}");
 }
 
 #[test]

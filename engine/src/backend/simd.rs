@@ -819,6 +819,13 @@ mod tests {
 
     #[test]
     fn simd_matches_portable() {
+        if matches!(level(), Level::Portable) {
+            crate::testing::skip_hardware(
+                "backend::simd::simd_matches_portable",
+                "no AVX2 / AVX-512 (or ARBOR_KERNEL=scalar): nothing to compare",
+            );
+            return;
+        }
         let mut rng = crate::sample::Rng::new(3);
         for n in [0usize, 1, 7, 16, 31, 64, 100, 128, 333] {
             let a: Vec<f32> = (0..n).map(|_| rng.next_f64() as f32 - 0.5).collect();

@@ -11,9 +11,11 @@ use crate::tree::ExpansionConfig;
 pub enum DraftShape {
     /// A branch factor per depth (top-k or sampled children).
     Expand(ExpansionConfig),
-    /// EAGLE-2's dynamic tree: at each depth the `beam` best children (by the drafter's
-    /// cumulative path probability) of the previous depth's kept nodes are kept and expanded,
-    /// down to `depth`; the tree is then cut to the `budget` most probable nodes.
+    /// EAGLE-2's dynamic tree: each expanded node contributes its `beam` most probable
+    /// children, and of a depth's `beam × beam` children the `beam` best (by the drafter's
+    /// cumulative path probability) are expanded next, down to `depth`. Every child stays a
+    /// candidate: the tree is the `budget` most probable of all of them (at most
+    /// [`DraftShape::capacity`], which `budget` may not exceed).
     Dynamic {
         budget: usize,
         beam: usize,
@@ -31,6 +33,46 @@ impl DraftShape {
             DraftShape::Expand(c) => c.depth(),
             DraftShape::Dynamic { depth, .. } => *depth,
         }
+    }
+
+    /// Most draft nodes the shape can produce before any budget: an expansion config's full
+    /// tree; for a dynamic tree the candidates it ranks, `beam` at depth 1 and `beam × beam`
+    /// at each depth below.
+    pub fn capacity(&self) -> usize {
+        match self {
+            DraftShape::Expand(c) => c.max_nodes(),
+            DraftShape::Dynamic { beam, depth, .. } => depth
+                .saturating_sub(1)
+                .saturating_mul(beam.saturating_mul(*beam))
+                .saturating_add(*beam),
+        }
+    }
+
+    /// A dynamic tree's budget must be positive and within what its beam and depth can fill
+    /// (otherwise `dynamic:N` would silently yield fewer nodes); beam and depth positive.
+    pub fn validate(&self) -> Result<()> {
+        if let DraftShape::Dynamic {
+            budget,
+            beam,
+            depth,
+        } = *self
+        {
+            if budget == 0 || beam == 0 || depth == 0 {
+                return Err(EngineError::InvalidArgument(format!(
+                    "tree '{self}': budget, beam and depth must be positive"
+                )));
+            }
+            let cap = self.capacity();
+            if budget > cap {
+                return Err(EngineError::InvalidArgument(format!(
+                    "tree '{self}': a beam of {beam} over {depth} depths ranks at most {cap} \
+                     nodes ({beam} + {} x {beam}^2), fewer than the budget of {budget}; lower \
+                     the budget or raise the beam or the depth",
+                    depth - 1
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// Most draft nodes a tree of this shape has.
@@ -66,11 +108,13 @@ impl FromStr for DraftShape {
         if nums.is_empty() || nums.len() > 3 || nums.contains(&0) {
             return Err(bad());
         }
-        Ok(DraftShape::Dynamic {
+        let shape = DraftShape::Dynamic {
             budget: nums[0],
             beam: nums.get(1).copied().unwrap_or(Self::BEAM),
             depth: nums.get(2).copied().unwrap_or(Self::DEPTH),
-        })
+        };
+        shape.validate()?;
+        Ok(shape)
     }
 }
 
@@ -107,6 +151,25 @@ mod tests {
         );
         assert_eq!(d.to_string().parse::<DraftShape>().unwrap(), d);
         assert_eq!("dynamic:10:2:5".parse::<DraftShape>().unwrap().depth(), 5);
+        // 4 + 7 x 16 = 116 candidates; 2 + 4 x 4 = 18.
+        assert_eq!(d.capacity(), 116);
+        assert!("dynamic:116".parse::<DraftShape>().is_ok());
+        let e = "dynamic:117".parse::<DraftShape>().unwrap_err().to_string();
+        assert!(e.contains("at most 116"), "{e}");
+        assert_eq!(
+            "dynamic:18:2:5".parse::<DraftShape>().unwrap().capacity(),
+            18
+        );
+        assert!("dynamic:19:2:5".parse::<DraftShape>().is_err());
+        assert!("dynamic:2:1:2".parse::<DraftShape>().is_ok());
+        assert!("dynamic:3:1:2".parse::<DraftShape>().is_err());
+        let big = DraftShape::Dynamic {
+            budget: usize::MAX,
+            beam: usize::MAX,
+            depth: usize::MAX,
+        };
+        assert_eq!(big.capacity(), usize::MAX);
+        assert!(big.validate().is_ok());
         for bad in [
             "dynamic:",
             "dynamic:0",

@@ -60,7 +60,9 @@ pub trait Drafter: Send {
 
     /// Propose a tree rooted at `req.root()`, with at most `req.budget` draft nodes and depth
     /// `req.max_depth`. Under stochastic verification, nodes recorded as sampled must really be
-    /// draws from the distribution recorded at their parent.
+    /// draws from the distribution recorded at their parent: a sampled node whose token has no
+    /// mass there makes MSS ignore all of this drafter's proposals for the step (reported in
+    /// `VerifyOutcome::broken_drafters`, counted in `SpecMetrics::drafter_contract_failures`).
     fn propose(&mut self, req: &DraftRequest<'_>) -> Result<TokenTree>;
 
     /// The LLM accepted `accepted` (tokens after the root, in order) and then sampled `bonus`,

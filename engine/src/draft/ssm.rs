@@ -127,6 +127,7 @@ impl<'m, B: Backend> ModelDrafter<'m, B> {
                 model.config.n_layers
             )));
         }
+        shape.validate()?;
         let sampler = match &sampling {
             DraftSampling::TopK => None,
             DraftSampling::Sample(p) if p.is_greedy() => {
@@ -306,6 +307,9 @@ impl<B: Backend> Drafter for ModelDrafter<'_, B> {
         let mut probs: Vec<f32> = vec![1.0]; // cumulative path probability per builder node
         let mut frontier: Vec<usize> = vec![0]; // builder ids whose logits rows are in `logits`
         let mut remaining = max_nodes;
+        // Dynamic trees: children not expanded (builder ids come after the loop, so the expanded
+        // nodes' ids stay their scratch slots): (score, parent, token, probability).
+        let mut leaves: Vec<(f32, usize, u32, f32)> = Vec::new();
         let vocab = self.model.config.vocab_size;
         self.scratch_fed = 1;
         for d in 1..=depth_limit {
@@ -345,8 +349,9 @@ impl<B: Backend> Drafter for ModelDrafter<'_, B> {
                     }
                 }
                 DraftShape::Dynamic { beam, .. } => {
-                    // EAGLE-2: children of every frontier node scored by cumulative path
-                    // probability; the `beam` best of the depth are kept and expanded next.
+                    // EAGLE-2: the `beam` best children of every frontier node, scored by
+                    // cumulative path probability; the `beam` best of the depth are expanded
+                    // next, the others stay candidates for the final rerank.
                     let mut cands: Vec<(f32, usize, u32, f32)> = Vec::new();
                     for (r, &node) in frontier.iter().enumerate() {
                         let row = &logits[r * vocab..(r + 1) * vocab];
@@ -356,12 +361,14 @@ impl<B: Backend> Drafter for ModelDrafter<'_, B> {
                         }
                     }
                     cands.sort_by(|a, b| b.0.total_cmp(&a.0));
-                    for (score, node, tok, p) in cands.into_iter().take(beam) {
+                    let mut cands = cands.into_iter();
+                    for (score, node, tok, p) in cands.by_ref().take(beam) {
                         let id = b.add_child(node, tok, Some(Proposal::picked(req.drafter, p)));
                         parents.push(Some(node));
                         probs.push(score);
                         created.push(id);
                     }
+                    leaves.extend(cands);
                 }
             }
             if created.is_empty() || d == depth_limit || remaining == 0 {
@@ -387,12 +394,20 @@ impl<B: Backend> Drafter for ModelDrafter<'_, B> {
             self.scratch_fed += created.len();
             frontier = created;
         }
+        for (score, node, tok, p) in leaves {
+            // Never a duplicate: a node's children are distinct tokens, each scored once.
+            b.add_child(node, tok, Some(Proposal::picked(req.drafter, p)));
+            parents.push(Some(node));
+            probs.push(score);
+        }
+        debug_assert_eq!(parents.len(), b.len());
         self.scratch = (0..b.len()).map(|i| (parents[i], b.token(i))).collect();
         match self.shape {
             DraftShape::Expand(_) => Ok(b.build()),
             DraftShape::Dynamic { .. } => {
                 // Rerank: the `max_nodes` best nodes by path probability (ancestor-closed: a
-                // child never beats its parent; ties go to the shallower node).
+                // child never beats its parent, and ties go to the lower id, which a parent
+                // has).
                 let mut order: Vec<usize> = (1..b.len()).collect();
                 order.sort_by(|&x, &y| probs[y].total_cmp(&probs[x]).then(x.cmp(&y)));
                 order.truncate(max_nodes);
@@ -657,6 +672,88 @@ mod tests {
         assert!(msg.contains("vocabulary"), "{msg}");
         assert!(early_exit(&llm, &be, 0, "1".parse().unwrap(), DraftSampling::TopK, 1).is_err());
         assert!(early_exit(&llm, &be, 4, "1".parse().unwrap(), DraftSampling::TopK, 1).is_err());
+    }
+
+    /// Path probabilities of a tree's nodes (products of the proposals' probabilities), keyed
+    /// by token path.
+    fn path_probs(t: &TokenTree) -> Vec<(Vec<u32>, f64)> {
+        let mut pr = vec![1.0f64; t.len()];
+        let mut out = Vec::new();
+        for (i, n) in t.nodes().iter().enumerate().skip(1) {
+            pr[i] = pr[n.parent.unwrap()] * n.proposals[0].prob as f64;
+            out.push((t.path_tokens(i), pr[i]));
+        }
+        out
+    }
+
+    /// EAGLE-2 dynamic trees rank every child of the expanded nodes (`beam` at depth 1, `beam ×
+    /// beam` below), not only the `beam` expanded per depth: `dynamic:64` (beam 4, depth 8)
+    /// yields 64 nodes (it yielded 32), `dynamic:116` the whole pool of 4 + 7 × 16, and the
+    /// 64-node tree is the 64 most probable nodes of that pool.
+    #[test]
+    fn dynamic_trees_fill_their_budget_from_all_children() {
+        let llm = tiny_model(&spec(96), 8).unwrap();
+        let ssm = tiny_model(
+            &TinySpec {
+                n_layers: 1,
+                ..spec(96)
+            },
+            9,
+        )
+        .unwrap();
+        let be = CpuBackend::new(1).unwrap();
+        let prompt = [3u32, 1, 4, 1, 5, 9, 2, 6];
+        let propose = |shape: &str, budget: usize| {
+            let mut d = ModelDrafter::ssm(
+                "ssm",
+                &ssm,
+                &llm,
+                &be,
+                shape.parse().unwrap(),
+                DraftSampling::TopK,
+                1,
+            )
+            .unwrap();
+            d.propose(&DraftRequest {
+                tokens: &prompt,
+                budget,
+                max_depth: 8,
+                drafter: 0,
+                vocab: 96,
+            })
+            .unwrap()
+        };
+        for (shape, budget, want) in [
+            ("dynamic:64", 64, 64),
+            ("dynamic:64", 40, 40),
+            ("dynamic:116", 200, 116),
+            ("dynamic:18:2:5", 18, 18),
+        ] {
+            let t = propose(shape, budget);
+            t.validate(96).unwrap();
+            assert_eq!(t.n_draft(), want, "{shape} with budget {budget}");
+        }
+        let pool = propose("dynamic:116", 116);
+        assert_eq!(pool.nodes_by_depth(), vec![4, 16, 16, 16, 16, 16, 16, 16]);
+        let mut ranked = path_probs(&pool);
+        ranked.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let mut want: Vec<Vec<u32>> = ranked[..64].iter().map(|r| r.0.clone()).collect();
+        let mut got: Vec<Vec<u32>> = path_probs(&propose("dynamic:64", 64))
+            .into_iter()
+            .map(|r| r.0)
+            .collect();
+        want.sort();
+        got.sort();
+        assert_eq!(got, want);
+        // Budgets the shape cannot fill are refused up front.
+        let too_big = DraftShape::Dynamic {
+            budget: 117,
+            beam: 4,
+            depth: 8,
+        };
+        let e = ModelDrafter::ssm("ssm", &ssm, &llm, &be, too_big, DraftSampling::TopK, 1);
+        let msg = e.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(msg.contains("at most 116"), "{msg}");
     }
 
     #[test]

@@ -2,7 +2,7 @@ use crate::backend::{AmxUse, Backend, BatchMask, CpuBackend};
 use crate::kv::KvCache;
 use crate::quant::GgmlType;
 use crate::sample::Rng;
-use crate::testing::{tiny_model, TinySpec};
+use crate::testing::{skip_hardware, tiny_model, TinySpec};
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
@@ -58,7 +58,15 @@ fn batched_prefill_equals_incremental_decoding() {
     ] {
         let amx = backend.scope_prefill(crate::quant::amx_active);
         if backend.amx_use() != AmxUse::Never && !amx {
-            continue; // same kernels as the bit-exact run
+            // Same kernels as the bit-exact run.
+            skip_hardware(
+                "model::batched_prefill_equals_incremental_decoding",
+                &format!(
+                    "AmxUse::{:?}: AMX int8 is not available or not granted by the OS",
+                    backend.amx_use()
+                ),
+            );
+            continue;
         }
         for (i, spec) in specs().into_iter().enumerate() {
             let model = tiny_model(&spec, 100 + i as u64).unwrap();
@@ -192,4 +200,102 @@ fn bad_inputs_are_errors() {
         .unwrap_err();
     assert_eq!(e.error_type(), "invalid_argument");
     assert_eq!(c.len(), 0, "failed calls leave the cache untouched");
+}
+
+/// Early exit after `L` of `N` layers computes what an `L`-layer model with the same weights
+/// computes (the hidden state after `L` layers, the final norm, the output head), in a causal
+/// prefill and in a tree batch after it, logits and K/V alike. The reference takes the normal
+/// all-layers path: `tiny_model` with `n_layers = L` and the same seed draws the full model's
+/// embedding, first `L` layers, final norm and head (checked tensor by tensor).
+#[test]
+fn early_exit_equals_a_model_truncated_to_its_layers() {
+    let backend = CpuBackend::new(1).unwrap();
+    for (arch, ty) in [("llama", GgmlType::F32), ("qwen2", GgmlType::Q8_0)] {
+        let spec = TinySpec {
+            arch,
+            n_layers: 4,
+            weight_type: ty,
+            separate_output: arch == "qwen2",
+            ..TinySpec::default()
+        };
+        let full = tiny_model(&spec, 41).unwrap();
+        let toks = [5u32, 17, 3, 88, 41, 2, 60];
+        let pos: Vec<usize> = (0..toks.len()).collect();
+        let rows: Vec<usize> = (0..toks.len()).collect();
+        // A tree after the prefix: root 9 -> {30 -> 31 -> 32, 33}.
+        let tree_toks = [9u32, 30, 31, 32, 33];
+        let parents = [None, Some(0), Some(1), Some(2), Some(0)];
+        let tree_pos: Vec<usize> = [0, 1, 2, 3, 1].iter().map(|d| toks.len() + d).collect();
+        let mask = crate::tree::TreeMask::from_parents(&parents);
+        let tree_rows: Vec<usize> = (0..tree_toks.len()).collect();
+        let mut all_layers = Vec::new();
+        for l in 1..=4 {
+            let short = tiny_model(
+                &TinySpec {
+                    n_layers: l,
+                    ..spec.clone()
+                },
+                41,
+            )
+            .unwrap();
+            for t in short.gguf().tensors() {
+                let f = full.gguf().tensor_info(&t.name).unwrap();
+                assert_eq!(
+                    short.gguf().tensor_bytes(t),
+                    full.gguf().tensor_bytes(f),
+                    "{}",
+                    t.name
+                );
+            }
+            let mut c_ee = KvCache::new(&full.config, 32);
+            let mut c_ref = KvCache::new(&short.config, 32);
+            let got = full
+                .forward_early_exit(
+                    &backend,
+                    &mut c_ee,
+                    &toks,
+                    &pos,
+                    BatchMask::Causal,
+                    &rows,
+                    l,
+                )
+                .unwrap();
+            let want = short
+                .forward(&backend, &mut c_ref, &toks, &pos, BatchMask::Causal, &rows)
+                .unwrap();
+            assert_eq!(got, want, "{arch} early exit after {l}: causal prefill");
+            let got = full
+                .forward_early_exit(
+                    &backend,
+                    &mut c_ee,
+                    &tree_toks,
+                    &tree_pos,
+                    mask.as_batch_mask(),
+                    &tree_rows,
+                    l,
+                )
+                .unwrap();
+            let want = short
+                .forward(
+                    &backend,
+                    &mut c_ref,
+                    &tree_toks,
+                    &tree_pos,
+                    mask.as_batch_mask(),
+                    &tree_rows,
+                )
+                .unwrap();
+            assert_eq!(got, want, "{arch} early exit after {l}: tree batch");
+            let d = crate::testing::max_kv_diff(&c_ee, &c_ref, l);
+            assert_eq!(d, 0.0, "{arch} early exit after {l}: K/V");
+            all_layers.push(got);
+        }
+        // The exit point matters: each depth gives other logits.
+        for i in 1..all_layers.len() {
+            assert!(
+                max_diff(&all_layers[i - 1], &all_layers[i]) > 1e-3,
+                "{arch} {i}"
+            );
+        }
+    }
 }

@@ -6,6 +6,7 @@ use rand::{Rng, SeedableRng};
 use super::act::{self, ActKind, GROUP, OFF_BS, OFF_D, OFF_S, REC};
 use super::formats::f16_round;
 use super::*;
+use crate::testing::skip_hardware;
 
 const QUANT_TYPES: [GgmlType; 8] = [
     GgmlType::Q4_0,
@@ -304,7 +305,10 @@ fn simd_matches_scalar() {
         .filter(|l| *l != KernelLevel::Scalar)
         .collect();
     if lv.is_empty() {
-        eprintln!("no SIMD level on this machine; nothing to compare");
+        skip_hardware(
+            "quant::simd_matches_scalar",
+            "no SIMD kernel level (AVX2, AVX-512 VNNI)",
+        );
         return;
     }
     for ty in QUANT_TYPES.iter().chain(&FLOAT_TYPES).copied() {
@@ -417,6 +421,7 @@ fn threads_do_not_change_results() {
 #[test]
 fn avx512_lane_record_permutation() {
     if !levels().contains(&KernelLevel::Avx512Vnni) {
+        skip_hardware("quant::avx512_lane_record_permutation", "no AVX-512 VNNI");
         return;
     }
     let mut rng = StdRng::seed_from_u64(6);
@@ -465,7 +470,10 @@ fn avx512_lane_record_permutation() {
 #[test]
 fn avx512_rows_bit_identical_to_single_row() {
     if !levels().contains(&KernelLevel::Avx512Vnni) {
-        eprintln!("skipping: no AVX-512 VNNI");
+        skip_hardware(
+            "quant::avx512_rows_bit_identical_to_single_row",
+            "no AVX-512 VNNI",
+        );
         return;
     }
     rows_bit_identical_to_single_row(KernelLevel::Avx512Vnni);
@@ -489,7 +497,10 @@ fn avx2_rows_bit_identical_to_single_row() {
 #[test]
 fn amx_rows_bit_identical_to_single_row() {
     if !levels().contains(&KernelLevel::Amx) {
-        eprintln!("skipping: AMX int8 is not available or not granted by the OS");
+        skip_hardware(
+            "quant::amx_rows_bit_identical_to_single_row",
+            "AMX int8 is not available or not granted by the OS",
+        );
         return;
     }
     rows_bit_identical_to_single_row(KernelLevel::Amx);
@@ -689,8 +700,9 @@ fn timing() {
 #[test]
 fn amx_matches_scalar() {
     if !amx::granted() {
-        eprintln!(
-            "skipping amx_matches_scalar: AMX int8 is not available or not granted by the OS"
+        skip_hardware(
+            "quant::amx_matches_scalar",
+            "AMX int8 is not available or not granted by the OS",
         );
         return;
     }
@@ -777,6 +789,10 @@ fn amx_declines_uncovered_weights() {
 fn reduce16_bit_identical_to_one_vector_reduction() {
     use std::arch::x86_64::*;
     if !is_x86_feature_detected!("avx512f") || !is_x86_feature_detected!("avx512vnni") {
+        skip_hardware(
+            "quant::reduce16_bit_identical_to_one_vector_reduction",
+            "no AVX-512F / VNNI",
+        );
         return;
     }
     let mut rng = StdRng::seed_from_u64(16);

@@ -10,7 +10,11 @@
 //!   norm(max(0, p - q)); if every candidate fails the bonus comes from the residual. A sampled
 //!   candidate uses the drafter's distribution recorded at the parent as q, a picked one a point
 //!   mass on itself — so merged trees of several drafters, top-k trees and random guesses all stay
-//!   lossless;
+//!   lossless. A drafter that recorded a node as sampled although its token has no mass in the
+//!   distribution it recorded at the parent (or recorded none) broke that contract: the node
+//!   cannot have been drawn, and accepting it would bias the output. Such a drafter's proposals
+//!   are all ignored for the step (a node left with none of another drafter is no candidate) and
+//!   it is reported in [`VerifyOutcome::broken_drafters`];
 //! - naive: sample y from the LLM at the node and accept the child with token y, if any.
 
 use std::fmt;
@@ -18,7 +22,7 @@ use std::str::FromStr;
 
 use super::{argmax, Rng, Sampler, SamplingParams};
 use crate::error::{EngineError, Result};
-use crate::tree::{DrawKind, SparseDist, TokenTree};
+use crate::tree::{DrafterId, DrawKind, SparseDist, TokenTree};
 
 /// Which verification rule to use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -79,6 +83,13 @@ pub struct VerifyOutcome {
     pub tokens: Vec<u32>,
     /// The LLM's token after the last accepted node; becomes the next root.
     pub bonus: u32,
+    /// Drafters (sorted) whose proposals this step ignored because one of their sampled nodes has
+    /// no mass in the distribution they recorded at its parent (MSS only; a broken [`Drafter`]
+    /// contract, see the module docs). Always empty for greedy and naive verification, which
+    /// never read draft distributions.
+    ///
+    /// [`Drafter`]: crate::draft::Drafter
+    pub broken_drafters: Vec<DrafterId>,
 }
 
 impl VerifyOutcome {
@@ -131,6 +142,7 @@ fn walk(tree: &TokenTree, mut pick: impl FnMut(usize) -> u32) -> VerifyOutcome {
                     accepted,
                     tokens,
                     bonus: y,
+                    broken_drafters: Vec::new(),
                 }
             }
         }
@@ -160,6 +172,35 @@ pub fn verify_naive(
     }))
 }
 
+/// Probability of token `x` under the sparse distribution `q`.
+fn mass(q: &SparseDist, x: u32) -> f64 {
+    q.iter().filter(|e| e.0 == x).map(|e| e.1 as f64).sum()
+}
+
+/// Drafters (sorted, once each) with a node of `tree` recorded as sampled whose token has no
+/// mass in the distribution they recorded at its parent, or with no distribution there: the
+/// node cannot have been drawn from it. Depends on the tree only, never on the verification's
+/// randomness, so ignoring these drafters leaves the other drafters' tree, verified losslessly.
+fn broken_drafters(tree: &TokenTree) -> Vec<DrafterId> {
+    let mut broken = Vec::new();
+    for n in tree.nodes() {
+        let Some(parent) = n.parent else { continue };
+        for pr in &n.proposals {
+            if pr.kind != DrawKind::Sampled || broken.contains(&pr.drafter) {
+                continue;
+            }
+            let qx = tree
+                .child_dist(parent, pr.drafter)
+                .map_or(0.0, |q| mass(q, n.token));
+            if qx.is_nan() || qx <= 0.0 {
+                broken.push(pr.drafter);
+            }
+        }
+    }
+    broken.sort_unstable();
+    broken
+}
+
 /// Multi-step speculative sampling (SpecInfer Algorithm 2, generalized to merged trees).
 pub fn verify_mss(
     tree: &TokenTree,
@@ -169,6 +210,7 @@ pub fn verify_mss(
     rng: &mut Rng,
 ) -> Result<VerifyOutcome> {
     check(tree, logits, vocab)?;
+    let broken = broken_drafters(tree);
     let (mut accepted, mut tokens) = (Vec::new(), Vec::new());
     let mut node = 0;
     let mut p = vec![0.0f64; vocab]; // [vocab] the LLM's (residual) distribution at `node`
@@ -181,10 +223,11 @@ pub fn verify_mss(
             if props.is_empty() {
                 cands.push((c, None));
             }
-            for pr in props {
+            for pr in props.iter().filter(|pr| !broken.contains(&pr.drafter)) {
                 match pr.kind {
                     DrawKind::Picked => cands.push((c, None)),
                     DrawKind::Sampled => {
+                        // Present (and giving the token mass): its drafter is not broken.
                         let q = tree.child_dist(node, pr.drafter).ok_or_else(|| {
                             EngineError::InvalidArgument(format!(
                                 "node {c} was sampled by drafter {} but its parent has no \
@@ -208,19 +251,12 @@ pub fn verify_mss(
         let mut next = None;
         for &(c, q) in &cands {
             let x = tree.node(c).token;
-            let qx = match q {
-                Some(q) => q
-                    .iter()
-                    .filter(|e| e.0 == x)
-                    .map(|e| e.1 as f64)
-                    .sum::<f64>(),
-                None => 1.0,
-            };
+            // q(x) > 0 for every sampled candidate (drafters that gave no mass were dropped).
+            let qx = q.map_or(1.0, |q| mass(q, x));
             let px = p[x as usize];
             let u = rng.next_f64();
-            // Accept with probability min(1, px / qx); a token the drafter gave no mass is accepted
-            // whenever the LLM allows it (it cannot have been drawn; treat it as a pick).
-            if px > 0.0 && (qx <= 0.0 || u * qx < px) {
+            // Accept with probability min(1, px / qx).
+            if px > 0.0 && u * qx < px {
                 next = Some(c);
                 break;
             }
@@ -238,6 +274,7 @@ pub fn verify_mss(
                     accepted,
                     tokens,
                     bonus,
+                    broken_drafters: broken,
                 });
             }
         }
@@ -357,6 +394,102 @@ mod tests {
         probs.iter().map(|&p| (p.max(1e-30)).ln() as f32).collect()
     }
 
+    /// One draw from the sparse distribution `q` (summing to 1).
+    fn draw_from(q: &[(u32, f32)], rng: &mut Rng) -> u32 {
+        let mut u = rng.next_f64();
+        for &(t, pr) in q {
+            u -= pr as f64;
+            if u < 0.0 {
+                return t;
+            }
+        }
+        q[q.len() - 1].0
+    }
+
+    /// p-value of the chi-square goodness of fit of `counts` against `probs` (every cell's
+    /// expected count at least 5; a count in a zero-probability cell gives 0).
+    fn chi_square_p(counts: &[usize], probs: &[f64]) -> f64 {
+        use statrs::distribution::{ChiSquared, ContinuousCDF};
+        let n: usize = counts.iter().sum();
+        let mut chi2 = 0.0;
+        let mut cells = 0;
+        for (&c, &p) in counts.iter().zip(probs) {
+            if p == 0.0 {
+                if c > 0 {
+                    return 0.0;
+                }
+                continue;
+            }
+            let e = n as f64 * p;
+            assert!(e >= 5.0, "expected count {e} too small for chi-square");
+            chi2 += (c as f64 - e).powi(2) / e;
+            cells += 1;
+        }
+        ChiSquared::new((cells - 1) as f64).unwrap().sf(chi2)
+    }
+
+    /// A drafter that records a node as sampled although its recorded distribution gives the
+    /// node's token no mass breaks its contract: every one of its proposals is ignored for the
+    /// step (never accepted, even those that would be valid alone), the outcome names it, and the
+    /// emitted token still follows the LLM. (Before, such a node was accepted whenever the LLM
+    /// gave its token mass.)
+    #[test]
+    fn mss_ignores_a_drafter_that_sampled_a_token_it_gave_no_mass() {
+        let p = [0.4, 0.3, 0.2, 0.1];
+        // Drafter 1 (broken): its distribution has no mass on 3, yet it "sampled" 3; it also
+        // sampled 0 (which its distribution allows) and picked 1.
+        let q1: SparseDist = Arc::from(vec![(0u32, 0.5f32), (1, 0.5)]);
+        // Drafter 2 (honest): two draws from q2.
+        let q2 = vec![(0u32, 0.2f32), (1, 0.2), (2, 0.6)];
+        let q2d: SparseDist = Arc::from(q2.clone());
+        let sampler = Sampler::new(sampling(0)).unwrap();
+        let logits1 = logits_of(&p);
+        let mut rng = Rng::new(21);
+        let mut draw_rng = Rng::new(22);
+        let n = 20_000;
+        let mut counts = [0usize; 4];
+        for _ in 0..n {
+            let mut b = TreeBuilder::new(0);
+            let honest: Vec<u32> = (0..2).map(|_| draw_from(&q2, &mut draw_rng)).collect();
+            for &t in &honest {
+                b.add_child(0, t, Some(Proposal::sampled(2, q2[t as usize].1, 1)));
+            }
+            b.add_child(0, 3, Some(Proposal::sampled(1, 0.0, 1)));
+            b.add_child(0, 0, Some(Proposal::sampled(1, 0.5, 1)));
+            b.add_child(0, 1, Some(Proposal::picked(1, 0.5)));
+            b.set_child_dist(0, 1, q1.clone());
+            b.set_child_dist(0, 2, q2d.clone());
+            let t = b.build();
+            let logits = logits1.repeat(t.len());
+            let o = verify_mss(&t, &logits, 4, &sampler, &mut rng).unwrap();
+            assert_eq!(o.broken_drafters, vec![1]);
+            // Only drafter 2's draws are candidates.
+            for &tok in &o.tokens {
+                assert!(
+                    honest.contains(&tok),
+                    "accepted {tok}, drafter 2 drew {honest:?}"
+                );
+            }
+            counts[o.emitted()[0] as usize] += 1;
+        }
+        let pv = chi_square_p(&counts, &p);
+        assert!(pv > 0.001, "p {pv}, counts {counts:?}");
+        // An honest tree reports no broken drafter.
+        let mut b = TreeBuilder::new(0);
+        b.add_child(0, 2, Some(Proposal::sampled(2, 0.6, 1)));
+        b.set_child_dist(0, 2, q2d.clone());
+        let t = b.build();
+        let o = verify_mss(&t, &logits1.repeat(2), 4, &sampler, &mut rng).unwrap();
+        assert!(o.broken_drafters.is_empty());
+        // A sampled node whose parent has no distribution from its drafter: broken too.
+        let mut b = TreeBuilder::new(0);
+        b.add_child(0, 2, Some(Proposal::sampled(3, 0.6, 1)));
+        let t = b.build();
+        let o = verify_mss(&t, &logits1.repeat(2), 4, &sampler, &mut rng).unwrap();
+        assert_eq!(o.broken_drafters, vec![3]);
+        assert!(o.accepted.is_empty());
+    }
+
     #[test]
     fn greedy_follows_argmax_and_returns_bonus() {
         // root(9) -> {1 -> {3}, 2}; LLM: after root 1, after 1 -> 3, after 3 -> 0.
@@ -436,16 +569,73 @@ mod tests {
         assert!(chi2 < 16.27, "chi2 {chi2}, counts {counts:?}");
     }
 
+    /// Several sampled draws of one drafter at a node must be tried in an i.i.d. order (here: a
+    /// random permutation of the candidates); tried grouped by child in first-occurrence order
+    /// (what the tree's child list gives) the output is biased. For these p and q exact
+    /// enumeration of the grouped order gives, with 3 draws, [0.260, 0.094, 0.05, 0.596] instead
+    /// of p (error 0.066), with 4 draws [0.220, 0.091, 0.05, 0.639] (error 0.11): 12,000 trials
+    /// each fail the chi-square test by far (p < 1e-20) without the shuffle, and pass with it.
+    #[test]
+    fn mss_tries_repeated_draws_in_iid_order() {
+        let p = [0.32, 0.1, 0.05, 0.53];
+        let q = vec![(0u32, 0.19f32), (1, 0.09), (2, 0.65), (3, 0.07)];
+        let qd: SparseDist = Arc::from(q.clone());
+        let sampler = Sampler::new(sampling(0)).unwrap();
+        let logits1 = logits_of(&p);
+        for (draws, seed) in [(3usize, 31u64), (4, 41)] {
+            let mut rng = Rng::new(seed);
+            let mut draw_rng = Rng::new(seed + 1);
+            let n = 12_000;
+            let mut counts = [0usize; 4];
+            for _ in 0..n {
+                let mut b = TreeBuilder::new(0);
+                for _ in 0..draws {
+                    let tok = draw_from(&q, &mut draw_rng);
+                    b.add_child(0, tok, Some(Proposal::sampled(1, q[tok as usize].1, 1)));
+                }
+                b.set_child_dist(0, 1, qd.clone());
+                let t = b.build();
+                let o = verify_mss(&t, &logits1.repeat(t.len()), 4, &sampler, &mut rng).unwrap();
+                counts[o.emitted()[0] as usize] += 1;
+            }
+            let pv = chi_square_p(&counts, &p);
+            assert!(pv > 0.001, "{draws} draws: p {pv}, counts {counts:?}");
+        }
+    }
+
+    /// Same seed, same outputs; another seed or another temperature, other outputs: at
+    /// temperature 0.01 (logit gaps of at least 0.12 become 12 nats) every step emits the
+    /// greedy path, at 1.0 the 4-token rows are far from one-hot. 40 steps, pinned seeds.
     #[test]
     fn verifier_is_deterministic_per_seed() {
         let t = TokenTree::chain(0, &[1, 2, 3], 0);
         let logits: Vec<f32> = (0..t.len() * 4).map(|i| (i as f32 * 0.7).sin()).collect();
-        let run = |seed| {
-            let mut v = Verifier::new(VerifyMode::Mss, sampling(seed)).unwrap();
-            (0..20)
+        let run = |mode, seed, temperature| {
+            let params = SamplingParams {
+                temperature,
+                ..sampling(seed)
+            };
+            let mut v = Verifier::new(mode, params).unwrap();
+            (0..40)
                 .map(|_| v.verify(&t, &logits, 4).unwrap().emitted())
                 .collect::<Vec<_>>()
         };
-        assert_eq!(run(5), run(5));
+        let greedy = verify_greedy(&t, &logits, 4).unwrap().emitted();
+        for mode in [VerifyMode::Mss, VerifyMode::Naive] {
+            assert_eq!(run(mode, 5, 1.0), run(mode, 5, 1.0), "{mode}");
+            assert_ne!(
+                run(mode, 5, 1.0),
+                run(mode, 6, 1.0),
+                "{mode}: the seed is used"
+            );
+            let cold = run(mode, 5, 0.01);
+            assert!(cold.iter().all(|e| *e == greedy), "{mode}: {cold:?}");
+            let hot = run(mode, 5, 1.0);
+            let off = hot.iter().filter(|e| **e != greedy).count();
+            assert!(
+                off >= 10,
+                "{mode}: temperature 1 left {off} of 40 non-greedy"
+            );
+        }
     }
 }

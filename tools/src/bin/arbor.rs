@@ -378,12 +378,13 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
                         .map(|r| format!("{r:.2}"))
                         .collect();
                     format!(
-                        ", spec ({mode}): steps: {}, drafted: {}, accepted: {}, mean accepted: {:.2}/step, acceptance by depth: [{}]",
+                        ", spec ({mode}): steps: {}, drafted: {}, accepted: {}, mean accepted: {:.2}/step, acceptance by depth: [{}], drafter contract failures: {}",
                         m.steps,
                         m.drafted,
                         m.accepted,
                         m.mean_accepted(),
-                        by_depth.join(", ")
+                        by_depth.join(", "),
+                        m.drafter_contract_failures
                     )
                 }
                 None => String::new(),
@@ -417,6 +418,7 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
                     "mean_accepted": m.mean_accepted(),
                     "acceptance_by_depth": m.acceptance_by_depth(),
                     "placeholder_rows": m.placeholder_rows,
+                    "drafter_contract_failures": m.drafter_contract_failures,
                 });
             }
             writeln!(stdout, "{j}")?;
