@@ -901,7 +901,10 @@ mod tests {
             && is_x86_feature_detected!("fma")
             && is_x86_feature_detected!("f16c"))
         {
-            eprintln!("skipping: no AVX2/FMA/F16C");
+            crate::testing::skip_hardware(
+                "simd::avx2_kernels_bit_identical_to_their_references",
+                "no AVX2/FMA/F16C",
+            );
             return;
         }
         let mut rng = crate::sample::Rng::new(5);

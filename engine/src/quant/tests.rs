@@ -484,7 +484,10 @@ fn avx512_rows_bit_identical_to_single_row() {
 #[test]
 fn avx2_rows_bit_identical_to_single_row() {
     if !levels().contains(&KernelLevel::Avx2) {
-        eprintln!("skipping: no AVX2");
+        skip_hardware(
+            "quant::avx2_rows_bit_identical_to_single_row",
+            "no AVX2/FMA/F16C",
+        );
         return;
     }
     rows_bit_identical_to_single_row(KernelLevel::Avx2);
