@@ -18,9 +18,9 @@ echo "{\"cpu\":\"$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^
 for r in $(seq 1 "$rounds"); do
   echo "{\"engine\":\"arbor\",\"round\":$r,\"result\":$($bin bench decode --model "$model" --threads "$threads" --reps 3 --decode-tokens 64 --format json)}"
   # llama-bench: tg64 after a 256-token context, and pp256; its build line names the CPU backend's features.
-  lb=$("$llama/llama-bench" -m "$path" -t "$threads" -p 256 -n 64 -d 256 -r 3 -o jsonl 2>/dev/null | tr '\n' ',' | sed 's/,$//')
+  lb=$("$llama/llama-bench" -m "$path" -t "$threads" -p 256 -n 64 -d 256 -r 3 -o jsonl 2>/dev/null | grep '^{' | paste -sd, -)
   echo "{\"engine\":\"llama-bench\",\"round\":$r,\"result\":[$lb]}"
   # llama-batched-bench: the cost of one decode step for 1 and 16 sequences after 256 prompt tokens each.
-  bb=$("$llama/llama-batched-bench" -m "$path" -t "$threads" -c 8192 -b 2048 -ub 512 -npp 256 -ntg 16 -npl 1,16 --output-format jsonl 2>/dev/null | tr '\n' ',' | sed 's/,$//')
+  bb=$("$llama/llama-batched-bench" -m "$path" -t "$threads" -c 8192 -b 2048 -ub 512 -npp 256 -ntg 16 -npl 1,16 --output-format jsonl 2>/dev/null | grep '^{' | paste -sd, -)
   echo "{\"engine\":\"llama-batched-bench\",\"round\":$r,\"result\":[$bb]}"
 done
