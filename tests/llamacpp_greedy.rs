@@ -167,21 +167,28 @@ fn smollm2_noise() -> (Fixture, Noise) {
 
 /// Arbor along llama.cpp's greedy path: the prompt in one batch, then one token per step, as
 /// llama.cpp made the fixture and as `generate` decodes. `f(step, logits)` sees every step.
-fn teacher_forced(m: &common::Loaded, c: &Case, mut f: impl FnMut(usize, &[f32])) {
-    let n = c.greedy_ids.len();
-    let mut cache = KvCache::new(&m.model.config, c.prompt_ids.len() + n);
-    let pos: Vec<usize> = (0..c.prompt_ids.len()).collect();
-    let mut logits = m
+/// One prefill over `prompt` (a cache with room for `extra` more tokens) and its last-position
+/// logits.
+fn prompt_logits(m: &common::Loaded, prompt: &[u32], extra: usize) -> (KvCache, Vec<f32>) {
+    let mut cache = KvCache::new(&m.model.config, prompt.len() + extra);
+    let pos: Vec<usize> = (0..prompt.len()).collect();
+    let logits = m
         .model
         .forward(
             common::backend(),
             &mut cache,
-            &c.prompt_ids,
+            prompt,
             &pos,
             BatchMask::Causal,
             &[pos.len() - 1],
         )
         .unwrap();
+    (cache, logits)
+}
+
+fn teacher_forced(m: &common::Loaded, c: &Case, mut f: impl FnMut(usize, &[f32])) {
+    let n = c.greedy_ids.len();
+    let (mut cache, mut logits) = prompt_logits(m, &c.prompt_ids, n);
     for s in 0..n {
         f(s, &logits);
         if s + 1 < n {
@@ -418,19 +425,7 @@ fn last_position_logits_match_llama_cpp() {
     let (mut worst_mean, mut worst_max) = (0.0f64, 0.0f64);
     for c in &f.prompts {
         let reference = read_f32(&c.last_logits_file);
-        let mut cache = KvCache::new(&m.model.config, c.prompt_ids.len());
-        let pos: Vec<usize> = (0..c.prompt_ids.len()).collect();
-        let ours = m
-            .model
-            .forward(
-                common::backend(),
-                &mut cache,
-                &c.prompt_ids,
-                &pos,
-                BatchMask::Causal,
-                &[pos.len() - 1],
-            )
-            .unwrap();
+        let (_, ours) = prompt_logits(m, &c.prompt_ids, 0);
         assert_eq!(ours.len(), reference.len());
         let n = ours.len() as f64;
         let mo = ours.iter().map(|&x| x as f64).sum::<f64>() / n;

@@ -446,13 +446,7 @@ unsafe fn rows_legacy<K: LegacyKind>(
                     let wrow = w.data.as_ptr().add(o * rb);
                     let accs = acc.as_mut_ptr().add((o - o0) * nt);
                     for g in g0..g1 {
-                        // Weights stream from DRAM once: ask for them a few groups ahead.
-                        let pf = wrow.wrapping_add((g + PREFETCH_GROUPS) * gbytes);
-                        let mut off = 0;
-                        while off < gbytes {
-                            _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(off) as *const i8);
-                            off += 64;
-                        }
+                        prefetch_ahead(wrow, g, gbytes);
                         let wv = if g < n_full {
                             K::unpack(wrow.add(g * gbytes))
                         } else if o * rb + (n_full + 1) * gbytes <= w.data.len() {
