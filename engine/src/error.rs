@@ -27,6 +27,8 @@ pub enum EngineError {
     ContextOverflow { needed: usize, limit: usize },
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    #[error("KV cache pool exhausted: {needed} more blocks needed")]
+    KvPoolExhausted { needed: usize },
 }
 
 impl EngineError {
@@ -42,6 +44,7 @@ impl EngineError {
             EngineError::Tokenizer(_) => "tokenizer_error",
             EngineError::ContextOverflow { .. } => "context_overflow",
             EngineError::InvalidArgument(_) => "invalid_argument",
+            EngineError::KvPoolExhausted { .. } => "kv_pool_exhausted",
         }
     }
 

@@ -89,15 +89,15 @@ fn rate(n: usize, secs: f64) -> f64 {
 }
 
 /// Holds back text that might be the start of a stop string.
-pub(crate) struct StopFilter<'a> {
-    stops: &'a [String],
+pub(crate) struct StopFilter {
+    stops: Vec<String>,
     pending: String,
 }
 
-impl<'a> StopFilter<'a> {
-    pub(crate) fn new(stops: &'a [String]) -> Self {
+impl StopFilter {
+    pub(crate) fn new(stops: &[String]) -> Self {
         StopFilter {
-            stops,
+            stops: stops.to_vec(),
             pending: String::new(),
         }
     }
@@ -118,7 +118,7 @@ impl<'a> StopFilter<'a> {
         }
         // Keep the longest suffix that is a proper prefix of some stop string.
         let mut keep = 0;
-        for s in self.stops {
+        for s in &self.stops {
             for (i, _) in s.char_indices().skip(1) {
                 if i > keep && self.pending.ends_with(&s[..i]) {
                     keep = i;
@@ -143,14 +143,14 @@ pub(crate) struct TokenSink<'a, F: FnMut(&str)> {
     tokenizer: &'a Tokenizer,
     ignore_eos: bool,
     detok: StreamDecoder<'a>,
-    stop: StopFilter<'a>,
+    stop: StopFilter,
     on_text: F,
     text: String,
     pub(crate) tokens: Vec<u32>,
 }
 
 impl<'a, F: FnMut(&str)> TokenSink<'a, F> {
-    pub(crate) fn new(tokenizer: &'a Tokenizer, params: &'a GenerateParams, on_text: F) -> Self {
+    pub(crate) fn new(tokenizer: &'a Tokenizer, params: &GenerateParams, on_text: F) -> Self {
         TokenSink {
             tokenizer,
             ignore_eos: params.ignore_eos,
@@ -160,6 +160,11 @@ impl<'a, F: FnMut(&str)> TokenSink<'a, F> {
             text: String::new(),
             tokens: Vec::new(),
         }
+    }
+
+    /// The text emitted so far.
+    pub(crate) fn text(&self) -> &str {
+        &self.text
     }
 
     fn emit(&mut self, s: &str) {
@@ -285,17 +290,11 @@ mod tests {
     #[test]
     fn stop_filter_holds_back_partial_matches() {
         let stops = vec!["</end>".to_string()];
-        let mut f = StopFilter {
-            stops: &stops,
-            pending: String::new(),
-        };
+        let mut f = StopFilter::new(&stops);
         assert_eq!(f.push("hello </"), ("hello ".to_string(), false));
         assert_eq!(f.push("en"), (String::new(), false));
         assert_eq!(f.push("d> tail"), (String::new(), true));
-        let mut f = StopFilter {
-            stops: &stops,
-            pending: String::new(),
-        };
+        let mut f = StopFilter::new(&stops);
         assert_eq!(f.push("a</b"), ("a</b".to_string(), false));
         assert_eq!(f.push("</e"), (String::new(), false));
         assert_eq!(f.finish(), "</e");

@@ -217,8 +217,8 @@ pub fn max_kv_diff(a: &KvCache, b: &KvCache, n_layers: usize) -> f32 {
     for l in 0..n_layers {
         for s in 0..a.len() {
             m = m
-                .max(diff(a.k_row(l, s), b.k_row(l, s)))
-                .max(diff(a.v_row(l, s), b.v_row(l, s)));
+                .max(diff(&a.k_row(l, s), &b.k_row(l, s)))
+                .max(diff(&a.v_row(l, s), &b.v_row(l, s)));
         }
     }
     m

@@ -3,7 +3,7 @@
 use rayon::prelude::*;
 
 use super::simd;
-use super::{AttentionShape, Backend, BatchMask};
+use super::{AttentionShape, AttnSeq, Backend, BatchMask, KvLayer};
 use crate::error::{EngineError, Result};
 use crate::quant::{self, QMatrix};
 
@@ -153,42 +153,81 @@ impl Backend for CpuBackend {
         s: AttentionShape,
         mask: BatchMask<'_>,
         q: &[f32],
-        k: &[f32],
-        v: &[f32],
+        kv: KvLayer<'_>,
         out: &mut [f32],
     ) -> Result<()> {
-        let hd = s.head_dim;
-        let kv_dim = s.n_head_kv * hd;
-        let group = s.n_head / s.n_head_kv;
-        let n_slots = s.n_past + s.n_tok;
-        if q.len() != s.n_tok * s.n_head * hd
-            || out.len() != q.len()
-            || k.len() < n_slots * kv_dim
-            || v.len() < n_slots * kv_dim
-        {
+        let one = [AttnSeq {
+            shape: s,
+            mask,
+            kv,
+            row0: 0,
+        }];
+        self.attention_batch(&one, q, out)
+    }
+
+    fn attention_batch(&self, seqs: &[AttnSeq<'_>], q: &[f32], out: &mut [f32]) -> Result<()> {
+        let Some(first) = seqs.first() else {
+            return Ok(());
+        };
+        let (n_head, hd) = (first.shape.n_head, first.shape.head_dim);
+        let width = n_head * hd;
+        let n_rows = q.len() / width.max(1);
+        if q.len() != n_rows * width || out.len() != q.len() {
             return Err(EngineError::Shape(
                 "attention buffers do not match shape".into(),
             ));
         }
-        if s.n_tok * s.n_head_kv >= 8 && group <= MAX_GROUP {
-            attention_by_kv_head(s, mask, q, k, v, out, SCORES_MAX);
+        // Which sequence owns each row of the one-task-per-(token, head) pass (None: another
+        // path, or no sequence).
+        let mut owner: Vec<Option<usize>> = vec![None; n_rows];
+        for (i, sq) in seqs.iter().enumerate() {
+            let s = sq.shape;
+            let rows = sq.row0..sq.row0 + s.n_tok;
+            if s.n_head != n_head
+                || s.head_dim != hd
+                || s.n_head_kv == 0
+                || !n_head.is_multiple_of(s.n_head_kv)
+                || rows.end > n_rows
+                || owner[rows.clone()].iter().any(Option::is_some)
+                || !sq.kv.covers(s.n_past + s.n_tok, s.n_head_kv * hd)
+            {
+                return Err(EngineError::Shape(
+                    "attention buffers do not match shape".into(),
+                ));
+            }
+            if s.n_tok * s.n_head_kv >= 8 && n_head / s.n_head_kv <= MAX_GROUP {
+                // Prefill chunks and trees: a KV head's query heads and tokens per task.
+                let r = rows.start * width..rows.end * width;
+                attention_by_kv_head(s, sq.mask, &q[r.clone()], sq.kv, &mut out[r], SCORES_MAX);
+            } else {
+                owner[rows].fill(Some(i));
+            }
+        }
+        if owner.iter().all(Option::is_none) {
             return Ok(());
         }
-        let scale = 1.0 / (hd as f32).sqrt();
-        // Decoding-sized batches: one task per (token, head), so every thread has work.
+        // Decoding-sized parts of every sequence in one parallel region: one task per (token,
+        // head), so every thread has work and the threads wake once per layer, not per sequence.
         out.par_chunks_mut(hd).enumerate().for_each_init(
             || (Vec::<f32>::new(), Vec::<usize>::new(), vec![0.0f32; hd]),
             |(scores, slots, qh), (idx, o)| {
-                let (t, h) = (idx / s.n_head, idx % s.n_head);
-                let kvh = h / group;
+                let (row, h) = (idx / n_head, idx % n_head);
+                let Some(sq) = owner[row].map(|i| &seqs[i]) else {
+                    return;
+                };
+                let s = sq.shape;
+                let kv_dim = s.n_head_kv * hd;
+                let kvh = h / (n_head / s.n_head_kv);
+                let scale = 1.0 / (hd as f32).sqrt();
                 // Q at f16 precision, like the K it meets (llama.cpp's K·Q runs in f16).
                 qh.copy_from_slice(&q[idx * hd..(idx + 1) * hd]);
                 simd::round_f16_slice(qh);
-                visible_slots(s, mask, t, slots);
-                let max = simd::attn_scores(qh, k, slots, kv_dim, kvh * hd, scale, scores);
+                visible_slots(s, sq.mask, row - sq.row0, slots);
+                sq.kv.to_rows(slots);
+                let max = simd::attn_scores(qh, sq.kv.k, slots, kv_dim, kvh * hd, scale, scores);
                 softmax_f16(scores, max);
                 o.fill(0.0);
-                simd::attn_weighted_sum(scores, v, slots, kv_dim, kvh * hd, o);
+                simd::attn_weighted_sum(scores, sq.kv.v, slots, kv_dim, kvh * hd, o);
             },
         );
         Ok(())
@@ -237,8 +276,7 @@ fn attention_by_kv_head(
     s: AttentionShape,
     mask: BatchMask<'_>,
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    kv: KvLayer<'_>,
     out: &mut [f32],
     scores_max: usize,
 ) {
@@ -297,6 +335,15 @@ fn attention_by_kv_head(
                     }
                 }
             }
+            // The same pieces as cache rows.
+            let rows_of: Vec<Vec<usize>> = slots
+                .iter()
+                .map(|sl| {
+                    let mut r = sl.clone();
+                    kv.to_rows(&mut r);
+                    r
+                })
+                .collect();
             // [rows, n_slots] scores, then weights (row r uses the first len(slots of its token)).
             let mut sc = vec![0f32; rows * n_slots];
             let mut maxes = vec![f32::NEG_INFINITY; rows];
@@ -304,8 +351,8 @@ fn attention_by_kv_head(
             for &(ti, c0, c1) in &pieces {
                 for r in ti * group..(ti + 1) * group {
                     let qh = &qr[r * hd..(r + 1) * hd];
-                    let sl = &slots[ti][c0..c1];
-                    let m = simd::attn_scores(qh, k, sl, kv_dim, kvh * hd, scale, &mut tmp);
+                    let sl = &rows_of[ti][c0..c1];
+                    let m = simd::attn_scores(qh, kv.k, sl, kv_dim, kvh * hd, scale, &mut tmp);
                     sc[r * n_slots + c0..r * n_slots + c1].copy_from_slice(&tmp);
                     maxes[r] = maxes[r].max(m);
                 }
@@ -320,8 +367,8 @@ fn attention_by_kv_head(
                 for r in ti * group..(ti + 1) * group {
                     let p = &sc[r * n_slots + c0..r * n_slots + c1];
                     let orow = &mut o[r * hd..(r + 1) * hd];
-                    let sl = &slots[ti][c0..c1];
-                    simd::attn_weighted_sum(p, v, sl, kv_dim, kvh * hd, orow);
+                    let sl = &rows_of[ti][c0..c1];
+                    simd::attn_weighted_sum(p, kv.v, sl, kv_dim, kvh * hd, orow);
                 }
             }
             o
@@ -340,6 +387,51 @@ mod tests {
     use super::*;
 
     /// Deterministic values in [-1, 1).
+    /// Rows `[n_slots, dim]` as a paged f16 cache whose blocks lie in reverse order.
+    struct Paged {
+        k: Vec<half::f16>,
+        v: Vec<half::f16>,
+        blocks: Vec<crate::kv::BlockId>,
+    }
+
+    impl Paged {
+        fn new(k: &[f32], v: &[f32], dim: usize) -> Paged {
+            use crate::kv::BLOCK_SLOTS;
+            let n_slots = k.len() / dim;
+            let nb = n_slots.div_ceil(BLOCK_SLOTS);
+            let blocks: Vec<u32> = (0..nb as u32).rev().collect();
+            let mut p = Paged {
+                k: vec![half::f16::ZERO; nb * BLOCK_SLOTS * dim],
+                v: vec![half::f16::ZERO; nb * BLOCK_SLOTS * dim],
+                blocks,
+            };
+            for s in 0..n_slots {
+                let r = p.layer().row(s);
+                for d in 0..dim {
+                    p.k[r * dim + d] = half::f16::from_f32(k[s * dim + d]);
+                    p.v[r * dim + d] = half::f16::from_f32(v[s * dim + d]);
+                }
+            }
+            p
+        }
+
+        fn layer(&self) -> KvLayer<'_> {
+            KvLayer {
+                k: &self.k,
+                v: &self.v,
+                blocks: &self.blocks,
+            }
+        }
+    }
+
+    /// Values rounded to f16 (what the cache holds).
+    fn f16_values(n: usize, seed: u64) -> Vec<f32> {
+        values(n, seed)
+            .into_iter()
+            .map(|x| half::f16::from_f32(x).to_f32())
+            .collect()
+    }
+
     fn values(n: usize, seed: u64) -> Vec<f32> {
         let mut rng = crate::sample::Rng::new(seed);
         (0..n).map(|_| rng.next_f64() as f32 * 2.0 - 1.0).collect()
@@ -374,8 +466,9 @@ mod tests {
         ];
         for hd in [64usize, 48] {
             let q = values(n_tok * n_head * hd, 1);
-            let k = values(n_slots * n_kv * hd, 2);
-            let v = values(n_slots * n_kv * hd, 3);
+            let k = f16_values(n_slots * n_kv * hd, 2);
+            let v = f16_values(n_slots * n_kv * hd, 3);
+            let paged = Paged::new(&k, &v, n_kv * hd);
             // K and V with KV head `h / group` copied to every query head `h`.
             let expand = |x: &[f32]| -> Vec<f32> {
                 let mut e = Vec::with_capacity(n_slots * n_head * hd);
@@ -388,6 +481,7 @@ mod tests {
                 e
             };
             let (kx, vx) = (expand(&k), expand(&v));
+            let paged_x = Paged::new(&kx, &vx, n_head * hd);
             for mask in masks {
                 let shape = |n_head_kv| AttentionShape {
                     n_tok,
@@ -399,15 +493,15 @@ mod tests {
                 let mut grouped = vec![0f32; q.len()];
                 let mut single = vec![0f32; q.len()];
                 backend
-                    .attention(shape(n_kv), mask, &q, &k, &v, &mut grouped)
+                    .attention(shape(n_kv), mask, &q, paged.layer(), &mut grouped)
                     .expect("grouped");
                 backend
-                    .attention(shape(n_head), mask, &q, &kx, &vx, &mut single)
+                    .attention(shape(n_head), mask, &q, paged_x.layer(), &mut single)
                     .expect("single");
                 // One token per task (the chunking of long prompts) changes nothing either.
                 let mut chunked = vec![0f32; q.len()];
                 backend.pool.install(|| {
-                    attention_by_kv_head(shape(n_kv), mask, &q, &k, &v, &mut chunked, 1)
+                    attention_by_kv_head(shape(n_kv), mask, &q, paged.layer(), &mut chunked, 1)
                 });
                 let cb: Vec<u32> = chunked.iter().map(|x| x.to_bits()).collect();
                 let gb: Vec<u32> = grouped.iter().map(|x| x.to_bits()).collect();
@@ -425,7 +519,7 @@ mod tests {
                         let row = t * n_head * hd..(t + 1) * n_head * hd;
                         let mut o1 = vec![0f32; n_head * hd];
                         backend
-                            .attention(one, mask, &q[row.clone()], &k, &v, &mut o1)
+                            .attention(one, mask, &q[row.clone()], paged.layer(), &mut o1)
                             .expect("one token");
                         let ob: Vec<u32> = o1.iter().map(|x| x.to_bits()).collect();
                         assert!(ob == gb[row], "hd {hd} token {t}");

@@ -6,7 +6,10 @@ pub mod simd;
 
 pub use cpu::{AmxUse, CpuBackend};
 
+use half::f16;
+
 use crate::error::Result;
+use crate::kv::{BlockId, BLOCK_SLOTS};
 use crate::quant::QMatrix;
 
 /// Which earlier tokens of the batch each new token may attend to (the committed prefix is always visible).
@@ -68,6 +71,40 @@ impl BatchMask<'_> {
     }
 }
 
+/// One layer of a sequence's paged f16 K/V as attention reads it: the sequence's slot `s` is row
+/// `blocks[s / BLOCK_SLOTS] * BLOCK_SLOTS + s % BLOCK_SLOTS` of `k` and of `v` (both
+/// `[pool rows, kv_dim]`, the whole pool's layer; see `kv::KvPool`).
+#[derive(Clone, Copy, Debug)]
+pub struct KvLayer<'a> {
+    pub k: &'a [f16],
+    pub v: &'a [f16],
+    pub blocks: &'a [BlockId],
+}
+
+impl KvLayer<'_> {
+    /// The pool row holding the sequence's slot `slot`.
+    #[inline]
+    pub fn row(&self, slot: usize) -> usize {
+        self.blocks[slot / BLOCK_SLOTS] as usize * BLOCK_SLOTS + slot % BLOCK_SLOTS
+    }
+
+    /// Slots (ascending, from `visible_slots`) to pool rows, in place.
+    pub fn to_rows(&self, slots: &mut [usize]) {
+        for s in slots {
+            *s = self.row(*s);
+        }
+    }
+
+    /// Whether slots `0..n_slots` of rows of `kv_dim` values are all inside `k` and `v`.
+    pub fn covers(&self, n_slots: usize, kv_dim: usize) -> bool {
+        let rows = self.k.len().min(self.v.len()) / kv_dim.max(1);
+        n_slots <= self.blocks.len() * BLOCK_SLOTS
+            && self.blocks[..n_slots.div_ceil(BLOCK_SLOTS)]
+                .iter()
+                .all(|&b| (b as usize + 1) * BLOCK_SLOTS <= rows)
+    }
+}
+
 /// Shapes of one attention call.
 #[derive(Clone, Copy, Debug)]
 pub struct AttentionShape {
@@ -76,6 +113,16 @@ pub struct AttentionShape {
     pub n_head: usize,
     pub n_head_kv: usize,
     pub head_dim: usize,
+}
+
+/// One sequence's part of a batched attention call: rows `row0..row0 + shape.n_tok` of `q` and
+/// `out` are its new tokens; they attend to its cache `kv` per `mask`.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnSeq<'a> {
+    pub shape: AttentionShape,
+    pub mask: BatchMask<'a>,
+    pub kv: KvLayer<'a>,
+    pub row0: usize,
 }
 
 /// The operations the forward pass needs from a device.
@@ -137,15 +184,32 @@ pub trait Backend: Send + Sync {
         Ok(())
     }
 
-    /// Scaled dot-product attention of new tokens over slots `0..n_past + n_tok` of one layer.
-    /// q: [n_tok, n_head * head_dim]; k, v: [slots, n_head_kv * head_dim]; out like q.
+    /// Scaled dot-product attention of new tokens over slots `0..n_past + n_tok` of one layer of
+    /// a sequence's paged cache. q: [n_tok, n_head * head_dim]; kv: rows of n_head_kv * head_dim
+    /// f16 values; out like q.
     fn attention(
         &self,
         shape: AttentionShape,
         mask: BatchMask<'_>,
         q: &[f32],
-        k: &[f32],
-        v: &[f32],
+        kv: KvLayer<'_>,
         out: &mut [f32],
     ) -> Result<()>;
+
+    /// Attention of every sequence of a ragged batch (disjoint row ranges of q and out:
+    /// `[n_rows, n_head * head_dim]`), each exactly as [`Backend::attention`] computes it alone.
+    /// The default runs them in turn; a backend may run them together.
+    fn attention_batch(&self, seqs: &[AttnSeq<'_>], q: &[f32], out: &mut [f32]) -> Result<()> {
+        for sq in seqs {
+            let w = sq.shape.n_head * sq.shape.head_dim;
+            let rows = sq.row0 * w..(sq.row0 + sq.shape.n_tok) * w;
+            if rows.end > q.len() || rows.end > out.len() {
+                return Err(crate::EngineError::Shape(
+                    "attention rows outside the batch".into(),
+                ));
+            }
+            self.attention(sq.shape, sq.mask, &q[rows.clone()], sq.kv, &mut out[rows])?;
+        }
+        Ok(())
+    }
 }

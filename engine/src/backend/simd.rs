@@ -3,6 +3,8 @@
 
 use std::sync::OnceLock;
 
+use half::f16;
+
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Level {
     Portable,
@@ -161,11 +163,20 @@ pub fn round_f16_slice(x: &mut [f32]) {
     }
 }
 
-/// Attention scores over cache rows: `scores[i] = dot(q, rows[slots[i]]) * scale`, where row `s`
-/// is `k[s * stride + off..][..q.len()]`. Returns the maximum score.
+/// A cache row of `hd` f16 values as f32 (exact: f16 widens to f32 without rounding).
+fn widen_row<'a>(row: &[f16], out: &'a mut [f32; 256]) -> &'a [f32] {
+    for (o, h) in out.iter_mut().zip(row) {
+        *o = h.to_f32();
+    }
+    &out[..row.len()]
+}
+
+/// Attention scores over f16 cache rows: `scores[i] = dot(q, rows[slots[i]]) * scale`, where row
+/// `s` is `k[s * stride + off..][..q.len()]` widened to f32. Returns the maximum score. The bits
+/// are those of [`dot`] over the widened rows.
 pub fn attn_scores(
     q: &[f32],
-    k: &[f32],
+    k: &[f16],
     slots: &[usize],
     stride: usize,
     off: usize,
@@ -185,14 +196,22 @@ pub fn attn_scores(
     #[cfg(target_arch = "x86_64")]
     if level() == Level::Avx2
         && hd.is_multiple_of(16)
+        && hd <= 256
         && slots.iter().all(|&s| s * stride + off + hd <= k.len())
     {
-        // SAFETY: AVX2/FMA detected; every row read was bounds-checked just above.
+        // SAFETY: AVX2/FMA/F16C detected; every row read was bounds-checked just above.
         return unsafe { x86::attn_scores_avx2(q, k, slots, stride, off, scale, scores) };
     }
     let mut max = f32::NEG_INFINITY;
+    let mut buf = [0f32; 256];
     for &s in slots {
-        let sc = dot(q, &k[s * stride + off..s * stride + off + hd]) * scale;
+        let row = &k[s * stride + off..s * stride + off + hd];
+        let sc = if hd <= 256 {
+            dot(q, widen_row(row, &mut buf)) * scale
+        } else {
+            let wide: Vec<f32> = row.iter().map(|h| h.to_f32()).collect();
+            dot(q, &wide) * scale
+        };
         max = max.max(sc);
         scores.push(sc);
     }
@@ -200,11 +219,11 @@ pub fn attn_scores(
 }
 
 /// Attention output, accumulated: `o += sum_i p[i] * rows[slots[i]]` (in slot order, so a call
-/// per block of slots sums exactly as one call over all of them) with rows laid out as in
-/// [`attn_scores`].
+/// per block of slots sums exactly as one call over all of them) with f16 rows laid out as in
+/// [`attn_scores`]; per output the bits of [`axpy`] over the widened rows.
 pub fn attn_weighted_sum(
     p: &[f32],
-    v: &[f32],
+    v: &[f16],
     slots: &[usize],
     stride: usize,
     off: usize,
@@ -225,11 +244,18 @@ pub fn attn_weighted_sum(
         && hd.is_multiple_of(8)
         && slots.iter().all(|&s| s * stride + off + hd <= v.len())
     {
-        // SAFETY: AVX2/FMA detected; every row read was bounds-checked just above.
+        // SAFETY: AVX2/FMA/F16C detected; every row read was bounds-checked just above.
         return unsafe { x86::attn_weighted_sum_avx2(p, v, slots, stride, off, o) };
     }
+    let mut wide = Vec::with_capacity(hd);
     for (&s, &w) in slots.iter().zip(p) {
-        axpy(o, w, &v[s * stride + off..s * stride + off + hd]);
+        wide.clear();
+        wide.extend(
+            v[s * stride + off..s * stride + off + hd]
+                .iter()
+                .map(|h| h.to_f32()),
+        );
+        axpy(o, w, &wide);
     }
 }
 
@@ -258,6 +284,7 @@ pub fn axpy_portable(y: &mut [f32], s: f32, x: &[f32]) {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use half::f16;
     use std::arch::x86_64::*;
 
     #[target_feature(enable = "avx512f")]
@@ -299,7 +326,7 @@ mod x86 {
     #[target_feature(enable = "avx512f")]
     pub unsafe fn attn_scores_avx512(
         q: &[f32],
-        k: &[f32],
+        k: &[f16],
         slots: &[usize],
         stride: usize,
         off: usize,
@@ -320,7 +347,7 @@ mod x86 {
     #[target_feature(enable = "avx512f")]
     unsafe fn scores_chunks<const C: usize>(
         q: &[f32],
-        k: &[f32],
+        k: &[f16],
         slots: &[usize],
         stride: usize,
         off: usize,
@@ -330,11 +357,12 @@ mod x86 {
         let hd = q.len();
         let qr: [__m512; C] = std::array::from_fn(|c| _mm512_loadu_ps(q.as_ptr().add(16 * c)));
         let dot = |s: usize| {
-            let row = k.as_ptr().add(s * stride + off);
+            let row = k.as_ptr().add(s * stride + off) as *const __m256i;
             let mut acc = _mm512_setzero_ps();
             if C > 0 {
                 for (c, qc) in qr.iter().enumerate() {
-                    acc = _mm512_fmadd_ps(*qc, _mm512_loadu_ps(row.add(16 * c)), acc);
+                    acc =
+                        _mm512_fmadd_ps(*qc, _mm512_cvtph_ps(_mm256_loadu_si256(row.add(c))), acc);
                 }
                 return acc;
             }
@@ -342,7 +370,7 @@ mod x86 {
             while i < hd {
                 acc = _mm512_fmadd_ps(
                     _mm512_loadu_ps(q.as_ptr().add(i)),
-                    _mm512_loadu_ps(row.add(i)),
+                    _mm512_cvtph_ps(_mm256_loadu_si256(row.add(i / 16))),
                     acc,
                 );
                 i += 16;
@@ -452,7 +480,7 @@ mod x86 {
     #[target_feature(enable = "avx512f")]
     pub unsafe fn attn_weighted_sum_avx512(
         p: &[f32],
-        v: &[f32],
+        v: &[f16],
         slots: &[usize],
         stride: usize,
         off: usize,
@@ -473,7 +501,7 @@ mod x86 {
     #[target_feature(enable = "avx512f")]
     unsafe fn weighted_sum_chunks<const C: usize>(
         p: &[f32],
-        v: &[f32],
+        v: &[f16],
         slots: &[usize],
         stride: usize,
         off: usize,
@@ -485,10 +513,10 @@ mod x86 {
             *a = _mm512_loadu_ps(o.as_ptr().add(c * 16));
         }
         for (&s, &w) in slots.iter().zip(p) {
-            let row = v.as_ptr().add(s * stride + off);
+            let row = v.as_ptr().add(s * stride + off) as *const __m256i;
             let wv = _mm512_set1_ps(w);
             for (c, a) in acc.iter_mut().enumerate().take(chunks) {
-                *a = _mm512_fmadd_ps(wv, _mm512_loadu_ps(row.add(c * 16)), *a);
+                *a = _mm512_fmadd_ps(wv, _mm512_cvtph_ps(_mm256_loadu_si256(row.add(c))), *a);
             }
         }
         for (c, a) in acc.iter().enumerate().take(chunks) {
@@ -688,10 +716,10 @@ mod x86 {
     /// bits of `dot_avx2(q, row) * scale`.
     ///
     /// SAFETY (caller): AVX2/FMA present, `q.len() % 16 == 0`, every row in bounds.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn attn_scores_avx2(
         q: &[f32],
-        k: &[f32],
+        k: &[f16],
         slots: &[usize],
         stride: usize,
         off: usize,
@@ -701,6 +729,8 @@ mod x86 {
         let hd = q.len();
         let qp = q.as_ptr();
         let row = |s: usize| k.as_ptr().add(s * stride + off);
+        let ld =
+            |r: *const f16, i: usize| _mm256_cvtph_ps(_mm_loadu_si128(r.add(i) as *const __m128i));
         let mut max = f32::NEG_INFINITY;
         let mut pairs = slots.chunks_exact(2);
         for pr in pairs.by_ref() {
@@ -709,10 +739,10 @@ mod x86 {
             let mut i = 0;
             while i < hd {
                 let (q0, q1) = (_mm256_loadu_ps(qp.add(i)), _mm256_loadu_ps(qp.add(i + 8)));
-                a[0] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(r0.add(i)), a[0]);
-                a[1] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(r0.add(i + 8)), a[1]);
-                a[2] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(r1.add(i)), a[2]);
-                a[3] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(r1.add(i + 8)), a[3]);
+                a[0] = _mm256_fmadd_ps(q0, ld(r0, i), a[0]);
+                a[1] = _mm256_fmadd_ps(q1, ld(r0, i + 8), a[1]);
+                a[2] = _mm256_fmadd_ps(q0, ld(r1, i), a[2]);
+                a[3] = _mm256_fmadd_ps(q1, ld(r1, i + 8), a[3]);
                 i += 16;
             }
             for acc in [_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])] {
@@ -722,7 +752,9 @@ mod x86 {
             }
         }
         for &s in pairs.remainder() {
-            let sc = dot_avx2(q, std::slice::from_raw_parts(row(s), hd)) * scale;
+            let mut buf = [0f32; 256];
+            let wide = super::widen_row(std::slice::from_raw_parts(row(s), hd), &mut buf);
+            let sc = dot_avx2(q, wide) * scale;
             max = max.max(sc);
             scores.push(sc);
         }
@@ -733,10 +765,10 @@ mod x86 {
     /// FMAs of `axpy_avx2` in slot order.
     ///
     /// SAFETY (caller): AVX2/FMA present, `o.len() % 8 == 0`, every row in bounds.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn attn_weighted_sum_avx2(
         p: &[f32],
-        v: &[f32],
+        v: &[f16],
         slots: &[usize],
         stride: usize,
         off: usize,
@@ -753,7 +785,8 @@ mod x86 {
                 let row = v.as_ptr().add(s * stride + off + c0);
                 let wv = _mm256_set1_ps(w);
                 for (c, a) in acc.iter_mut().enumerate().take(chunks) {
-                    *a = _mm256_fmadd_ps(wv, _mm256_loadu_ps(row.add(8 * c)), *a);
+                    let r = _mm_loadu_si128(row.add(8 * c) as *const __m128i);
+                    *a = _mm256_fmadd_ps(wv, _mm256_cvtph_ps(r), *a);
                 }
             }
             for (c, a) in acc.iter().enumerate().take(chunks) {
@@ -854,11 +887,14 @@ mod tests {
             let k: Vec<f32> = (0..rows * stride)
                 .map(|_| rng.next_f64() as f32 - 0.5)
                 .collect();
+            // The cache holds f16: the kernels read `kh`, the references its exact f32 values.
+            let kh: Vec<f16> = k.iter().map(|&x| f16::from_f32(x)).collect();
+            let k: Vec<f32> = kh.iter().map(|h| h.to_f32()).collect();
             let q: Vec<f32> = (0..hd).map(|_| rng.next_f64() as f32 - 0.5).collect();
             let slots = [0usize, 3, 4, 17, 39, 22];
             let off = hd;
             let mut sc = Vec::new();
-            let max = attn_scores(&q, &k, &slots, stride, off, 0.125, &mut sc);
+            let max = attn_scores(&q, &kh, &slots, stride, off, 0.125, &mut sc);
             for (i, &s) in slots.iter().enumerate() {
                 let r = dot_portable(&q, &k[s * stride + off..s * stride + off + hd]) * 0.125;
                 assert!((sc[i] - r).abs() < 1e-5, "hd {hd} slot {s}");
@@ -867,10 +903,10 @@ mod tests {
             // Blocks of 16 slots give each score the bits of a one-slot call.
             let many: Vec<usize> = (0..rows).rev().collect();
             let mut all = Vec::new();
-            let max_all = attn_scores(&q, &k, &many, stride, off, 0.125, &mut all);
+            let max_all = attn_scores(&q, &kh, &many, stride, off, 0.125, &mut all);
             let mut one = Vec::new();
             for (i, &s) in many.iter().enumerate() {
-                attn_scores(&q, &k, &[s], stride, off, 0.125, &mut one);
+                attn_scores(&q, &kh, &[s], stride, off, 0.125, &mut one);
                 assert_eq!(all[i].to_bits(), one[0].to_bits(), "hd {hd} slot {s}");
             }
             assert_eq!(
@@ -878,7 +914,7 @@ mod tests {
                 all.iter().copied().fold(f32::NEG_INFINITY, f32::max)
             );
             let mut o = vec![1.0f32; hd];
-            attn_weighted_sum(&sc, &k, &slots, stride, off, &mut o);
+            attn_weighted_sum(&sc, &kh, &slots, stride, off, &mut o);
             for d in 0..hd {
                 let r: f32 = slots
                     .iter()
@@ -943,13 +979,16 @@ mod tests {
             let k: Vec<f32> = (0..rows * stride)
                 .map(|_| rng.next_f64() as f32 - 0.5)
                 .collect();
+            // The cache holds f16: the kernels read `kh`, the references its exact f32 values.
+            let kh: Vec<f16> = k.iter().map(|&x| f16::from_f32(x)).collect();
+            let k: Vec<f32> = kh.iter().map(|h| h.to_f32()).collect();
             let q: Vec<f32> = (0..hd).map(|_| rng.next_f64() as f32 - 0.5).collect();
             for n in [1usize, 2, 5, 19] {
                 let slots: Vec<usize> = (0..n).map(|i| (i * 7) % rows).collect();
                 let mut sc = Vec::new();
                 // SAFETY: as above; rows in bounds.
                 let max =
-                    unsafe { x86::attn_scores_avx2(&q, &k, &slots, stride, hd, 0.3, &mut sc) };
+                    unsafe { x86::attn_scores_avx2(&q, &kh, &slots, stride, hd, 0.3, &mut sc) };
                 let mut want_max = f32::NEG_INFINITY;
                 for (i, &s) in slots.iter().enumerate() {
                     // SAFETY: as above.
@@ -963,7 +1002,7 @@ mod tests {
                 let mut want = o.clone();
                 // SAFETY: as above.
                 unsafe {
-                    x86::attn_weighted_sum_avx2(&sc, &k, &slots, stride, hd, &mut o);
+                    x86::attn_weighted_sum_avx2(&sc, &kh, &slots, stride, hd, &mut o);
                     for (&s, &w) in slots.iter().zip(&sc) {
                         x86::axpy_avx2(&mut want, w, &k[s * stride + hd..s * stride + 2 * hd]);
                     }

@@ -1,67 +1,281 @@
-//! Per-sequence KV cache: contiguous K and V rows per layer, slot-addressed (slot != position for tree tokens).
+//! Paged f16 KV cache (PagedAttention, Kwon et al. 2023): a `KvPool` of fixed-size blocks shared by sequences, each a `KvCache` with its block table; slot-addressed (slot != position for tree tokens).
+//!
+//! Block `b` holds slots `b * 16 .. b * 16 + 16` of every layer: in each layer's K (and V) array,
+//! rows `b * 16 ..` (`[pool rows, kv_dim]` f16, 64-byte aligned). A sequence's slot `s` lives in
+//! row `blocks[s / 16] * 16 + s % 16`. Blocks are reference counted: forks (`Clone`) and prefix
+//! hits share blocks, a write into a shared block copies it first, and a sequence gives its blocks
+//! back when dropped (finish, cancel, error or panic alike).
 
+pub mod pool;
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use half::f16;
+use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
+
+pub use pool::{block_hash, BlockAllocator, BlockId, PoolStats, BLOCK_SLOTS};
+
+use crate::backend::KvLayer;
 use crate::error::{EngineError, Result};
 use crate::model::ModelConfig;
 
-/// One cache line of floats.
-#[derive(Clone, Copy)]
-#[repr(C, align(64))]
-struct Line([f32; 16]);
-
-/// Floats stored from a 64-byte boundary, so a K/V row whose size is a multiple of 16 floats
-/// starts a cache line: attention reads every row with whole-line loads (from a `Vec<f32>`,
-/// 16 bytes past a line, each 64-byte load spans two lines; measured on qwen2.5-coder-1.5b's rows,
-/// ~35% slower scores and weighted sums).
-#[derive(Clone, Default)]
-struct LineBuf {
-    lines: Vec<Line>,
+/// f16 values from a 64-byte boundary (so a row of a multiple of 32 values starts a cache line),
+/// allocated zeroed by the system (pages are touched only when written).
+#[derive(Default)]
+struct F16Buf {
+    raw: Vec<u16>,
+    off: usize,
     len: usize,
 }
 
-impl LineBuf {
-    fn len(&self) -> usize {
-        self.len
+impl F16Buf {
+    fn zeroed(len: usize) -> F16Buf {
+        // `vec![0u16; n]` asks the allocator for zeroed memory (calloc: no page is touched).
+        let raw = vec![0u16; len + 32];
+        let off = (raw.as_ptr() as usize).wrapping_neg() % 64 / 2;
+        F16Buf { raw, off, len }
     }
 
-    /// Grow to `len` floats (new ones zero).
-    fn grow(&mut self, len: usize) {
-        self.lines
-            .resize(len.div_ceil(16).max(self.lines.len()), Line([0.0; 16]));
-        self.len = self.len.max(len);
+    fn as_slice(&self) -> &[f16] {
+        self.raw[self.off..self.off + self.len].reinterpret_cast()
     }
 
-    fn as_slice(&self) -> &[f32] {
-        // SAFETY: `Line` is `repr(C)` over `[f32; 16]` with no padding (size 64 = 16 floats), so
-        // the lines are `16 * lines.len() >= len` contiguous initialized floats.
-        unsafe { std::slice::from_raw_parts(self.lines.as_ptr() as *const f32, self.len) }
+    fn as_mut_slice(&mut self) -> &mut [f16] {
+        self.raw[self.off..self.off + self.len].reinterpret_cast_mut()
     }
 
-    fn as_mut_slice(&mut self) -> &mut [f32] {
-        // SAFETY: as in `as_slice`, borrowed mutably through `&mut self`.
-        unsafe { std::slice::from_raw_parts_mut(self.lines.as_mut_ptr() as *mut f32, self.len) }
+    /// A buffer of `len` values starting with this one's.
+    fn grown(&self, len: usize) -> F16Buf {
+        let mut g = F16Buf::zeroed(len);
+        g.as_mut_slice()[..self.len].copy_from_slice(self.as_slice());
+        g
     }
 }
 
-/// K and V for one sequence. Slot `s` of layer `l` holds the K/V row of the `s`-th token written.
-#[derive(Clone)]
-pub struct KvCache {
+/// The pool's state behind its lock: the allocator and every layer's K and V rows.
+pub(crate) struct PoolInner {
+    alloc: BlockAllocator,
+    /// An elastic pool grows up to this many blocks when it runs out; a fixed pool has
+    /// `max_blocks == alloc.total()`.
+    max_blocks: usize,
     kv_dim: usize,
-    capacity: usize,
+    k: Vec<F16Buf>, // [n_layers][total * BLOCK_SLOTS * kv_dim]
+    v: Vec<F16Buf>,
+}
+
+impl PoolInner {
+    /// A block for a sequence: from the allocator (free, then least recently used cached), else
+    /// by growing an elastic pool.
+    fn allocate(&mut self) -> Option<BlockId> {
+        if let Some(b) = self.alloc.allocate() {
+            return Some(b);
+        }
+        let total = self.alloc.total();
+        if total >= self.max_blocks {
+            return None;
+        }
+        let add = total.max(4).min(self.max_blocks - total);
+        let len = (total + add) * BLOCK_SLOTS * self.kv_dim;
+        for buf in self.k.iter_mut().chain(self.v.iter_mut()) {
+            *buf = buf.grown(len);
+        }
+        self.alloc.grow(add);
+        self.alloc.allocate()
+    }
+
+    /// Copy block `from`'s rows (every layer) into block `to`.
+    fn copy_block(&mut self, from: BlockId, to: BlockId) {
+        let n = BLOCK_SLOTS * self.kv_dim;
+        let (src, dst) = (from as usize * n, to as usize * n);
+        for buf in self.k.iter_mut().chain(self.v.iter_mut()) {
+            buf.as_mut_slice().copy_within(src..src + n, dst);
+        }
+    }
+
+    /// Copy slot row `from` to slot row `to` (pool rows) in every layer.
+    fn copy_row(&mut self, from: usize, to: usize) {
+        let d = self.kv_dim;
+        for buf in self.k.iter_mut().chain(self.v.iter_mut()) {
+            buf.as_mut_slice()
+                .copy_within(from * d..(from + 1) * d, to * d);
+        }
+    }
+
+    fn release_all(&mut self, blocks: &[BlockId]) {
+        for &b in blocks {
+            // A sequence holds one reference per entry of its table, so this cannot fail; a
+            // failure would be a bookkeeping bug, never worth a panic in a drop path.
+            let released = self.alloc.release(b);
+            debug_assert!(released.is_ok(), "{released:?}");
+        }
+    }
+}
+
+/// A pool of KV blocks shared by sequences (cheap to clone: a handle).
+#[derive(Clone)]
+pub struct KvPool {
+    inner: Arc<Mutex<PoolInner>>,
+    kv_dim: usize,
+    n_layers: usize,
+}
+
+impl std::fmt::Debug for KvPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvPool")
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl KvPool {
+    /// A fixed pool of `n_blocks` blocks for `n_layers` layers of `config`'s K/V rows.
+    pub fn new(config: &ModelConfig, n_layers: usize, n_blocks: usize) -> KvPool {
+        Self::build(config.kv_dim(), n_layers, n_blocks, n_blocks)
+    }
+
+    /// A fixed pool of as many blocks as `bytes` holds (at least one).
+    pub fn with_memory(config: &ModelConfig, bytes: usize) -> KvPool {
+        let n_layers = config.n_layers;
+        let per = Self::block_bytes(config.kv_dim(), n_layers);
+        Self::new(config, n_layers, (bytes / per).max(1))
+    }
+
+    /// A pool that starts small and grows (reallocating) up to `max_blocks` blocks: one
+    /// sequence's private cache, as `KvCache::new` makes.
+    pub fn elastic(config: &ModelConfig, n_layers: usize, max_blocks: usize) -> KvPool {
+        Self::build(config.kv_dim(), n_layers, max_blocks.min(4), max_blocks)
+    }
+
+    fn build(kv_dim: usize, n_layers: usize, n_blocks: usize, max_blocks: usize) -> KvPool {
+        let len = n_blocks * BLOCK_SLOTS * kv_dim;
+        let inner = PoolInner {
+            alloc: BlockAllocator::new(n_blocks),
+            max_blocks: max_blocks.max(n_blocks),
+            kv_dim,
+            k: (0..n_layers).map(|_| F16Buf::zeroed(len)).collect(),
+            v: (0..n_layers).map(|_| F16Buf::zeroed(len)).collect(),
+        };
+        KvPool {
+            inner: Arc::new(Mutex::new(inner)),
+            kv_dim,
+            n_layers,
+        }
+    }
+
+    /// Bytes of one block: K and V, `BLOCK_SLOTS` slots of every layer, f16.
+    pub fn block_bytes(kv_dim: usize, n_layers: usize) -> usize {
+        2 * n_layers * BLOCK_SLOTS * kv_dim * std::mem::size_of::<f16>()
+    }
+
+    pub fn kv_dim(&self) -> usize {
+        self.kv_dim
+    }
+
+    pub fn n_layers(&self) -> usize {
+        self.n_layers
+    }
+
+    /// Blocks total / used / cached / free and the prefix-cache counters.
+    pub fn stats(&self) -> PoolStats {
+        self.lock().alloc.stats()
+    }
+
+    /// Blocks that can be handed out now (free, evictable cached, and an elastic pool's growth).
+    pub fn available(&self) -> usize {
+        let g = self.lock();
+        g.alloc.available() + (g.max_blocks - g.alloc.total())
+    }
+
+    /// Most blocks this pool can ever hold (a sequence needing more can never run).
+    pub fn max_blocks(&self) -> usize {
+        self.lock().max_blocks
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, PoolInner> {
+        // A panic while the lock was held leaves counts that are still consistent (every
+        // mutation is a few field updates), so a poisoned lock is taken over.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn same_pool(&self, other: &KvPool) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+}
+
+/// K and V of one sequence: its block table in a pool. Slot `s` of layer `l` holds the K/V row of
+/// the `s`-th token written. Dropping it gives its blocks back; cloning it forks the sequence
+/// (the blocks are shared until either side writes into them).
+pub struct KvCache {
+    pool: KvPool,
+    blocks: Vec<BlockId>,
+    /// Chained hashes of the leading full blocks that hold committed tokens (prefix cache).
+    hashes: Vec<u64>,
     len: usize,
-    // [n_layers][capacity * kv_dim]
-    k: Vec<LineBuf>,
-    v: Vec<LineBuf>,
+    capacity: usize,
 }
 
 impl KvCache {
-    /// A cache able to hold `capacity` tokens (memory is allocated lazily as it fills).
+    /// A private cache able to hold `capacity` tokens (its pool grows as it fills).
     pub fn new(config: &ModelConfig, capacity: usize) -> KvCache {
+        Self::with_layers(config, config.n_layers, capacity)
+    }
+
+    /// A private cache for the first `n_layers` layers only (an early-exit drafter's).
+    pub fn with_layers(config: &ModelConfig, n_layers: usize, capacity: usize) -> KvCache {
+        // Forks of a private cache share its pool: room for a few diverging copies.
+        let max_blocks = 4 * capacity.div_ceil(BLOCK_SLOTS).max(1);
+        KvCache::in_pool(&KvPool::elastic(config, n_layers, max_blocks), capacity)
+    }
+
+    /// An empty sequence in `pool`, able to hold `capacity` tokens.
+    pub fn in_pool(pool: &KvPool, capacity: usize) -> KvCache {
         KvCache {
-            kv_dim: config.kv_dim(),
-            capacity,
+            pool: pool.clone(),
+            blocks: Vec::new(),
+            hashes: Vec::new(),
             len: 0,
-            k: vec![LineBuf::default(); config.n_layers],
-            v: vec![LineBuf::default(); config.n_layers],
+            capacity,
+        }
+    }
+
+    /// A sequence in `pool` that starts with the cached blocks of the longest prefix of `tokens`
+    /// whose full blocks the pool holds (prefix caching). At least the last token is left
+    /// uncached, so the caller always computes it (its logits are needed). Returns the cache;
+    /// its `len()` is the number of tokens found.
+    pub fn with_prefix(pool: &KvPool, capacity: usize, tokens: &[u32]) -> KvCache {
+        let mut c = KvCache::in_pool(pool, capacity);
+        let full = tokens.len().saturating_sub(1) / BLOCK_SLOTS;
+        let mut g = pool.lock();
+        let mut parent = None;
+        for chunk in tokens.chunks_exact(BLOCK_SLOTS).take(full) {
+            let h = block_hash(parent, chunk);
+            match g.alloc.lookup(h) {
+                Some(b) => {
+                    c.blocks.push(b);
+                    c.hashes.push(h);
+                    parent = Some(h);
+                }
+                None => break,
+            }
+        }
+        drop(g);
+        c.len = c.blocks.len() * BLOCK_SLOTS;
+        c
+    }
+
+    /// Offer this sequence's full blocks to the prefix cache: `tokens` are the tokens at slots
+    /// `0..` (slots must equal positions there, i.e. after tree rows were committed).
+    pub fn register_prefix(&mut self, tokens: &[u32]) {
+        let full = self.len.min(tokens.len()) / BLOCK_SLOTS;
+        if self.hashes.len() >= full {
+            return;
+        }
+        let mut g = self.pool.lock();
+        for i in self.hashes.len()..full {
+            let parent = i.checked_sub(1).map(|p| self.hashes[p]);
+            let h = block_hash(parent, &tokens[i * BLOCK_SLOTS..(i + 1) * BLOCK_SLOTS]);
+            g.alloc.register(self.blocks[i], h);
+            self.hashes.push(h);
         }
     }
 
@@ -79,11 +293,39 @@ impl KvCache {
     }
 
     pub fn kv_dim(&self) -> usize {
-        self.kv_dim
+        self.pool.kv_dim
     }
 
-    /// Make room for `n` more slots; fails when the capacity would be exceeded.
-    pub(crate) fn reserve(&mut self, n: usize) -> Result<()> {
+    pub fn n_layers(&self) -> usize {
+        self.pool.n_layers
+    }
+
+    pub fn pool(&self) -> &KvPool {
+        &self.pool
+    }
+
+    /// The block table: block `i` holds slots `16 i .. 16 i + 16`.
+    pub fn blocks(&self) -> &[BlockId] {
+        &self.blocks
+    }
+
+    /// Blocks `reserve(n)` would take from the pool now (new blocks and copies of shared ones).
+    pub fn blocks_needed(&self, n: usize) -> usize {
+        let want = (self.len + n).div_ceil(BLOCK_SLOTS);
+        let mut need = want.saturating_sub(self.blocks.len());
+        if n > 0 && self.len % BLOCK_SLOTS != 0 {
+            let g = self.pool.lock();
+            if g.alloc.refcount(self.blocks[self.len / BLOCK_SLOTS]) > 1 {
+                need += 1;
+            }
+        }
+        need
+    }
+
+    /// Make slots `len()..len() + n` writable: blocks allocated, a shared block copied first, a
+    /// block in the prefix cache taken out of it. Fails (changing nothing) when the capacity
+    /// would be exceeded or the pool has no block left.
+    pub(crate) fn reserve_in(&mut self, g: &mut PoolInner, n: usize) -> Result<()> {
         let needed = self.len + n;
         if needed > self.capacity {
             return Err(EngineError::ContextOverflow {
@@ -91,41 +333,108 @@ impl KvCache {
                 limit: self.capacity,
             });
         }
-        let want = needed * self.kv_dim;
-        for buf in self.k.iter_mut().chain(self.v.iter_mut()) {
-            if buf.len() < want {
-                // Grow geometrically so decoding does not reallocate on every token.
-                let target = (want.max(buf.len() * 2)).min(self.capacity * self.kv_dim);
-                buf.grow(target);
+        if n == 0 {
+            return Ok(());
+        }
+        let first = self.len / BLOCK_SLOTS;
+        // The block holding slot `len` may be shared (a fork, a prefix hit) or cached: it is
+        // about to change.
+        if first < self.blocks.len() {
+            let b = self.blocks[first];
+            if g.alloc.refcount(b) > 1 {
+                let nb = g
+                    .allocate()
+                    .ok_or(EngineError::KvPoolExhausted { needed: 1 })?;
+                g.copy_block(b, nb);
+                g.release_all(&[b]);
+                self.blocks[first] = nb;
+            } else {
+                g.alloc.unregister(b);
+            }
+            self.hashes.truncate(first);
+        }
+        let want = needed.div_ceil(BLOCK_SLOTS);
+        let have = self.blocks.len();
+        while self.blocks.len() < want {
+            match g.allocate() {
+                Some(b) => self.blocks.push(b),
+                None => {
+                    let got = self.blocks.split_off(have);
+                    g.release_all(&got);
+                    return Err(EngineError::KvPoolExhausted {
+                        needed: want - have,
+                    });
+                }
             }
         }
         Ok(())
     }
 
-    /// K and V buffers of one layer (mutable), covering every allocated slot.
-    pub(crate) fn layer_mut(&mut self, layer: usize) -> (&mut [f32], &mut [f32]) {
-        (self.k[layer].as_mut_slice(), self.v[layer].as_mut_slice())
+    /// [`KvCache::reserve_in`] taking the pool's lock.
+    pub fn reserve(&mut self, n: usize) -> Result<()> {
+        let pool = self.pool.clone();
+        let mut g = pool.lock();
+        self.reserve_in(&mut g, n)
+    }
+
+    /// Write the K and V rows (`[n, kv_dim]` f32, rounded to f16 here) of slots `start..start+n`
+    /// of `layer` (reserved before).
+    pub(crate) fn write_rows(
+        &self,
+        g: &mut PoolInner,
+        layer: usize,
+        start: usize,
+        k: &[f32],
+        v: &[f32],
+    ) {
+        let d = g.kv_dim;
+        for (i, (kr, vr)) in k.chunks_exact(d).zip(v.chunks_exact(d)).enumerate() {
+            let s = start + i;
+            let row = self.blocks[s / BLOCK_SLOTS] as usize * BLOCK_SLOTS + s % BLOCK_SLOTS;
+            g.k[layer].as_mut_slice()[row * d..(row + 1) * d].convert_from_f32_slice(kr);
+            g.v[layer].as_mut_slice()[row * d..(row + 1) * d].convert_from_f32_slice(vr);
+        }
+    }
+
+    /// One layer of this sequence as attention reads it.
+    pub(crate) fn layer<'a>(&'a self, g: &'a PoolInner, layer: usize) -> KvLayer<'a> {
+        KvLayer {
+            k: g.k[layer].as_slice(),
+            v: g.v[layer].as_slice(),
+            blocks: &self.blocks,
+        }
     }
 
     pub(crate) fn advance(&mut self, n: usize) {
         self.len += n;
     }
 
-    /// K row of `slot` in `layer`.
-    pub fn k_row(&self, layer: usize, slot: usize) -> &[f32] {
-        &self.k[layer].as_slice()[slot * self.kv_dim..(slot + 1) * self.kv_dim]
+    fn row_f32(&self, buf: fn(&PoolInner) -> &[F16Buf], layer: usize, slot: usize) -> Vec<f32> {
+        let g = self.pool.lock();
+        let d = g.kv_dim;
+        let row = self.blocks[slot / BLOCK_SLOTS] as usize * BLOCK_SLOTS + slot % BLOCK_SLOTS;
+        buf(&g)[layer].as_slice()[row * d..(row + 1) * d]
+            .iter()
+            .map(|h| h.to_f32())
+            .collect()
     }
 
-    /// V row of `slot` in `layer`.
-    pub fn v_row(&self, layer: usize, slot: usize) -> &[f32] {
-        &self.v[layer].as_slice()[slot * self.kv_dim..(slot + 1) * self.kv_dim]
+    /// K row of `slot` in `layer` (slot below `len()`), as f32.
+    pub fn k_row(&self, layer: usize, slot: usize) -> Vec<f32> {
+        self.row_f32(|g| &g.k, layer, slot)
+    }
+
+    /// V row of `slot` in `layer` (slot below `len()`), as f32.
+    pub fn v_row(&self, layer: usize, slot: usize) -> Vec<f32> {
+        self.row_f32(|g| &g.v, layer, slot)
     }
 
     /// Commit the accepted rows of a tree verification pass (SpecInfer's depth-first KV update):
     /// the pass wrote its rows at slots `base..len()`; `keep` lists the rows (relative to `base`,
-    /// strictly increasing) on the accepted path. Row `keep[j]` moves to slot `base + j`, every
-    /// other scratch slot is dropped, and `len()` becomes `base + keep.len()`, so slots equal
-    /// positions again. Nothing is recomputed.
+    /// strictly increasing) on the accepted path. Row `keep[j]` moves to slot `base + j` (across
+    /// block boundaries too), every other scratch slot is dropped, blocks no longer needed go
+    /// back to the pool, and `len()` becomes `base + keep.len()`, so slots equal positions
+    /// again. Nothing is recomputed.
     pub fn commit_rows(&mut self, base: usize, keep: &[usize]) -> Result<()> {
         let scratch = self.len.checked_sub(base).ok_or_else(|| {
             EngineError::InvalidArgument(format!(
@@ -138,89 +447,85 @@ impl KvCache {
                 "rows to keep must be strictly increasing and below {scratch}"
             )));
         }
-        let d = self.kv_dim;
-        for buf in self.k.iter_mut().chain(self.v.iter_mut()) {
-            let buf = buf.as_mut_slice();
-            for (j, &r) in keep.iter().enumerate() {
-                // r >= j, so a source is never a slot already overwritten.
-                if r != j {
-                    let src = (base + r) * d;
-                    buf.copy_within(src..src + d, (base + j) * d);
-                }
+        let pool = self.pool.clone();
+        let mut g = pool.lock();
+        let row = |s: usize| self.blocks[s / BLOCK_SLOTS] as usize * BLOCK_SLOTS + s % BLOCK_SLOTS;
+        for (j, &r) in keep.iter().enumerate() {
+            // r >= j, so a source is never a slot already overwritten. The scratch rows were
+            // written by this sequence after `reserve`, so their blocks are its own.
+            if r != j {
+                g.copy_row(row(base + r), row(base + j));
             }
         }
         self.len = base + keep.len();
+        self.shrink(&mut g);
         Ok(())
+    }
+
+    /// Give back blocks reserved past the last filled slot (a pass that failed after `reserve`).
+    pub(crate) fn release_unused_in(&mut self, g: &mut PoolInner) {
+        self.shrink(g);
+    }
+
+    /// Give back the blocks past the last filled slot.
+    fn shrink(&mut self, g: &mut PoolInner) {
+        let want = self.len.div_ceil(BLOCK_SLOTS);
+        if self.blocks.len() > want {
+            let gone = self.blocks.split_off(want);
+            g.release_all(&gone);
+        }
+        self.hashes.truncate(self.len / BLOCK_SLOTS);
     }
 
     /// Drop every slot at or after `len`.
     pub fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);
+        let pool = self.pool.clone();
+        let mut g = pool.lock();
+        self.shrink(&mut g);
     }
 
     /// Forget everything.
     pub fn clear(&mut self) {
-        self.len = 0;
+        self.truncate(0);
+    }
+}
+
+impl Clone for KvCache {
+    /// A fork: the same slots, sharing every block (copied on the first write into it).
+    fn clone(&self) -> KvCache {
+        let mut g = self.pool.lock();
+        for &b in &self.blocks {
+            let r = g.alloc.retain(b);
+            debug_assert!(r.is_ok(), "{r:?}");
+        }
+        drop(g);
+        KvCache {
+            pool: self.pool.clone(),
+            blocks: self.blocks.clone(),
+            hashes: self.hashes.clone(),
+            len: self.len,
+            capacity: self.capacity,
+        }
+    }
+}
+
+impl Drop for KvCache {
+    fn drop(&mut self) {
+        let blocks = std::mem::take(&mut self.blocks);
+        self.pool.lock().release_all(&blocks);
+    }
+}
+
+impl std::fmt::Debug for KvCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvCache")
+            .field("len", &self.len)
+            .field("capacity", &self.capacity)
+            .field("blocks", &self.blocks)
+            .finish()
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::testing::{tiny_model, TinySpec};
-
-    #[test]
-    fn layers_start_on_cache_lines_and_keep_rows_when_growing() {
-        let model = tiny_model(&TinySpec::default(), 1).unwrap();
-        let mut c = KvCache::new(&model.config, 64);
-        let d = c.kv_dim();
-        c.reserve(3).unwrap();
-        for l in 0..model.config.n_layers {
-            let (k, v) = c.layer_mut(l);
-            assert_eq!(k.as_ptr() as usize % 64, 0);
-            assert_eq!(v.as_ptr() as usize % 64, 0);
-            k[..3 * d].fill(l as f32 + 1.0);
-        }
-        c.advance(3);
-        // Growth reallocates: still aligned, the written rows kept, the new ones zero.
-        c.reserve(40).unwrap();
-        for l in 0..model.config.n_layers {
-            let (k, v) = c.layer_mut(l);
-            assert!(k.len() >= 43 * d && v.len() >= 43 * d);
-            assert_eq!(k.as_ptr() as usize % 64, 0);
-            assert!(k[..3 * d].iter().all(|&x| x == l as f32 + 1.0));
-            assert!(k[3 * d..43 * d].iter().all(|&x| x == 0.0));
-        }
-    }
-
-    #[test]
-    fn commit_rows_compacts_the_accepted_path() {
-        let model = tiny_model(&TinySpec::default(), 1).unwrap();
-        let mut c = KvCache::new(&model.config, 16);
-        c.reserve(10).unwrap();
-        let d = c.kv_dim();
-        for l in 0..model.config.n_layers {
-            let (k, v) = c.layer_mut(l);
-            for s in 0..10 {
-                k[s * d..(s + 1) * d].fill(s as f32);
-                v[s * d..(s + 1) * d].fill(-(s as f32));
-            }
-        }
-        c.advance(10);
-        // Base 3: rows 0, 2, 5 of the pass (slots 3, 5, 8) are kept.
-        c.commit_rows(3, &[0, 2, 5]).unwrap();
-        assert_eq!(c.len(), 6);
-        let want = [0.0, 1.0, 2.0, 3.0, 5.0, 8.0];
-        for l in 0..model.config.n_layers {
-            for (s, &w) in want.iter().enumerate() {
-                assert!(c.k_row(l, s).iter().all(|&x| x == w));
-                assert!(c.v_row(l, s).iter().all(|&x| x == -w));
-            }
-        }
-        assert!(c.commit_rows(7, &[0]).is_err());
-        assert!(c.commit_rows(2, &[1, 1]).is_err());
-        assert!(c.commit_rows(2, &[4]).is_err());
-        c.commit_rows(2, &[]).unwrap();
-        assert_eq!(c.len(), 2);
-    }
-}
+mod tests;

@@ -1,7 +1,6 @@
 //! The decoder forward pass (llama / qwen2), read top to bottom like llama2.c, over a batch of new tokens.
 
-use crate::backend::simd;
-use crate::backend::{AttentionShape, Backend};
+use crate::backend::{AttentionShape, AttnSeq, Backend};
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
 use crate::model::{Model, RopeStyle};
@@ -11,10 +10,24 @@ pub use crate::backend::BatchMask;
 /// Longest causal batch run as one pass; longer ones are split (see `Model::forward`).
 const PREFILL_CHUNK: usize = 64;
 
+/// One sequence's rows in a ragged batch ([`Model::forward_batch`]).
+pub struct SeqBatch<'a> {
+    /// The sequence's K/V: its new rows are written at slots `cache.len()..`.
+    pub cache: &'a mut KvCache,
+    /// New tokens `[n]` and their RoPE positions `[n]`.
+    pub tokens: &'a [u32],
+    pub positions: &'a [usize],
+    /// Which new rows each new row sees (its committed prefix is always visible).
+    pub mask: BatchMask<'a>,
+    /// Rows (0-based within this sequence) whose logits are returned.
+    pub logit_rows: &'a [usize],
+}
+
 impl Model {
     /// Run the model over `tokens` (new tokens appended to `cache` at slots `cache.len()..`),
     /// token `t` at RoPE position `positions[t]`, attending per `mask`.
     /// Returns logits for the batch rows listed in `logit_rows`: [logit_rows.len(), vocab].
+    /// A batch of one sequence for [`Model::forward_batch`].
     pub fn forward<B: Backend>(
         &self,
         backend: &B,
@@ -24,10 +37,32 @@ impl Model {
         mask: BatchMask<'_>,
         logit_rows: &[usize],
     ) -> Result<Vec<f32>> {
+        let mut one = [SeqBatch {
+            cache,
+            tokens,
+            positions,
+            mask,
+            logit_rows,
+        }];
         let n_layers = self.layers.len();
-        self.forward_layers(
-            backend, cache, tokens, positions, mask, logit_rows, n_layers,
-        )
+        Ok(self
+            .forward_layers(backend, &mut one, n_layers)?
+            .pop()
+            .unwrap_or_default())
+    }
+
+    /// One forward pass over a ragged batch: every linear layer runs once over the rows of all
+    /// sequences (`[Σ n_i, ·]`, one weight read per step), attention per sequence over its own
+    /// cache. Returns each sequence's logits `[logit_rows.len(), vocab]`, in order. Every row's
+    /// logits have the bits it would have in a batch of its own sequence alone (the kernels give
+    /// every row the same result whatever the row count). All caches must share one pool.
+    pub fn forward_batch<B: Backend>(
+        &self,
+        backend: &B,
+        seqs: &mut [SeqBatch<'_>],
+    ) -> Result<Vec<Vec<f32>>> {
+        let n_layers = self.layers.len();
+        self.forward_layers(backend, seqs, n_layers)
     }
 
     /// Like [`Model::forward`] but through the first `n_layers` layers only, then the final norm
@@ -49,9 +84,17 @@ impl Model {
                 self.layers.len()
             )));
         }
-        self.forward_layers(
-            backend, cache, tokens, positions, mask, logit_rows, n_layers,
-        )
+        let mut one = [SeqBatch {
+            cache,
+            tokens,
+            positions,
+            mask,
+            logit_rows,
+        }];
+        Ok(self
+            .forward_layers(backend, &mut one, n_layers)?
+            .pop()
+            .unwrap_or_default())
     }
 
     /// Run the whole model over a batch like [`Model::forward`] (one pass, no chunking) but return
@@ -66,10 +109,16 @@ impl Model {
         positions: &[usize],
         mask: BatchMask<'_>,
     ) -> Result<Vec<f32>> {
-        self.check_batch(cache, tokens, positions, &[])?;
-        cache.reserve(tokens.len())?;
+        let mut one = [SeqBatch {
+            cache,
+            tokens,
+            positions,
+            mask,
+            logit_rows: &[],
+        }];
+        self.check_batch(&one)?;
         let n_layers = self.layers.len();
-        backend.scope(|| self.layers_inner(backend, cache, tokens, positions, mask, n_layers))
+        backend.scope(|| self.layers_inner(backend, &mut one, n_layers))
     }
 
     /// Logits `[rows.len(), vocab]` of the listed rows of `hidden` (`[n, n_embd]`, from
@@ -96,64 +145,81 @@ impl Model {
         backend.scope(|| self.head(backend, hidden, rows))
     }
 
-    /// Check a batch's shapes against `cache` and this model.
-    fn check_batch(
-        &self,
-        cache: &KvCache,
-        tokens: &[u32],
-        positions: &[usize],
-        logit_rows: &[usize],
-    ) -> Result<()> {
-        let n_tok = tokens.len();
-        if n_tok == 0 || positions.len() != n_tok {
-            return Err(EngineError::InvalidArgument(
-                "forward needs one position per token and at least one token".into(),
-            ));
-        }
-        if let Some(&r) = logit_rows.iter().find(|&&r| r >= n_tok) {
-            return Err(EngineError::InvalidArgument(format!(
-                "logit row {r} is outside the batch of {n_tok}"
-            )));
-        }
-        if cache.kv_dim() != self.config.kv_dim() {
-            return Err(EngineError::Shape(
-                "KV cache belongs to another model".into(),
-            ));
+    /// Check every sequence's shapes against its cache and this model.
+    fn check_batch(&self, seqs: &[SeqBatch<'_>]) -> Result<()> {
+        for sq in seqs {
+            let n_tok = sq.tokens.len();
+            if n_tok == 0 || sq.positions.len() != n_tok {
+                return Err(EngineError::InvalidArgument(
+                    "forward needs one position per token and at least one token".into(),
+                ));
+            }
+            if let Some(&r) = sq.logit_rows.iter().find(|&&r| r >= n_tok) {
+                return Err(EngineError::InvalidArgument(format!(
+                    "logit row {r} is outside the batch of {n_tok}"
+                )));
+            }
+            if sq.cache.kv_dim() != self.config.kv_dim() {
+                return Err(EngineError::Shape(
+                    "KV cache belongs to another model".into(),
+                ));
+            }
+            if !sq.cache.pool().same_pool(seqs[0].cache.pool()) {
+                return Err(EngineError::InvalidArgument(
+                    "the sequences of one batch must share a KV pool".into(),
+                ));
+            }
         }
         Ok(())
     }
 
-    /// Validate the batch, then run it through `n_layers` layers (long causal batches in chunks).
-    #[allow(clippy::too_many_arguments)]
+    /// Validate the batch, then run it through `n_layers` layers and the output head (one long
+    /// causal sequence in chunks).
     fn forward_layers<B: Backend>(
         &self,
         backend: &B,
-        cache: &mut KvCache,
-        tokens: &[u32],
-        positions: &[usize],
-        mask: BatchMask<'_>,
-        logit_rows: &[usize],
+        seqs: &mut [SeqBatch<'_>],
         n_layers: usize,
-    ) -> Result<Vec<f32>> {
-        let n_tok = tokens.len();
-        self.check_batch(cache, tokens, positions, logit_rows)?;
-        cache.reserve(n_tok)?;
-        // Layers, then the output head for `rows` of the batch.
-        let pass = |cache: &mut KvCache, toks: &[u32], pos: &[usize], rows: &[usize]| {
-            let x = self.layers_inner(backend, cache, toks, pos, mask, n_layers)?;
-            self.head(backend, &x, rows)
+    ) -> Result<Vec<Vec<f32>>> {
+        self.check_batch(seqs)?;
+        if seqs.is_empty() {
+            return Ok(Vec::new());
+        }
+        // Layers, then the output head for every sequence's logit rows.
+        let pass = |seqs: &mut [SeqBatch<'_>]| -> Result<Vec<Vec<f32>>> {
+            let x = self.layers_inner(backend, seqs, n_layers)?;
+            let (mut rows, mut counts) = (Vec::new(), Vec::with_capacity(seqs.len()));
+            let mut row0 = 0;
+            for sq in seqs.iter() {
+                rows.extend(sq.logit_rows.iter().map(|&r| row0 + r));
+                counts.push(sq.logit_rows.len());
+                row0 += sq.tokens.len();
+            }
+            let all = self.head(backend, &x, &rows)?; // [rows.len(), vocab]
+            let vocab = self.config.vocab_size;
+            let mut at = 0;
+            Ok(counts
+                .iter()
+                .map(|&n| {
+                    at += n;
+                    all[(at - n) * vocab..at * vocab].to_vec()
+                })
+                .collect())
         };
-        if !matches!(mask, BatchMask::Causal) {
+        if !seqs.iter().all(|sq| matches!(sq.mask, BatchMask::Causal)) {
             // Tree verification: the kernels of single-token decoding, so a verified token is
             // computed bit for bit as incremental decoding would.
-            return backend.scope(|| pass(cache, tokens, positions, logit_rows));
+            return backend.scope(|| pass(seqs));
         }
-        if n_tok <= PREFILL_CHUNK {
-            return backend.scope_prefill(|| pass(cache, tokens, positions, logit_rows));
+        let n_tok = seqs[0].tokens.len();
+        if seqs.len() > 1 || n_tok <= PREFILL_CHUNK {
+            return backend.scope_prefill(|| pass(seqs));
         }
-        // Long causal batches (prompt prefill) run in chunks: the matmul kernels are tuned for up
-        // to 64 activation rows, and a chunk attends to earlier chunks through the cache exactly
-        // as a single pass would.
+        // One long causal sequence (prompt prefill) runs in chunks: the matmul kernels are tuned
+        // for up to 64 activation rows, and a chunk attends to earlier chunks through the cache
+        // exactly as a single pass would.
+        let sq = &mut seqs[0];
+        let (tokens, positions, logit_rows) = (sq.tokens, sq.positions, sq.logit_rows);
         let vocab = self.config.vocab_size;
         let mut logits = vec![0.0f32; logit_rows.len() * vocab]; // [logit_rows.len(), vocab]
         for start in (0..n_tok).step_by(PREFILL_CHUNK) {
@@ -164,35 +230,76 @@ impl Model {
                 .filter(|(_, &r)| (start..end).contains(&r))
                 .map(|(i, &r)| (i, r - start))
                 .unzip();
-            let chunk = backend.scope_prefill(|| {
-                pass(cache, &tokens[start..end], &positions[start..end], &local)
-            })?;
+            let mut part = [SeqBatch {
+                cache: &mut *sq.cache,
+                tokens: &tokens[start..end],
+                positions: &positions[start..end],
+                mask: BatchMask::Causal,
+                logit_rows: &local,
+            }];
+            let chunk = backend
+                .scope_prefill(|| pass(&mut part))?
+                .pop()
+                .unwrap_or_default();
             for (j, &i) in out_idx.iter().enumerate() {
                 logits[i * vocab..(i + 1) * vocab]
                     .copy_from_slice(&chunk[j * vocab..(j + 1) * vocab]);
             }
         }
-        Ok(logits)
+        Ok(vec![logits])
     }
 
-    /// The decoder layers: returns the residual stream `[n_tok, n_embd]` after `n_layers` layers.
+    /// The decoder layers over a ragged batch: returns the residual stream `[Σ n_i, n_embd]`
+    /// after `n_layers` layers (sequence after sequence).
     fn layers_inner<B: Backend>(
         &self,
         backend: &B,
-        cache: &mut KvCache,
-        tokens: &[u32],
-        positions: &[usize],
-        mask: BatchMask<'_>,
+        seqs: &mut [SeqBatch<'_>],
         n_layers: usize,
     ) -> Result<Vec<f32>> {
         let c = &self.config;
-        let n_tok = tokens.len();
         let (d, hd, kv_dim) = (c.n_embd, c.head_dim, c.kv_dim());
         let q_dim = c.n_head * hd;
-        let n_past = cache.len();
+        let Some(pool) = seqs.first().map(|sq| sq.cache.pool().clone()) else {
+            return Ok(Vec::new());
+        };
+        if let Some(sq) = seqs.iter().find(|sq| sq.cache.n_layers() < n_layers) {
+            return Err(EngineError::Shape(format!(
+                "the KV cache holds {} layers, the pass runs {n_layers}",
+                sq.cache.n_layers()
+            )));
+        }
+        let tokens: Vec<u32> = seqs
+            .iter()
+            .flat_map(|sq| sq.tokens.iter().copied())
+            .collect();
+        let positions: Vec<usize> = seqs
+            .iter()
+            .flat_map(|sq| sq.positions.iter().copied())
+            .collect();
+        let n_tok = tokens.len();
+        // Each sequence's first row in the batch and its committed length.
+        let mut row0 = Vec::with_capacity(seqs.len());
+        let mut n_past = Vec::with_capacity(seqs.len());
+        let mut at = 0;
+        for sq in seqs.iter() {
+            row0.push(at);
+            n_past.push(sq.cache.len());
+            at += sq.tokens.len();
+        }
+        let mut g = pool.lock();
+        for i in 0..seqs.len() {
+            if let Err(e) = seqs[i].cache.reserve_in(&mut g, seqs[i].tokens.len()) {
+                // Nothing taken for this pass stays taken.
+                for sq in seqs[..i].iter_mut() {
+                    sq.cache.release_unused_in(&mut g);
+                }
+                return Err(e);
+            }
+        }
 
         let mut x = vec![0.0f32; n_tok * d]; // [n_tok, n_embd] residual stream
-        self.embed(tokens, &mut x)?;
+        self.embed(&tokens, &mut x)?;
         let mut xn = vec![0.0f32; n_tok * d]; // [n_tok, n_embd] normalized
         let mut q = vec![0.0f32; n_tok * q_dim]; // [n_tok, n_head * head_dim]
         let mut k = vec![0.0f32; n_tok * kv_dim]; // [n_tok, n_head_kv * head_dim]
@@ -201,14 +308,7 @@ impl Model {
         let mut proj = vec![0.0f32; n_tok * d]; // [n_tok, n_embd]
         let mut gate = vec![0.0f32; n_tok * c.n_ff]; // [n_tok, n_ff]
         let mut up = vec![0.0f32; n_tok * c.n_ff]; // [n_tok, n_ff]
-        let rope = RopeTable::new(c.rope_base, c.rope_dim, positions); // [n_tok, rope_dim / 2]
-        let shape = AttentionShape {
-            n_tok,
-            n_past,
-            n_head: c.n_head,
-            n_head_kv: c.n_head_kv,
-            head_dim: hd,
-        };
+        let rope = RopeTable::new(c.rope_base, c.rope_dim, &positions); // [n_tok, rope_dim / 2]
 
         for (l, w) in self.layers.iter().enumerate().take(n_layers) {
             // Attention block.
@@ -224,14 +324,30 @@ impl Model {
             add_bias(&mut v, w.bv.as_deref());
             rope.apply(&mut q, c.n_head, hd, c.rope_style);
             rope.apply(&mut k, c.n_head_kv, hd, c.rope_style);
-            // The cache keeps K/V at f16 precision (llama.cpp's default cache type).
-            let (kc, vc) = cache.layer_mut(l);
-            let slots = n_past * kv_dim..(n_past + n_tok) * kv_dim;
-            kc[slots.clone()].copy_from_slice(&k);
-            simd::round_f16_slice(&mut kc[slots.clone()]);
-            vc[slots.clone()].copy_from_slice(&v);
-            simd::round_f16_slice(&mut vc[slots]);
-            backend.attention(shape, mask, &q, kc, vc, &mut att)?;
+            // The cache keeps K/V as f16 (llama.cpp's default cache type).
+            for (i, sq) in seqs.iter().enumerate() {
+                let rows = row0[i] * kv_dim..(row0[i] + sq.tokens.len()) * kv_dim;
+                sq.cache
+                    .write_rows(&mut g, l, n_past[i], &k[rows.clone()], &v[rows]);
+            }
+            let parts: Vec<AttnSeq<'_>> = seqs
+                .iter()
+                .enumerate()
+                .map(|(i, sq)| AttnSeq {
+                    shape: AttentionShape {
+                        n_tok: sq.tokens.len(),
+                        n_past: n_past[i],
+                        n_head: c.n_head,
+                        n_head_kv: c.n_head_kv,
+                        head_dim: hd,
+                    },
+                    mask: sq.mask,
+                    kv: sq.cache.layer(&g, l),
+                    row0: row0[i],
+                })
+                .collect();
+            backend.attention_batch(&parts, &q, &mut att)?;
+            drop(parts);
             backend.matmul(&self.mat(&w.wo), &att, n_tok, &mut proj)?;
             add_in_place(&mut x, &proj);
 
@@ -248,7 +364,10 @@ impl Model {
             backend.matmul(&self.mat(&w.w_down), &gate, n_tok, &mut proj)?;
             add_in_place(&mut x, &proj);
         }
-        cache.advance(n_tok);
+        drop(g);
+        for sq in seqs.iter_mut() {
+            sq.cache.advance(sq.tokens.len());
+        }
         Ok(x)
     }
 

@@ -6,7 +6,7 @@ mod forward;
 mod tests;
 
 pub use config::{Arch, ModelConfig, RopeStyle};
-pub use forward::BatchMask;
+pub use forward::{BatchMask, SeqBatch};
 
 use crate::error::{EngineError, Result};
 use crate::gguf::{GgufFile, TensorInfo};

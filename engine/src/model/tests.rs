@@ -105,8 +105,8 @@ fn batched_prefill_equals_incremental_decoding() {
                 for s in 0..toks.len() {
                     let (k, kr) = (c1.k_row(l, s), c2.k_row(l, s));
                     let (vv, vr) = (c1.v_row(l, s), c2.v_row(l, s));
-                    assert!(max_diff(k, kr) <= tol(kr, 1e-5), "K layer {l} slot {s}");
-                    assert!(max_diff(vv, vr) <= tol(vr, 1e-5), "V layer {l} slot {s}");
+                    assert!(max_diff(&k, &kr) <= tol(&kr, 1e-5), "K layer {l} slot {s}");
+                    assert!(max_diff(&vv, &vr) <= tol(&vr, 1e-5), "V layer {l} slot {s}");
                 }
             }
         }
@@ -297,5 +297,179 @@ fn early_exit_equals_a_model_truncated_to_its_layers() {
                 "{arch} {i}"
             );
         }
+    }
+}
+
+/// One sequence of a mixed batch: committed tokens, then the new rows of this pass.
+struct MixedSeq {
+    prefix: Vec<u32>,
+    tokens: Vec<u32>,
+    positions: Vec<usize>,
+    /// Tree bits (one u64 per row) or causal.
+    bits: Option<Vec<u64>>,
+    logit_rows: Vec<usize>,
+}
+
+fn mixed_batch(vocab: u32) -> Vec<MixedSeq> {
+    let toks = |n: usize, salt: u32| -> Vec<u32> {
+        (0..n as u32)
+            .map(|i| (i * 7 + salt * 13 + 1) % vocab)
+            .collect()
+    };
+    // A tree of 5 nodes: root 0; 1, 2 children of 0; 3 child of 1; 4 child of 2.
+    let parents = [usize::MAX, 0, 0, 1, 2];
+    let mut bits = vec![0u64; 5];
+    for i in 0..5 {
+        bits[i] = 1 << i;
+        if parents[i] != usize::MAX {
+            bits[i] |= bits[parents[i]];
+        }
+    }
+    let depth = [0usize, 1, 1, 2, 2];
+    vec![
+        // A fresh prompt's prefill chunk.
+        MixedSeq {
+            prefix: vec![],
+            tokens: toks(7, 1),
+            positions: (0..7).collect(),
+            bits: None,
+            logit_rows: vec![6],
+        },
+        // One decode token after 20.
+        MixedSeq {
+            prefix: toks(20, 2),
+            tokens: vec![5],
+            positions: vec![20],
+            bits: None,
+            logit_rows: vec![0],
+        },
+        // A token tree after 10 (all rows' logits).
+        MixedSeq {
+            prefix: toks(10, 3),
+            tokens: toks(5, 4),
+            positions: depth.iter().map(|d| 10 + d).collect(),
+            bits: Some(bits),
+            logit_rows: (0..5).collect(),
+        },
+        // A later prefill chunk after 33 (crosses a block boundary), every row's logits.
+        MixedSeq {
+            prefix: toks(33, 5),
+            tokens: toks(3, 6),
+            positions: (33..36).collect(),
+            bits: None,
+            logit_rows: vec![0, 1, 2],
+        },
+    ]
+}
+
+/// A ragged batch (prefill chunks, a decode token and a token tree of four sequences in one
+/// pass over one shared pool) gives every row the logits and K/V bits of its sequence run alone
+/// in its own cache; for every kernel family the machine has (`ARBOR_KERNEL` picks one in CI).
+#[test]
+fn mixed_batch_rows_bit_identical_to_each_sequence_alone() {
+    for spec in [specs()[2].clone(), specs()[5].clone(), specs()[7].clone()] {
+        let model = tiny_model(&spec, 11).unwrap();
+        let backend = CpuBackend::new(2).unwrap();
+        let vocab = model.config.vocab_size;
+        let seqs = mixed_batch(vocab as u32);
+        let prefill = |cache: &mut KvCache, prefix: &[u32]| {
+            if !prefix.is_empty() {
+                let pos: Vec<usize> = (0..prefix.len()).collect();
+                model
+                    .forward(&backend, cache, prefix, &pos, BatchMask::Causal, &[])
+                    .unwrap();
+            }
+        };
+        // Alone: each sequence in its own private cache.
+        let mut alone = Vec::new();
+        let mut alone_caches = Vec::new();
+        for s in &seqs {
+            let mut c = KvCache::new(&model.config, 64);
+            prefill(&mut c, &s.prefix);
+            let mask = match &s.bits {
+                Some(b) => BatchMask::Bits {
+                    words_per_row: 1,
+                    bits: b,
+                },
+                None => BatchMask::Causal,
+            };
+            alone.push(
+                model
+                    .forward(
+                        &backend,
+                        &mut c,
+                        &s.tokens,
+                        &s.positions,
+                        mask,
+                        &s.logit_rows,
+                    )
+                    .unwrap(),
+            );
+            alone_caches.push(c);
+        }
+        // Batched: one pool, one pass.
+        let pool = crate::kv::KvPool::new(&model.config, model.config.n_layers, 16);
+        let mut caches: Vec<KvCache> = seqs
+            .iter()
+            .map(|s| {
+                let mut c = KvCache::in_pool(&pool, 64);
+                prefill(&mut c, &s.prefix);
+                c
+            })
+            .collect();
+        let mut batch: Vec<crate::model::SeqBatch<'_>> = caches
+            .iter_mut()
+            .zip(&seqs)
+            .map(|(c, s)| crate::model::SeqBatch {
+                cache: c,
+                tokens: &s.tokens,
+                positions: &s.positions,
+                mask: match &s.bits {
+                    Some(b) => BatchMask::Bits {
+                        words_per_row: 1,
+                        bits: b,
+                    },
+                    None => BatchMask::Causal,
+                },
+                logit_rows: &s.logit_rows,
+            })
+            .collect();
+        let got = model.forward_batch(&backend, &mut batch).unwrap();
+        drop(batch);
+        for (i, (g, a)) in got.iter().zip(&alone).enumerate() {
+            let gb: Vec<u32> = g.iter().map(|x| x.to_bits()).collect();
+            let ab: Vec<u32> = a.iter().map(|x| x.to_bits()).collect();
+            assert!(gb == ab, "{spec:?}: sequence {i}'s logits");
+            let (c1, c2) = (&caches[i], &alone_caches[i]);
+            assert_eq!(c1.len(), c2.len());
+            for l in 0..model.config.n_layers {
+                for s in 0..c1.len() {
+                    assert!(c1.k_row(l, s) == c2.k_row(l, s), "seq {i} K {l} {s}");
+                    assert!(c1.v_row(l, s) == c2.v_row(l, s), "seq {i} V {l} {s}");
+                }
+            }
+        }
+        drop(caches);
+        assert_eq!(pool.stats().used, 0, "every block back in the pool");
+        // Caches of two pools cannot share a pass.
+        let mut c1 = KvCache::new(&model.config, 8);
+        let mut c2 = KvCache::new(&model.config, 8);
+        let mut two = [
+            crate::model::SeqBatch {
+                cache: &mut c1,
+                tokens: &[1],
+                positions: &[0],
+                mask: BatchMask::Causal,
+                logit_rows: &[0],
+            },
+            crate::model::SeqBatch {
+                cache: &mut c2,
+                tokens: &[1],
+                positions: &[0],
+                mask: BatchMask::Causal,
+                logit_rows: &[0],
+            },
+        ];
+        assert!(model.forward_batch(&backend, &mut two).is_err());
     }
 }

@@ -1,0 +1,264 @@
+use super::*;
+use crate::backend::CpuBackend;
+use crate::quant::GgmlType;
+use crate::sample::SamplingParams;
+use crate::testing::{tiny_model, TinySpec};
+
+fn spec(arch: &'static str, ty: GgmlType) -> TinySpec {
+    TinySpec {
+        arch,
+        n_embd: 256,
+        n_ff: 512,
+        n_head: 4,
+        n_head_kv: 2,
+        weight_type: ty,
+        ..TinySpec::default()
+    }
+}
+
+/// Prompts of mixed lengths (one longer than a prefill chunk) and their token budgets.
+fn workload(vocab: u32) -> Vec<(Vec<u32>, usize)> {
+    [
+        (3usize, 20usize),
+        (17, 9),
+        (70, 12),
+        (40, 25),
+        (5, 1),
+        (33, 16),
+    ]
+    .iter()
+    .enumerate()
+    .map(|(i, &(n, m))| {
+        let p = (0..n as u32)
+            .map(|j| (j * 31 + i as u32 * 17 + 3) % vocab)
+            .collect();
+        (p, m)
+    })
+    .collect()
+}
+
+/// Incremental decoding of one request with its own sampler: the reference.
+fn alone(model: &Model, be: &CpuBackend, prompt: &[u32], params: &GenerateParams) -> Vec<u32> {
+    let mut cache = KvCache::new(&model.config, prompt.len() + params.max_tokens);
+    let mut sampler = Sampler::new(params.sampling.clone()).unwrap();
+    let pos: Vec<usize> = (0..prompt.len()).collect();
+    let mut logits = model
+        .forward(
+            be,
+            &mut cache,
+            prompt,
+            &pos,
+            BatchMask::Causal,
+            &[prompt.len() - 1],
+        )
+        .unwrap();
+    let mut out = Vec::new();
+    while out.len() < params.max_tokens {
+        let t = sampler.sample(&logits);
+        out.push(t);
+        if out.len() == params.max_tokens {
+            break;
+        }
+        let p = cache.len();
+        logits = model
+            .forward(be, &mut cache, &[t], &[p], BatchMask::Causal, &[0])
+            .unwrap();
+    }
+    out
+}
+
+fn done_tokens(f: &Finish) -> (&[u32], usize) {
+    match f {
+        Finish::Done {
+            tokens,
+            preemptions,
+            ..
+        } => (tokens, *preemptions),
+        Finish::Failed(e) => panic!("request failed: {e}"),
+    }
+}
+
+/// Every request of a batch gets exactly the tokens it gets alone: greedy and seeded sampling,
+/// with a roomy pool, with chunked prefill under a small step budget, and with a pool so small
+/// that requests are preempted and recomputed. Every block is back in the pool at the end.
+#[test]
+fn batched_outputs_equal_each_request_alone() {
+    let be = CpuBackend::new(2).unwrap();
+    for (arch, ty) in [("llama", GgmlType::Q4_K), ("qwen2", GgmlType::Q8_0)] {
+        let model = tiny_model(&spec(arch, ty), 3).unwrap();
+        let vocab = model.config.vocab_size as u32;
+        for sampling in [
+            SamplingParams::greedy(),
+            SamplingParams {
+                temperature: 0.9,
+                seed: 42,
+                ..SamplingParams::default()
+            },
+        ] {
+            let reqs: Vec<(Vec<u32>, GenerateParams)> = workload(vocab)
+                .into_iter()
+                .enumerate()
+                .map(|(i, (p, m))| {
+                    let mut s = sampling.clone();
+                    s.seed += i as u64;
+                    let params = GenerateParams {
+                        max_tokens: m,
+                        sampling: s,
+                        ..GenerateParams::default()
+                    };
+                    (p, params)
+                })
+                .collect();
+            let want: Vec<Vec<u32>> = reqs
+                .iter()
+                .map(|(p, params)| alone(&model, &be, p, params))
+                .collect();
+            // (pool blocks, step budget, preemptions expected)
+            for (blocks, budget, preempts) in [(64, 256, false), (64, 24, false), (9, 64, true)] {
+                let pool = KvPool::new(&model.config, model.config.n_layers, blocks);
+                let config = SchedConfig {
+                    max_step_tokens: budget,
+                    ..SchedConfig::default()
+                };
+                let mut s = Scheduler::new(&model, None, pool.clone(), config).unwrap();
+                for (p, params) in &reqs {
+                    s.submit(p.clone(), params.clone()).unwrap();
+                }
+                let done = s.run_to_completion(&be).unwrap();
+                assert_eq!(done.len(), reqs.len());
+                let mut total_preempt = 0;
+                for (id, f) in &done {
+                    let (toks, pre) = done_tokens(f);
+                    total_preempt += pre;
+                    assert_eq!(
+                        toks,
+                        &want[*id as usize][..],
+                        "{arch} {ty:?} T={} pool {blocks} budget {budget}: request {id}",
+                        sampling.temperature
+                    );
+                }
+                assert_eq!(total_preempt > 0, preempts, "pool {blocks}: preemptions");
+                assert_eq!(s.stats().preemptions as usize, total_preempt);
+                assert!(s.stats().peak_blocks <= blocks);
+                assert_eq!(pool.stats().used, 0, "every block back");
+            }
+        }
+    }
+}
+
+/// Requests sharing a 200-token prefix (admitted after the first one's prefill) take its
+/// blocks from the prefix cache: fewer blocks at the peak, the same outputs.
+#[test]
+fn shared_prefixes_use_fewer_blocks_and_change_nothing() {
+    let be = CpuBackend::new(2).unwrap();
+    let model = tiny_model(&spec("llama", GgmlType::Q4_K), 5).unwrap();
+    let vocab = model.config.vocab_size as u32;
+    let prefix: Vec<u32> = (0..200u32).map(|j| (j * 7 + 1) % vocab).collect();
+    let prompts: Vec<Vec<u32>> = (0..4u32)
+        .map(|i| {
+            let mut p = prefix.clone();
+            p.extend((0..5 + i).map(|j| (j * 3 + i * 11) % vocab));
+            p
+        })
+        .collect();
+    let params = GenerateParams {
+        max_tokens: 8,
+        sampling: SamplingParams::greedy(),
+        ..GenerateParams::default()
+    };
+    let mut results = Vec::new();
+    for caching in [false, true] {
+        let pool = KvPool::new(&model.config, model.config.n_layers, 128);
+        let config = SchedConfig {
+            prefix_caching: caching,
+            ..SchedConfig::default()
+        };
+        let mut s = Scheduler::new(&model, None, pool.clone(), config).unwrap();
+        s.submit(prompts[0].clone(), params.clone()).unwrap();
+        // The first request's prompt is in the cache once it produced a token.
+        let mut events = Vec::new();
+        while events.iter().all(|e: &StepEvent| e.tokens.is_empty()) {
+            events = s.step(&be).unwrap();
+        }
+        for p in &prompts[1..] {
+            s.submit(p.clone(), params.clone()).unwrap();
+        }
+        let done = s.run_to_completion(&be).unwrap();
+        let cached: Vec<usize> = done
+            .iter()
+            .map(|(_, f)| match f {
+                Finish::Done {
+                    cached_prompt_tokens,
+                    ..
+                } => *cached_prompt_tokens,
+                Finish::Failed(e) => panic!("{e}"),
+            })
+            .collect();
+        let toks: Vec<Vec<u32>> = done
+            .iter()
+            .map(|(_, f)| done_tokens(f).0.to_vec())
+            .collect();
+        results.push((s.stats().peak_blocks, cached, toks, pool.stats()));
+    }
+    let (plain, shared) = (&results[0], &results[1]);
+    assert_eq!(plain.2, shared.2, "identical outputs");
+    for (p, t) in prompts.iter().zip(&shared.2) {
+        assert_eq!(t, &alone(&model, &be, p, &params));
+    }
+    assert_eq!(plain.1, vec![0, 0, 0, 0]);
+    // 200 tokens = 12 full blocks (192 tokens) found by every later request.
+    assert_eq!(shared.1, vec![0, 192, 192, 192]);
+    assert!(
+        shared.0 + 3 * 10 <= plain.0,
+        "peak blocks: shared {} vs plain {}",
+        shared.0,
+        plain.0
+    );
+    assert!(shared.3.prefix_hits >= 36);
+}
+
+/// Bad requests are errors at submission; a request larger than the whole pool fails alone
+/// with `kv_pool_exhausted` while the others finish; cancelling frees the blocks at once.
+#[test]
+fn bad_requests_fail_alone_and_cancel_frees_blocks() {
+    let be = CpuBackend::new(2).unwrap();
+    let model = tiny_model(&spec("llama", GgmlType::Q8_0), 7).unwrap();
+    let vocab = model.config.vocab_size as u32;
+    let pool = KvPool::new(&model.config, model.config.n_layers, 6);
+    let mut s = Scheduler::new(&model, None, pool.clone(), SchedConfig::default()).unwrap();
+    let params = GenerateParams {
+        max_tokens: 4,
+        sampling: SamplingParams::greedy(),
+        ..GenerateParams::default()
+    };
+    assert!(s.submit(vec![], params.clone()).is_err());
+    assert!(s.submit(vec![vocab], params.clone()).is_err());
+    let bad_sampling = GenerateParams {
+        sampling: SamplingParams {
+            temperature: -1.0,
+            ..SamplingParams::default()
+        },
+        ..params.clone()
+    };
+    assert!(s.submit(vec![1, 2], bad_sampling).is_err());
+    let big = s.submit(vec![1; 120], params.clone()).unwrap(); // 8 blocks > 6
+    let ok = s.submit(vec![1, 2, 3], params.clone()).unwrap();
+    let done = s.run_to_completion(&be).unwrap();
+    assert_eq!(done.len(), 2);
+    for (id, f) in &done {
+        match f {
+            Finish::Failed(e) if *id == big => assert_eq!(e.error_type(), "kv_pool_exhausted"),
+            Finish::Done { tokens, .. } if *id == ok => {
+                assert_eq!(tokens, &alone(&model, &be, &[1, 2, 3], &params))
+            }
+            other => panic!("request {id}: {other:?}"),
+        }
+    }
+    let id = s.submit(vec![5; 40], params).unwrap();
+    s.step(&be).unwrap();
+    assert!(pool.stats().used >= 3);
+    assert!(s.cancel(id));
+    assert!(!s.cancel(id));
+    assert_eq!(pool.stats().used, 0);
+    assert!(s.is_idle());
+}
