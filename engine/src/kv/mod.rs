@@ -1,5 +1,7 @@
 //! Per-sequence KV cache: contiguous K and V rows per layer, slot-addressed (slot != position for tree tokens).
 
+pub mod pool;
+
 use crate::error::{EngineError, Result};
 use crate::model::ModelConfig;
 
