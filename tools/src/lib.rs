@@ -1,5 +1,6 @@
 //! Arbor tools library: the model registry and PyPI fetcher, and the benchmark drivers behind the `arbor` CLI.
 
+pub mod batch_bench;
 pub mod bench;
 pub mod fetch;
 pub mod spec_bench;

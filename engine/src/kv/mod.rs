@@ -313,7 +313,7 @@ impl KvCache {
     pub fn blocks_needed(&self, n: usize) -> usize {
         let want = (self.len + n).div_ceil(BLOCK_SLOTS);
         let mut need = want.saturating_sub(self.blocks.len());
-        if n > 0 && self.len % BLOCK_SLOTS != 0 {
+        if n > 0 && !self.len.is_multiple_of(BLOCK_SLOTS) {
             let g = self.pool.lock();
             if g.alloc.refcount(self.blocks[self.len / BLOCK_SLOTS]) > 1 {
                 need += 1;

@@ -183,6 +183,31 @@ enum ModelsCmd {
 
 #[derive(Subcommand)]
 enum BenchCmd {
+    /// Continuous batching: aggregate decode tok/s of N concurrent requests (one paged KV pool,
+    /// one forward pass per step for all of them).
+    Batch {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Concurrent requests (comma-separated).
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32")]
+        concurrency: Vec<usize>,
+        /// Built-in prompt set: code, chat or mixed.
+        #[arg(long, default_value = "mixed")]
+        prompts: String,
+        /// Prompt length in tokens (each prompt cut or cycled to it).
+        #[arg(long, default_value_t = 128)]
+        prompt_tokens: usize,
+        /// Tokens generated per request.
+        #[arg(long, default_value_t = 64)]
+        tokens: usize,
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f32,
+        /// KV pool size, e.g. 2GiB, 512MiB.
+        #[arg(long, default_value = "2GiB")]
+        kv_memory: String,
+        #[arg(long, value_enum, default_value_t = Format::Text)]
+        format: Format,
+    },
     /// Prefill/decode throughput and forward-pass cost over 1/4/16/64 new tokens.
     Decode {
         #[command(flatten)]
@@ -261,6 +286,36 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Generate(a) => cmd_generate(a),
         Cmd::Models { cmd } => cmd_models(cmd),
         Cmd::Bench { cmd } => match cmd {
+            BenchCmd::Batch {
+                model,
+                concurrency,
+                prompts,
+                prompt_tokens,
+                tokens,
+                temperature,
+                kv_memory,
+                format,
+            } => {
+                let kv = parse_bytes(&kv_memory)?;
+                let (m, tok, backend, _) = load(&model)?;
+                let r = arbor_tools::batch_bench::batch_bench(
+                    &m,
+                    &tok,
+                    &backend,
+                    &model.model,
+                    &concurrency,
+                    &prompts,
+                    prompt_tokens,
+                    tokens,
+                    temperature,
+                    kv,
+                )?;
+                match format {
+                    Format::Json => println!("{}", serde_json::to_string(&r)?),
+                    Format::Text => print!("{}", arbor_tools::batch_bench::format_table(&r)),
+                }
+                Ok(())
+            }
             BenchCmd::Decode {
                 model,
                 prompt_tokens,
@@ -305,6 +360,33 @@ fn run(cli: Cli) -> Result<()> {
             ),
         },
     }
+}
+
+/// "2GiB", "512MiB", "1.5GB", "1000000" (bytes).
+fn parse_bytes(s: &str) -> Result<usize> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num
+        .parse()
+        .with_context(|| format!("'{s}' is not a size like 2GiB"))?;
+    let mult = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" => 1e3,
+        "kib" => 1024.0,
+        "m" | "mb" => 1e6,
+        "mib" => 1024.0 * 1024.0,
+        "g" | "gb" => 1e9,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
+        other => bail!("unknown size unit '{other}' in '{s}' (B, KiB, MiB, GiB, KB, MB, GB)"),
+    };
+    let bytes = n * mult;
+    if !(bytes.is_finite() && bytes >= 1.0) {
+        bail!("'{s}' is not a positive size");
+    }
+    Ok(bytes as usize)
 }
 
 fn load(m: &ModelArgs) -> Result<(Model, Tokenizer, CpuBackend, PathBuf)> {

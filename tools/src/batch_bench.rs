@@ -1,0 +1,222 @@
+//! `arbor bench batch`: aggregate decode throughput of N concurrent requests under continuous batching (the engine's `Scheduler` over one paged KV pool), side by side with llama.cpp's `llama-batched-bench`.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use arbor_engine::sched::{Finish, SchedConfig, Scheduler};
+use arbor_engine::{
+    CpuBackend, EngineError, GenerateParams, KvPool, Model, Result, SamplingParams, Tokenizer,
+};
+
+use crate::spec_bench::SUITE_PROMPTS;
+
+/// Figures of one mode at one concurrency.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ModeFigures {
+    /// Output tokens per second of all requests together, over the decode phase (every request
+    /// past its prompt: what llama-batched-bench's S_TG measures).
+    pub tok_s: f64,
+    /// Mean over requests of its tokens per second from its first token to its last.
+    pub per_request_tok_s: f64,
+    /// Tokens per request per step (1 without speculation).
+    pub mean_accepted: f64,
+    /// Most KV blocks in use at once.
+    pub kv_blocks: usize,
+    /// Output tokens per second from the first submission to the last finish (prefill included).
+    pub end_to_end_tok_s: f64,
+    pub preemptions: u64,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct BatchRow {
+    pub concurrency: usize,
+    pub none: ModeFigures,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct BatchBench {
+    pub model: String,
+    pub cpu: String,
+    pub threads: usize,
+    pub prompts: String,
+    pub prompt_tokens: usize,
+    pub tokens: usize,
+    pub temperature: f32,
+    pub kv_block_bytes: usize,
+    pub results: Vec<BatchRow>,
+}
+
+/// The CPU's model name (from /proc/cpuinfo on Linux).
+pub fn cpu_name() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|v| v.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
+}
+
+/// The prompts of a built-in set, each cut or cycled to `n` tokens.
+fn prompt_set(tok: &Tokenizer, set: &str, n: usize) -> Result<Vec<Vec<u32>>> {
+    let kinds: Vec<&str> = match set {
+        "code" => vec!["code"],
+        "chat" => vec!["chat"],
+        "mixed" => vec!["code", "chat", "summarization"],
+        other => {
+            return Err(EngineError::InvalidArgument(format!(
+                "unknown prompt set '{other}' (code, chat, mixed)"
+            )))
+        }
+    };
+    SUITE_PROMPTS
+        .iter()
+        .filter(|(k, _)| kinds.contains(k))
+        .map(|(_, text)| {
+            let ids = tok.encode(text, true)?;
+            Ok(ids.iter().copied().cycle().take(n).collect())
+        })
+        .collect()
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn batch_bench(
+    model: &Model,
+    tok: &Tokenizer,
+    backend: &CpuBackend,
+    model_name: &str,
+    concurrency: &[usize],
+    prompts: &str,
+    prompt_tokens: usize,
+    tokens: usize,
+    temperature: f32,
+    kv_memory: usize,
+) -> Result<BatchBench> {
+    if tokens < 2 || prompt_tokens == 0 {
+        return Err(EngineError::InvalidArgument(
+            "--tokens must be at least 2 and --prompt-tokens positive".into(),
+        ));
+    }
+    let set = prompt_set(tok, prompts, prompt_tokens)?;
+    let mut results = Vec::new();
+    for &c in concurrency {
+        let pool = KvPool::with_memory(&model.config, kv_memory);
+        // Prefix caching off: every request computes its own prompt, as llama-batched-bench does.
+        let config = SchedConfig {
+            max_running: c.max(1),
+            prefix_caching: false,
+            ..SchedConfig::default()
+        };
+        let mut s = Scheduler::new(model, Some(tok), pool, config)?;
+        for i in 0..c {
+            let params = GenerateParams {
+                max_tokens: tokens,
+                sampling: SamplingParams {
+                    temperature,
+                    seed: i as u64,
+                    ..SamplingParams::default()
+                },
+                stop: Vec::new(),
+                ignore_eos: true,
+            };
+            s.submit(set[i % set.len()].clone(), params)?;
+        }
+        let t0 = Instant::now();
+        let mut first: HashMap<u64, Instant> = HashMap::new();
+        let mut per_req = Vec::new();
+        let mut produced = 0usize;
+        // Decode phase: from the step after every request has its first token.
+        let mut decode_start: Option<(Instant, usize)> = None;
+        let mut decode_end = t0;
+        while !s.is_idle() {
+            let events = s.step(backend)?;
+            let now = Instant::now();
+            for ev in events {
+                produced += ev.tokens.len();
+                first.entry(ev.id).or_insert(now);
+                match ev.finish {
+                    Some(Finish::Done { tokens: t, .. }) => {
+                        let secs = now.duration_since(first[&ev.id]).as_secs_f64();
+                        if secs > 0.0 && t.len() > 1 {
+                            per_req.push((t.len() - 1) as f64 / secs);
+                        }
+                    }
+                    Some(Finish::Failed(e)) => return Err(e),
+                    None => {}
+                }
+            }
+            if decode_start.is_none() && first.len() == c {
+                decode_start = Some((now, produced));
+            }
+            decode_end = now;
+        }
+        let total = t0.elapsed().as_secs_f64();
+        let (ds, dp) = decode_start.unwrap_or((t0, 0));
+        let dsecs = decode_end.duration_since(ds).as_secs_f64();
+        let st = s.stats();
+        results.push(BatchRow {
+            concurrency: c,
+            none: ModeFigures {
+                tok_s: if dsecs > 0.0 {
+                    (produced - dp) as f64 / dsecs
+                } else {
+                    0.0
+                },
+                per_request_tok_s: per_req.iter().sum::<f64>() / per_req.len().max(1) as f64,
+                mean_accepted: 1.0,
+                kv_blocks: st.peak_blocks,
+                end_to_end_tok_s: produced as f64 / total.max(1e-9),
+                preemptions: st.preemptions,
+            },
+        });
+    }
+    Ok(BatchBench {
+        model: model_name.to_string(),
+        cpu: cpu_name(),
+        threads: backend.threads(),
+        prompts: prompts.to_string(),
+        prompt_tokens,
+        tokens,
+        temperature,
+        kv_block_bytes: KvPool::block_bytes(model.config.kv_dim(), model.config.n_layers),
+        results,
+    })
+}
+
+pub fn format_table(r: &BatchBench) -> String {
+    let mut s = format!(
+        "model: {}  cpu: {}  threads: {}  prompts: {} ({} tokens)  tokens: {}  T: {}\n\
+         mode none (no speculation); fixed/adaptive speculation under batching: not built yet\n\
+         {:>5} {:>10} {:>12} {:>10} {:>9} {:>8} {:>8}\n",
+        r.model,
+        r.cpu,
+        r.threads,
+        r.prompts,
+        r.prompt_tokens,
+        r.tokens,
+        r.temperature,
+        "conc",
+        "tok/s",
+        "per-req t/s",
+        "e2e tok/s",
+        "accepted",
+        "blocks",
+        "preempt"
+    );
+    for row in &r.results {
+        let f = &row.none;
+        s.push_str(&format!(
+            "{:>5} {:>10.1} {:>12.2} {:>10.1} {:>9.2} {:>8} {:>8}\n",
+            row.concurrency,
+            f.tok_s,
+            f.per_request_tok_s,
+            f.end_to_end_tok_s,
+            f.mean_accepted,
+            f.kv_blocks,
+            f.preemptions
+        ));
+    }
+    s
+}
