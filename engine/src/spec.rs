@@ -200,6 +200,55 @@ pub fn verify_step<B: Backend>(
     }
 }
 
+/// Ask every drafter for a tree rooted at the last of `tokens` (drafter i gets an equal share of
+/// `budget` and id i), check each, cut it to `max_depth` and merge them.
+pub fn draft_tree(
+    drafters: &mut [&mut dyn Drafter],
+    tokens: &[u32],
+    budget: usize,
+    max_depth: usize,
+    vocab: usize,
+) -> Result<TokenTree> {
+    let Some(&root) = tokens.last() else {
+        return Err(EngineError::InvalidArgument(
+            "drafting needs at least one token".into(),
+        ));
+    };
+    let n = drafters.len().max(1);
+    let mut trees = Vec::with_capacity(drafters.len() + 1);
+    trees.push(TokenTree::root_only(root));
+    for (i, d) in drafters.iter_mut().enumerate() {
+        let id = DrafterId::try_from(i)
+            .map_err(|_| EngineError::InvalidArgument("too many drafters".into()))?;
+        let share = budget / n + usize::from(i < budget % n);
+        let req = DraftRequest {
+            tokens,
+            budget: share,
+            max_depth,
+            drafter: id,
+            vocab,
+        };
+        let t = d.propose(&req)?;
+        t.validate(vocab)?;
+        if t.root_token() != root {
+            return Err(EngineError::InvalidArgument(format!(
+                "drafter '{}' proposed a tree rooted at {} instead of {root}",
+                d.name(),
+                t.root_token()
+            )));
+        }
+        if t.n_draft() > share {
+            return Err(EngineError::InvalidArgument(format!(
+                "drafter '{}' proposed {} nodes over its budget of {share}",
+                d.name(),
+                t.n_draft()
+            )));
+        }
+        trees.push(t.truncate_depth(max_depth));
+    }
+    TokenTree::merge(&trees)
+}
+
 /// A sequence being decoded speculatively: its KV cache, its tokens and its verifier.
 pub struct SpecSession<'m, B: Backend> {
     model: &'m Model,
@@ -277,40 +326,7 @@ impl<'m, B: Backend> SpecSession<'m, B> {
         }
         let budget = self.budget.min(room - 1);
         let vocab = self.model.config.vocab_size;
-        let root = self.tokens[self.tokens.len() - 1];
-        let n = drafters.len().max(1);
-        let mut trees = Vec::with_capacity(drafters.len() + 1);
-        trees.push(TokenTree::root_only(root));
-        for (i, d) in drafters.iter_mut().enumerate() {
-            let id = DrafterId::try_from(i)
-                .map_err(|_| EngineError::InvalidArgument("too many drafters".into()))?;
-            let share = budget / n + usize::from(i < budget % n);
-            let req = DraftRequest {
-                tokens: &self.tokens,
-                budget: share,
-                max_depth,
-                drafter: id,
-                vocab,
-            };
-            let t = d.propose(&req)?;
-            t.validate(vocab)?;
-            if t.root_token() != root {
-                return Err(EngineError::InvalidArgument(format!(
-                    "drafter '{}' proposed a tree rooted at {} instead of {root}",
-                    d.name(),
-                    t.root_token()
-                )));
-            }
-            if t.n_draft() > share {
-                return Err(EngineError::InvalidArgument(format!(
-                    "drafter '{}' proposed {} nodes over its budget of {share}",
-                    d.name(),
-                    t.n_draft()
-                )));
-            }
-            trees.push(t.truncate_depth(max_depth));
-        }
-        TokenTree::merge(&trees)
+        draft_tree(drafters, &self.tokens, budget, max_depth, vocab)
     }
 
     /// Verify `tree` (rooted at the current root), commit, and tell the drafters.

@@ -3,7 +3,8 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use arbor_engine::sched::{Finish, SchedConfig, Scheduler};
+use arbor_engine::draft::NgramDrafter;
+use arbor_engine::sched::{Finish, RequestSpec, SchedConfig, Scheduler, SpecPolicy, StepCost};
 use arbor_engine::{
     CpuBackend, EngineError, GenerateParams, KvPool, Model, Result, SamplingParams, Tokenizer,
 };
@@ -31,6 +32,18 @@ pub struct ModeFigures {
 pub struct BatchRow {
     pub concurrency: usize,
     pub none: ModeFigures,
+    /// Every request verifies the drafter's whole tree (up to the budget) every step.
+    pub fixed: ModeFigures,
+    /// Tree depths chosen per step for the whole batch (goodput-driven).
+    pub adaptive: ModeFigures,
+}
+
+/// Speculation of one benchmark mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    None,
+    Fixed,
+    Adaptive,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -43,6 +56,11 @@ pub struct BatchBench {
     pub tokens: usize,
     pub temperature: f32,
     pub kv_block_bytes: usize,
+    /// The drafter of the fixed and adaptive modes (prompt lookup, longest n-gram).
+    pub draft: String,
+    pub budget: usize,
+    /// The calibrated forward-pass cost the adaptive mode starts from: (rows, ms).
+    pub step_cost_ms: Vec<(usize, f64)>,
     pub results: Vec<BatchRow>,
 }
 
@@ -93,6 +111,8 @@ pub fn batch_bench(
     tokens: usize,
     temperature: f32,
     kv_memory: usize,
+    draft: &str,
+    budget: usize,
 ) -> Result<BatchBench> {
     if tokens < 2 || prompt_tokens == 0 {
         return Err(EngineError::InvalidArgument(
@@ -100,76 +120,33 @@ pub fn batch_bench(
         ));
     }
     let set = prompt_set(tok, prompts, prompt_tokens)?;
+    let n = parse_ngram(draft)?;
+    let sizes = [1usize, 2, 4, 8, 16, 32, 64, 128, 256];
+    let cost = StepCost::calibrate(model, backend, &sizes, prompt_tokens, 2)?;
+    let step_cost_ms = sizes.iter().map(|&r| (r, cost.secs(r) * 1e3)).collect();
     let mut results = Vec::new();
     for &c in concurrency {
-        let pool = KvPool::with_memory(&model.config, kv_memory);
-        // Prefix caching off: every request computes its own prompt, as llama-batched-bench does.
-        let config = SchedConfig {
-            max_running: c.max(1),
-            prefix_caching: false,
-            ..SchedConfig::default()
+        let run = |mode| {
+            run_mode(
+                model,
+                tok,
+                backend,
+                &set,
+                c,
+                tokens,
+                temperature,
+                kv_memory,
+                mode,
+                n,
+                budget,
+                &cost,
+            )
         };
-        let mut s = Scheduler::new(model, Some(tok), pool, config)?;
-        for i in 0..c {
-            let params = GenerateParams {
-                max_tokens: tokens,
-                sampling: SamplingParams {
-                    temperature,
-                    seed: i as u64,
-                    ..SamplingParams::default()
-                },
-                stop: Vec::new(),
-                ignore_eos: true,
-            };
-            s.submit(set[i % set.len()].clone(), params)?;
-        }
-        let t0 = Instant::now();
-        let mut first: HashMap<u64, Instant> = HashMap::new();
-        let mut per_req = Vec::new();
-        let mut produced = 0usize;
-        // Decode phase: from the step after every request has its first token.
-        let mut decode_start: Option<(Instant, usize)> = None;
-        let mut decode_end = t0;
-        while !s.is_idle() {
-            let events = s.step(backend)?;
-            let now = Instant::now();
-            for ev in events {
-                produced += ev.tokens.len();
-                first.entry(ev.id).or_insert(now);
-                match ev.finish {
-                    Some(Finish::Done { tokens: t, .. }) => {
-                        let secs = now.duration_since(first[&ev.id]).as_secs_f64();
-                        if secs > 0.0 && t.len() > 1 {
-                            per_req.push((t.len() - 1) as f64 / secs);
-                        }
-                    }
-                    Some(Finish::Failed(e)) => return Err(e),
-                    None => {}
-                }
-            }
-            if decode_start.is_none() && first.len() == c {
-                decode_start = Some((now, produced));
-            }
-            decode_end = now;
-        }
-        let total = t0.elapsed().as_secs_f64();
-        let (ds, dp) = decode_start.unwrap_or((t0, 0));
-        let dsecs = decode_end.duration_since(ds).as_secs_f64();
-        let st = s.stats();
         results.push(BatchRow {
             concurrency: c,
-            none: ModeFigures {
-                tok_s: if dsecs > 0.0 {
-                    (produced - dp) as f64 / dsecs
-                } else {
-                    0.0
-                },
-                per_request_tok_s: per_req.iter().sum::<f64>() / per_req.len().max(1) as f64,
-                mean_accepted: 1.0,
-                kv_blocks: st.peak_blocks,
-                end_to_end_tok_s: produced as f64 / total.max(1e-9),
-                preemptions: st.preemptions,
-            },
+            none: run(Mode::None)?,
+            fixed: run(Mode::Fixed)?,
+            adaptive: run(Mode::Adaptive)?,
         });
     }
     Ok(BatchBench {
@@ -181,15 +158,145 @@ pub fn batch_bench(
         tokens,
         temperature,
         kv_block_bytes: KvPool::block_bytes(model.config.kv_dim(), model.config.n_layers),
+        draft: draft.to_string(),
+        budget,
+        step_cost_ms,
         results,
+    })
+}
+
+/// `ngram` or `ngram:N` (prompt lookup on n-grams of up to N tokens).
+fn parse_ngram(draft: &str) -> Result<usize> {
+    let bad = || {
+        EngineError::InvalidArgument(format!(
+            "bench batch drafts with prompt lookup: --draft ngram[:N], not '{draft}'"
+        ))
+    };
+    match draft.split_once(':') {
+        None if draft == "ngram" => Ok(3),
+        Some(("ngram", n)) => n.parse().ok().filter(|&n| n >= 1).ok_or_else(bad),
+        _ => Err(bad()),
+    }
+}
+
+/// One mode at one concurrency: `c` requests submitted at once, run to completion.
+#[allow(clippy::too_many_arguments)]
+fn run_mode(
+    model: &Model,
+    tok: &Tokenizer,
+    backend: &CpuBackend,
+    set: &[Vec<u32>],
+    c: usize,
+    tokens: usize,
+    temperature: f32,
+    kv_memory: usize,
+    mode: Mode,
+    ngram: usize,
+    budget: usize,
+    cost: &StepCost,
+) -> Result<ModeFigures> {
+    let pool = KvPool::with_memory(&model.config, kv_memory);
+    // Prefix caching off: every request computes its own prompt, as llama-batched-bench does.
+    let config = SchedConfig {
+        max_running: c.max(1),
+        prefix_caching: false,
+        ..SchedConfig::default()
+    };
+    let mut s = Scheduler::new(model, Some(tok), pool, config)?;
+    s.set_step_cost(cost.clone());
+    for i in 0..c {
+        let params = GenerateParams {
+            max_tokens: tokens,
+            sampling: SamplingParams {
+                temperature,
+                seed: i as u64,
+                ..SamplingParams::default()
+            },
+            stop: Vec::new(),
+            ignore_eos: true,
+        };
+        let spec = match mode {
+            Mode::None => None,
+            Mode::Fixed | Mode::Adaptive => Some(RequestSpec {
+                drafters: vec![Box::new(NgramDrafter::new(
+                    ngram,
+                    1,
+                    budget.max(1),
+                    NgramDrafter::default().max_matches,
+                )?)],
+                budget,
+                policy: if mode == Mode::Fixed {
+                    SpecPolicy::Fixed
+                } else {
+                    SpecPolicy::Adaptive
+                },
+                mode: None,
+            }),
+        };
+        s.submit_spec(set[i % set.len()].clone(), params, spec)?;
+    }
+    let t0 = Instant::now();
+    let mut first: HashMap<u64, Instant> = HashMap::new();
+    let mut per_req = Vec::new();
+    let (mut produced, mut steps, mut accepted) = (0usize, 0usize, 0usize);
+    // Decode phase: from the step after every request has its first token.
+    let mut decode_start: Option<(Instant, usize)> = None;
+    let mut decode_end = t0;
+    while !s.is_idle() {
+        let events = s.step(backend)?;
+        let now = Instant::now();
+        for ev in events {
+            produced += ev.tokens.len();
+            first.entry(ev.id).or_insert(now);
+            match ev.finish {
+                Some(Finish::Done {
+                    tokens: t, spec, ..
+                }) => {
+                    let secs = now.duration_since(first[&ev.id]).as_secs_f64();
+                    if secs > 0.0 && t.len() > 1 {
+                        per_req.push((t.len() - 1) as f64 / secs);
+                    }
+                    if let Some(m) = spec {
+                        steps += m.steps;
+                        accepted += m.accepted;
+                    }
+                }
+                Some(Finish::Failed(e)) => return Err(e),
+                None => {}
+            }
+        }
+        if decode_start.is_none() && first.len() == c {
+            decode_start = Some((now, produced));
+        }
+        decode_end = now;
+    }
+    let total = t0.elapsed().as_secs_f64();
+    let (ds, dp) = decode_start.unwrap_or((t0, 0));
+    let dsecs = decode_end.duration_since(ds).as_secs_f64();
+    let st = s.stats();
+    Ok(ModeFigures {
+        tok_s: if dsecs > 0.0 {
+            (produced - dp) as f64 / dsecs
+        } else {
+            0.0
+        },
+        per_request_tok_s: per_req.iter().sum::<f64>() / per_req.len().max(1) as f64,
+        mean_accepted: if steps > 0 {
+            (steps + accepted) as f64 / steps as f64
+        } else {
+            1.0
+        },
+        kv_blocks: st.peak_blocks,
+        end_to_end_tok_s: produced as f64 / total.max(1e-9),
+        preemptions: st.preemptions,
     })
 }
 
 pub fn format_table(r: &BatchBench) -> String {
     let mut s = format!(
         "model: {}  cpu: {}  threads: {}  prompts: {} ({} tokens)  tokens: {}  T: {}\n\
-         mode none (no speculation); fixed/adaptive speculation under batching: not built yet\n\
-         {:>5} {:>10} {:>12} {:>10} {:>9} {:>8} {:>8}\n",
+         fixed/adaptive: --draft {} budget {}; tok/s over the decode phase, e2e from submission\n\
+         {:>5} {:>9} {:>10} {:>10} {:>10} {:>8} {:>8} {:>7}\n",
         r.model,
         r.cpu,
         r.threads,
@@ -197,26 +304,35 @@ pub fn format_table(r: &BatchBench) -> String {
         r.prompt_tokens,
         r.tokens,
         r.temperature,
+        r.draft,
+        r.budget,
         "conc",
+        "mode",
         "tok/s",
-        "per-req t/s",
+        "per-req",
         "e2e tok/s",
         "accepted",
         "blocks",
         "preempt"
     );
     for row in &r.results {
-        let f = &row.none;
-        s.push_str(&format!(
-            "{:>5} {:>10.1} {:>12.2} {:>10.1} {:>9.2} {:>8} {:>8}\n",
-            row.concurrency,
-            f.tok_s,
-            f.per_request_tok_s,
-            f.end_to_end_tok_s,
-            f.mean_accepted,
-            f.kv_blocks,
-            f.preemptions
-        ));
+        for (name, f) in [
+            ("none", &row.none),
+            ("fixed", &row.fixed),
+            ("adaptive", &row.adaptive),
+        ] {
+            s.push_str(&format!(
+                "{:>5} {:>9} {:>10.1} {:>10.2} {:>10.1} {:>8.2} {:>8} {:>7}\n",
+                row.concurrency,
+                name,
+                f.tok_s,
+                f.per_request_tok_s,
+                f.end_to_end_tok_s,
+                f.mean_accepted,
+                f.kv_blocks,
+                f.preemptions
+            ));
+        }
     }
     s
 }

@@ -6,13 +6,23 @@
 
 use std::collections::VecDeque;
 
+pub mod adaptive;
+
+use std::time::Instant;
+
+pub use adaptive::{choose_depths, Acceptance, DepthOptions, StepCost};
+
 use crate::backend::{Backend, BatchMask};
+use crate::draft::Drafter;
 use crate::error::{EngineError, Result};
 use crate::generate::{FinishReason, GenerateParams, TokenSink};
 use crate::kv::{KvCache, KvPool, BLOCK_SLOTS};
 use crate::model::{Model, SeqBatch};
+use crate::sample::verify::{Verifier, VerifyMode};
 use crate::sample::Sampler;
+use crate::spec::SpecMetrics;
 use crate::tokenizer::Tokenizer;
+use crate::tree::{TokenTree, TreeMask};
 
 /// Limits of one scheduler step.
 #[derive(Clone, Debug)]
@@ -63,6 +73,8 @@ pub enum Finish {
         /// Prompt tokens whose K/V came from the prefix cache at the first admission.
         cached_prompt_tokens: usize,
         preemptions: usize,
+        /// Speculation counters of a speculating request.
+        spec: Option<SpecMetrics>,
     },
     /// The request cannot run (e.g. it needs more KV blocks than the whole pool).
     Failed(EngineError),
@@ -76,6 +88,98 @@ pub struct SchedStats {
     pub preemptions: u64,
     /// Most blocks in use after any step.
     pub peak_blocks: usize,
+}
+
+/// How a speculating request sizes its trees.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SpecPolicy {
+    /// Verify the drafters' whole tree (up to the budget) every step.
+    Fixed,
+    /// Verify the depth that maximises the batch's expected tokens per second
+    /// ([`adaptive::choose_depths`]); plain decoding when drafts do not pay.
+    Adaptive,
+}
+
+/// A request's speculation settings.
+pub struct RequestSpec<'a> {
+    /// The request's own drafters (their trees are merged).
+    pub drafters: Vec<Box<dyn Drafter + 'a>>,
+    /// Most draft nodes per step.
+    pub budget: usize,
+    pub policy: SpecPolicy,
+    /// Verification rule; `None` = greedy for greedy sampling, MSS otherwise.
+    pub mode: Option<VerifyMode>,
+}
+
+struct SpecState<'a> {
+    drafters: Vec<Box<dyn Drafter + 'a>>,
+    budget: usize,
+    policy: SpecPolicy,
+    verifier: Verifier,
+    acceptance: Acceptance,
+    metrics: SpecMetrics,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    /// `left` tokens to feed before decoding; the last chunk's logits give the first token
+    /// when nothing was generated yet.
+    Prefill { left: usize, logits_at_end: bool },
+    /// The cache holds every token but the root (the last one).
+    Decode,
+}
+
+/// One request's part of a step.
+struct Slot {
+    idx: usize,
+    /// Prefill rows (0: a decode slot).
+    prefill: usize,
+    logits: bool,
+    /// Most draft nodes this step.
+    tree_cap: usize,
+    /// The tree to verify (root first), for speculating requests.
+    tree: Option<TokenTree>,
+    /// The drafters' whole proposal (acceptance is measured on it).
+    proposal: Option<TokenTree>,
+}
+
+impl Slot {
+    fn decode(idx: usize) -> Slot {
+        Slot {
+            idx,
+            prefill: 0,
+            logits: true,
+            tree_cap: 0,
+            tree: None,
+            proposal: None,
+        }
+    }
+
+    /// Most rows this slot can feed.
+    fn rows_upper(&self) -> usize {
+        if self.prefill > 0 {
+            self.prefill
+        } else {
+            1 + self.tree_cap
+        }
+    }
+}
+
+/// The rows of one slot.
+struct StepInput {
+    tokens: Vec<u32>,
+    positions: Vec<usize>,
+    mask: Option<TreeMask>,
+    logit_rows: Vec<usize>,
+}
+
+fn failed(id: u64, e: EngineError) -> StepEvent {
+    StepEvent {
+        id,
+        tokens: Vec::new(),
+        text: String::new(),
+        finish: Some(Finish::Failed(e)),
+    }
 }
 
 /// One request's state: waiting (no cache) or running (its cache holds a prefix of `tokens`).
@@ -93,12 +197,61 @@ struct Request<'a> {
     admitted: u64,
     cached_prompt_tokens: Option<usize>,
     preemptions: usize,
+    /// Slots of the request's cache (its tokens plus tree scratch).
     capacity: usize,
+    /// Positions generation may fill (prompt + max_tokens, at most the model context).
+    cap: usize,
+    spec: Option<SpecState<'a>>,
 }
 
 impl Request<'_> {
     fn generated(&self) -> usize {
         self.seq.len() - self.prompt_len
+    }
+
+    fn root(&self) -> u32 {
+        self.seq[self.seq.len() - 1]
+    }
+
+    fn phase(&self) -> Phase {
+        let have = self.cache.as_ref().map_or(0, KvCache::len);
+        let first = self.generated() == 0;
+        let target = if first {
+            self.seq.len()
+        } else {
+            self.seq.len() - 1
+        };
+        if have < target {
+            Phase::Prefill {
+                left: target - have,
+                logits_at_end: first,
+            }
+        } else {
+            Phase::Decode
+        }
+    }
+
+    /// Deepest draft this step may verify: no token past `max_tokens` or the position cap.
+    fn max_depth(&self) -> usize {
+        let remaining = self.params.max_tokens.saturating_sub(self.generated());
+        let committed = self.seq.len() - 1;
+        remaining
+            .saturating_sub(1)
+            .min(self.cap.saturating_sub(1 + committed))
+    }
+
+    /// Most draft nodes this step (0 without speculation).
+    fn tree_cap(&self) -> usize {
+        let Some(sp) = &self.spec else {
+            return 0;
+        };
+        if self.max_depth() == 0 {
+            return 0;
+        }
+        let room = self
+            .capacity
+            .saturating_sub(self.cache.as_ref().map_or(0, KvCache::len) + 1);
+        sp.budget.min(room)
     }
 }
 
@@ -113,6 +266,10 @@ pub struct Scheduler<'a> {
     next_id: u64,
     admissions: u64,
     stats: SchedStats,
+    /// Forward-pass cost by row count (adaptive speculation; kept current by every step).
+    cost: Option<StepCost>,
+    /// Keep the cost model as set (tests; benchmarks of a given cost curve).
+    pub freeze_step_cost: bool,
 }
 
 impl<'a> Scheduler<'a> {
@@ -143,11 +300,23 @@ impl<'a> Scheduler<'a> {
             next_id: 0,
             admissions: 0,
             stats: SchedStats::default(),
+            cost: None,
+            freeze_step_cost: false,
         })
     }
 
     pub fn pool(&self) -> &KvPool {
         &self.pool
+    }
+
+    /// The forward-pass cost model adaptive speculation plans with (e.g. from
+    /// [`StepCost::calibrate`]); every step's measured time updates it.
+    pub fn set_step_cost(&mut self, cost: StepCost) {
+        self.cost = Some(cost);
+    }
+
+    pub fn step_cost(&self) -> Option<&StepCost> {
+        self.cost.as_ref()
     }
 
     pub fn stats(&self) -> SchedStats {
@@ -167,8 +336,19 @@ impl<'a> Scheduler<'a> {
         self.waiting.len()
     }
 
-    /// Queue a request; returns its id. Bad prompts and settings are errors here, never later.
+    /// Queue a request without speculation; returns its id.
     pub fn submit(&mut self, prompt: Vec<u32>, params: GenerateParams) -> Result<u64> {
+        self.submit_spec(prompt, params, None)
+    }
+
+    /// Queue a request, speculating with `spec` when given; returns its id. Bad prompts and
+    /// settings are errors here, never later.
+    pub fn submit_spec(
+        &mut self,
+        prompt: Vec<u32>,
+        params: GenerateParams,
+        spec: Option<RequestSpec<'a>>,
+    ) -> Result<u64> {
         crate::generate::check_prompt(self.model, &prompt)?;
         params.sampling.validate()?;
         let vocab = self.model.config.vocab_size;
@@ -177,7 +357,35 @@ impl<'a> Scheduler<'a> {
                 "token id {t} is outside the vocabulary (size {vocab})"
             )));
         }
-        let capacity = (prompt.len() + params.max_tokens).min(self.model.config.context_length);
+        let cap = (prompt.len() + params.max_tokens).min(self.model.config.context_length);
+        let spec = match spec {
+            Some(rs) => {
+                let mode = rs.mode.unwrap_or(VerifyMode::auto(&params.sampling));
+                if mode == VerifyMode::Greedy && !params.sampling.is_greedy() {
+                    return Err(EngineError::InvalidArgument(
+                        "greedy verification needs greedy sampling (temperature 0); use mss or naive"
+                            .into(),
+                    ));
+                }
+                if rs.policy == SpecPolicy::Adaptive && self.cost.is_none() {
+                    return Err(EngineError::InvalidArgument(
+                        "adaptive speculation needs the scheduler's step cost (set_step_cost)"
+                            .into(),
+                    ));
+                }
+                Some(SpecState {
+                    drafters: rs.drafters,
+                    budget: rs.budget,
+                    policy: rs.policy,
+                    verifier: Verifier::new(mode, params.sampling.clone())?,
+                    acceptance: Acceptance::new(),
+                    metrics: SpecMetrics::default(),
+                })
+            }
+            None => None,
+        };
+        // Tree passes need `budget + 1` scratch slots past the tokens.
+        let capacity = cap + spec.as_ref().map_or(0, |sp| sp.budget + 1);
         let id = self.next_id;
         self.next_id += 1;
         let noop: fn(&str) = |_| {};
@@ -193,6 +401,8 @@ impl<'a> Scheduler<'a> {
             cached_prompt_tokens: None,
             preemptions: 0,
             capacity,
+            cap,
+            spec,
         });
         Ok(id)
     }
@@ -230,6 +440,7 @@ impl<'a> Scheduler<'a> {
                         prompt_tokens: req.prompt_len,
                         cached_prompt_tokens: 0,
                         preemptions: 0,
+                        spec: None,
                     }),
                 });
                 continue;
@@ -284,49 +495,33 @@ impl<'a> Scheduler<'a> {
         true
     }
 
-    /// One iteration: admission, then one forward pass over every running request's rows
-    /// (decode tokens first, then prefill chunks within the step's token budget), sampling and
-    /// stop checks. Returns one event per request that produced tokens or finished.
+    /// One iteration: admission, then one forward pass over every running request's rows —
+    /// decode roots, then prefill chunks within the step's token budget, then draft trees (their
+    /// depth chosen by the request's policy) — verification or sampling, and stop checks.
+    /// Returns one event per request that produced tokens or finished.
     pub fn step<B: Backend>(&mut self, backend: &B) -> Result<Vec<StepEvent>> {
         let mut events = Vec::new();
         self.admit(&mut events);
-        // Rows per running request: decode (1 row) first, then prefill chunks in admission order.
         let mut plan = loop {
-            let mut order: Vec<usize> = (0..self.running.len()).collect();
-            order.sort_by_key(|&i| {
-                let r = &self.running[i];
-                let left = r.seq.len() - r.cache.as_ref().map_or(0, KvCache::len);
-                (left > 1, r.admitted)
-            });
-            let mut budget = self.config.max_step_tokens;
-            let mut plan: Vec<(usize, usize)> = Vec::new(); // (running index, rows)
-            let mut blocks = 0;
-            for i in order {
-                let r = &self.running[i];
-                let cache = r.cache.as_ref().expect("running requests have a cache");
-                let left = r.seq.len() - cache.len();
-                let n = left.min(self.config.prefill_chunk).min(budget);
-                if n == 0 {
-                    continue;
-                }
-                budget -= n;
-                blocks += cache.blocks_needed(n);
-                plan.push((i, n));
-            }
+            let plan = self.plan();
+            let blocks: usize = plan
+                .iter()
+                .map(|sl| {
+                    let r = &self.running[sl.idx];
+                    let cache = r.cache.as_ref().expect("running requests have a cache");
+                    cache.blocks_needed(sl.rows_upper())
+                })
+                .sum();
             if blocks <= self.pool.available() {
                 break plan;
             }
             if !self.preempt_newest() {
                 // One request alone does not fit: it can never run.
                 if let Some(req) = self.running.pop() {
-                    events.push(StepEvent {
-                        id: req.id,
-                        tokens: Vec::new(),
-                        text: String::new(),
-                        finish: Some(Finish::Failed(EngineError::KvPoolExhausted {
-                            needed: blocks,
-                        })),
-                    });
+                    events.push(failed(
+                        req.id,
+                        EngineError::KvPoolExhausted { needed: blocks },
+                    ));
                 }
                 return Ok(events);
             }
@@ -334,29 +529,18 @@ impl<'a> Scheduler<'a> {
         if plan.is_empty() {
             return Ok(events);
         }
-        plan.sort_by_key(|&(i, _)| i);
-        // Inputs: each request's next rows, logits for the last row when it completes the sequence.
-        let inputs: Vec<(Vec<u32>, Vec<usize>, Vec<usize>)> = plan
-            .iter()
-            .map(|&(i, n)| {
-                let r = &self.running[i];
-                let start = r.cache.as_ref().map_or(0, KvCache::len);
-                let toks = r.seq[start..start + n].to_vec();
-                let pos: Vec<usize> = (start..start + n).collect();
-                let rows = if start + n == r.seq.len() {
-                    vec![n - 1]
-                } else {
-                    vec![]
-                };
-                (toks, pos, rows)
-            })
-            .collect();
+        self.draft(&mut plan)?;
+        // The batch, in running order.
+        plan.sort_by_key(|sl| sl.idx);
+        let inputs: Vec<StepInput> = plan.iter().map(|sl| self.input(sl)).collect();
+        let n_rows: usize = inputs.iter().map(|x| x.tokens.len()).sum();
+        let t0 = Instant::now();
         let logits = {
             let mut chosen: Vec<&mut Request<'a>> = Vec::with_capacity(plan.len());
             let mut rest = self.running.iter_mut().enumerate();
-            for &(i, _) in &plan {
+            for sl in &plan {
                 for (j, r) in rest.by_ref() {
-                    if j == i {
+                    if j == sl.idx {
                         chosen.push(r);
                         break;
                     }
@@ -365,58 +549,88 @@ impl<'a> Scheduler<'a> {
             let mut batch: Vec<SeqBatch<'_>> = chosen
                 .into_iter()
                 .zip(&inputs)
-                .map(|(r, (toks, pos, rows))| SeqBatch {
+                .map(|(r, x)| SeqBatch {
                     cache: r.cache.as_mut().expect("running requests have a cache"),
-                    tokens: toks,
-                    positions: pos,
-                    mask: BatchMask::Causal,
-                    logit_rows: rows,
+                    tokens: &x.tokens,
+                    positions: &x.positions,
+                    mask: match &x.mask {
+                        Some(m) => m.as_batch_mask(),
+                        None => BatchMask::Causal,
+                    },
+                    logit_rows: &x.logit_rows,
                 })
                 .collect();
             self.model.forward_batch(backend, &mut batch)?
         };
+        if let (Some(c), false) = (self.cost.as_mut(), self.freeze_step_cost) {
+            c.record(n_rows, t0.elapsed().as_secs_f64());
+        }
         self.stats.steps += 1;
-        self.stats.rows += inputs.iter().map(|x| x.0.len() as u64).sum::<u64>();
-        // Sample, stream, stop.
+        self.stats.rows += n_rows as u64;
+        // Verify or sample, stream, stop.
+        let vocab = self.model.config.vocab_size;
         let mut finished = Vec::new();
-        for (&(i, _), lg) in plan.iter().zip(&logits) {
-            let r = &mut self.running[i];
+        for ((sl, x), lg) in plan.iter().zip(&inputs).zip(&logits) {
+            let r = &mut self.running[sl.idx];
+            let emitted: Vec<u32> = match (&sl.tree, r.spec.as_mut()) {
+                (Some(tree), Some(sp)) => {
+                    let cache = r.cache.as_mut().expect("running requests have a cache");
+                    let o = sp.verifier.verify(tree, lg, vocab)?;
+                    cache.commit_rows(x.positions[0], &o.kv_rows())?;
+                    let emitted = o.emitted();
+                    if let Some(p) = &sl.proposal {
+                        sp.acceptance.record(p, &emitted);
+                    }
+                    sp.metrics.record(tree, &o);
+                    for d in sp.drafters.iter_mut() {
+                        d.observe(None);
+                        d.accept(&o.tokens, o.bonus);
+                    }
+                    emitted
+                }
+                _ if lg.is_empty() => Vec::new(),
+                _ => vec![r.sampler.sample(lg)],
+            };
             if let (Some(c), true) = (r.cache.as_mut(), self.config.prefix_caching) {
                 c.register_prefix(&r.seq);
             }
-            if lg.is_empty() {
+            if emitted.is_empty() {
                 continue;
             }
-            let tok = r.sampler.sample(lg);
-            let (mut reason, text) = match r.sink.as_mut() {
-                Some(sink) => {
-                    let before = sink.text().len();
-                    let reason = sink.push(tok);
-                    (reason, sink.text()[before..].to_string())
-                }
-                None => (None, String::new()),
-            };
-            // The cache holds `seq` but its last token: it is fed next step (if any).
-            r.seq.push(tok);
-            if reason.is_none()
-                && (r.generated() >= r.params.max_tokens || r.seq.len() > r.capacity)
-            {
-                reason = Some(FinishReason::Length);
-            }
-            events.push(StepEvent {
+            let mut ev = StepEvent {
                 id: r.id,
-                tokens: vec![tok],
-                text,
+                tokens: Vec::new(),
+                text: String::new(),
                 finish: None,
-            });
+            };
+            let mut reason = None;
+            for tok in emitted {
+                ev.tokens.push(tok);
+                if let Some(sink) = r.sink.as_mut() {
+                    let before = sink.text().len();
+                    reason = sink.push(tok);
+                    ev.text.push_str(&sink.text()[before..]);
+                }
+                // The cache holds `seq` but its last token: it is fed next step (if any).
+                r.seq.push(tok);
+                if reason.is_none() && (r.generated() >= r.params.max_tokens || r.seq.len() > r.cap)
+                {
+                    reason = Some(FinishReason::Length);
+                }
+                if reason.is_some() {
+                    break;
+                }
+            }
+            events.push(ev);
             if let Some(reason) = reason {
-                finished.push((i, reason, events.len() - 1));
+                finished.push((sl.idx, reason, events.len() - 1));
             }
         }
         // Remove finished requests (highest index first); their blocks go back on drop.
         finished.sort_by_key(|&(i, _, _)| std::cmp::Reverse(i));
         for (i, reason, ev) in finished {
             let r = self.running.remove(i);
+            let spec = r.spec.map(|sp| sp.metrics);
             let (text, tokens, reason) = match r.sink {
                 Some(sink) => {
                     let before = sink.text().len();
@@ -433,10 +647,157 @@ impl<'a> Scheduler<'a> {
                 prompt_tokens: r.prompt_len,
                 cached_prompt_tokens: r.cached_prompt_tokens.unwrap_or(0),
                 preemptions: r.preemptions,
+                spec,
             });
         }
         self.stats.peak_blocks = self.stats.peak_blocks.max(self.pool.stats().used);
         Ok(events)
+    }
+
+    /// This step's rows per running request: every decoding request's root, then prefill
+    /// chunks in admission order within the token budget, then room for draft trees.
+    fn plan(&self) -> Vec<Slot> {
+        let mut order: Vec<usize> = (0..self.running.len()).collect();
+        order.sort_by_key(|&i| self.running[i].admitted);
+        let mut budget = self.config.max_step_tokens;
+        let mut plan = Vec::new();
+        for &i in &order {
+            if self.running[i].phase() == Phase::Decode {
+                budget = budget.saturating_sub(1);
+                plan.push(Slot::decode(i));
+            }
+        }
+        for &i in &order {
+            let r = &self.running[i];
+            if let Phase::Prefill {
+                left,
+                logits_at_end,
+            } = r.phase()
+            {
+                let n = left.min(self.config.prefill_chunk).min(budget);
+                if n == 0 {
+                    continue;
+                }
+                budget -= n;
+                plan.push(Slot {
+                    idx: i,
+                    prefill: n,
+                    logits: logits_at_end && n == left,
+                    tree_cap: 0,
+                    tree: None,
+                    proposal: None,
+                });
+            }
+        }
+        for sl in plan.iter_mut().filter(|sl| sl.prefill == 0) {
+            let cap = self.running[sl.idx].tree_cap().min(budget);
+            budget -= cap;
+            sl.tree_cap = cap;
+        }
+        plan
+    }
+
+    /// Draft the trees of the plan's decoding requests and cut each to the depth its policy
+    /// chooses (adaptive requests together, for the step's whole row count).
+    fn draft(&mut self, plan: &mut [Slot]) -> Result<()> {
+        let vocab = self.model.config.vocab_size;
+        for sl in plan.iter_mut().filter(|sl| sl.tree_cap > 0) {
+            let r = &mut self.running[sl.idx];
+            let max_depth = r.max_depth();
+            let Some(sp) = r.spec.as_mut() else {
+                continue;
+            };
+            let mut ds: Vec<&mut dyn Drafter> = sp
+                .drafters
+                .iter_mut()
+                .map(|d| &mut **d as &mut dyn Drafter)
+                .collect();
+            let proposal = crate::spec::draft_tree(&mut ds, &r.seq, sl.tree_cap, max_depth, vocab)?;
+            sl.proposal = Some(proposal);
+        }
+        // Fixed requests verify the whole proposal; adaptive ones what the policy picks.
+        let mut base_rows = 0;
+        let mut adaptive = Vec::new();
+        for (k, sl) in plan.iter().enumerate() {
+            let r = &self.running[sl.idx];
+            base_rows += if sl.prefill > 0 { sl.prefill } else { 1 };
+            match (&r.spec, &sl.proposal) {
+                (Some(sp), Some(p)) if sp.policy == SpecPolicy::Adaptive => adaptive.push(k),
+                (Some(_), Some(p)) => base_rows += p.n_draft(),
+                _ => {}
+            }
+        }
+        let depths = match (&self.cost, adaptive.is_empty()) {
+            (Some(cost), false) => {
+                let options: Vec<DepthOptions<'_>> = adaptive
+                    .iter()
+                    .map(|&k| {
+                        let sl = &plan[k];
+                        let p = sl
+                            .proposal
+                            .as_ref()
+                            .expect("adaptive slots have a proposal");
+                        let sp = self.running[sl.idx].spec.as_ref().expect("spec request");
+                        let mut upto = vec![0usize; p.max_depth() + 1];
+                        for n in &p.nodes()[1..] {
+                            upto[n.depth] += 1;
+                        }
+                        for d in 1..upto.len() {
+                            upto[d] += upto[d - 1];
+                        }
+                        DepthOptions {
+                            acceptance: &sp.acceptance,
+                            nodes_upto: upto,
+                        }
+                    })
+                    .collect();
+                choose_depths(&options, base_rows, cost)
+            }
+            _ => vec![0; adaptive.len()],
+        };
+        for (k, sl) in plan.iter_mut().enumerate() {
+            let Some(p) = &sl.proposal else {
+                // Speculating requests without room for a tree still verify their root.
+                if self.running[sl.idx].spec.is_some() && sl.prefill == 0 {
+                    sl.tree = Some(TokenTree::root_only(self.running[sl.idx].root()));
+                }
+                continue;
+            };
+            sl.tree = Some(match adaptive.iter().position(|&a| a == k) {
+                Some(j) => p.truncate_depth(depths[j]),
+                None => p.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The rows one slot feeds.
+    fn input(&self, sl: &Slot) -> StepInput {
+        let r = &self.running[sl.idx];
+        let start = r.cache.as_ref().map_or(0, KvCache::len);
+        if sl.prefill > 0 {
+            let n = sl.prefill;
+            return StepInput {
+                tokens: r.seq[start..start + n].to_vec(),
+                positions: (start..start + n).collect(),
+                mask: None,
+                logit_rows: if sl.logits { vec![n - 1] } else { vec![] },
+            };
+        }
+        match &sl.tree {
+            Some(tree) if tree.len() > 1 => StepInput {
+                tokens: tree.tokens(),
+                positions: tree.positions(start),
+                mask: Some(tree.mask()),
+                logit_rows: (0..tree.len()).collect(),
+            },
+            _ => StepInput {
+                tokens: vec![r.root()],
+                positions: vec![start],
+                mask: None,
+                logit_rows: vec![0],
+            },
+        }
     }
 
     /// Step until every request has finished; returns each request's finish, by id.

@@ -262,3 +262,178 @@ fn bad_requests_fail_alone_and_cancel_frees_blocks() {
     assert_eq!(pool.stats().used, 0);
     assert!(s.is_idle());
 }
+
+/// A prompt that repeats itself, so prompt lookup finds matches.
+fn repetitive(vocab: u32, n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|j| ((j % 9) * 5 + salt) % vocab)
+        .collect()
+}
+
+fn ngram_spec<'a>(policy: SpecPolicy, budget: usize) -> RequestSpec<'a> {
+    RequestSpec {
+        drafters: vec![Box::new(crate::draft::NgramDrafter::default())],
+        budget,
+        policy,
+        mode: None,
+    }
+}
+
+fn spec_metrics(f: &Finish) -> SpecMetrics {
+    match f {
+        Finish::Done { spec: Some(m), .. } => m.clone(),
+        other => panic!("no speculation metrics: {other:?}"),
+    }
+}
+
+/// Speculating requests (prompt lookup; fixed trees and the adaptive policy) batched with
+/// plain ones give every request its incremental greedy tokens, also under preemption; with
+/// seeded sampling and fixed trees each request's tokens are the same alone or batched.
+#[test]
+fn speculating_requests_in_a_batch_keep_their_outputs() {
+    let be = CpuBackend::new(2).unwrap();
+    let model = tiny_model(&spec("llama", GgmlType::Q8_0), 9).unwrap();
+    let vocab = model.config.vocab_size as u32;
+    let prompts: Vec<Vec<u32>> = (0..5u32)
+        .map(|i| repetitive(vocab, 20 + 9 * i as usize, i))
+        .collect();
+    let greedy = |m| GenerateParams {
+        max_tokens: m,
+        sampling: SamplingParams::greedy(),
+        ..GenerateParams::default()
+    };
+    let cost = StepCost::from_points(vec![(1, 0.010), (64, 0.012)]);
+    for blocks in [128usize, 12] {
+        let pool = KvPool::new(&model.config, model.config.n_layers, blocks);
+        let mut s = Scheduler::new(&model, None, pool.clone(), SchedConfig::default()).unwrap();
+        s.set_step_cost(cost.clone());
+        let mut want = Vec::new();
+        for (i, p) in prompts.iter().enumerate() {
+            let params = greedy(10 + 3 * i);
+            want.push(alone(&model, &be, p, &params));
+            let sp = match i % 3 {
+                0 => None,
+                1 => Some(ngram_spec(SpecPolicy::Fixed, 8)),
+                _ => Some(ngram_spec(SpecPolicy::Adaptive, 8)),
+            };
+            s.submit_spec(p.clone(), params, sp).unwrap();
+        }
+        let done = s.run_to_completion(&be).unwrap();
+        let mut drafted = 0;
+        for (id, f) in &done {
+            assert_eq!(
+                done_tokens(f).0,
+                &want[*id as usize][..],
+                "pool {blocks} request {id}"
+            );
+            if id % 3 != 0 {
+                drafted += spec_metrics(f).drafted;
+            }
+        }
+        assert!(drafted > 0, "trees were verified");
+        if blocks == 12 {
+            assert!(s.stats().preemptions > 0);
+        }
+        assert_eq!(pool.stats().used, 0);
+    }
+    // Sampling, fixed trees: alone (a scheduler of one) or batched, the same tokens.
+    let sampled = |i: usize| GenerateParams {
+        max_tokens: 16,
+        sampling: SamplingParams {
+            temperature: 0.8,
+            seed: 100 + i as u64,
+            ..SamplingParams::default()
+        },
+        ..GenerateParams::default()
+    };
+    let run = |which: &[usize], seed_shift: u64| -> Vec<Vec<u32>> {
+        let pool = KvPool::new(&model.config, model.config.n_layers, 128);
+        let mut s = Scheduler::new(&model, None, pool, SchedConfig::default()).unwrap();
+        for &i in which {
+            let mut params = sampled(i);
+            params.sampling.seed += seed_shift;
+            s.submit_spec(
+                prompts[i].clone(),
+                params,
+                Some(ngram_spec(SpecPolicy::Fixed, 6)),
+            )
+            .unwrap();
+        }
+        s.run_to_completion(&be)
+            .unwrap()
+            .iter()
+            .map(|(_, f)| done_tokens(f).0.to_vec())
+            .collect()
+    };
+    let batched = run(&[0, 1, 2, 3, 4], 0);
+    for (i, b) in batched.iter().enumerate() {
+        assert_eq!(&run(&[i], 0)[0], b, "request {i}");
+    }
+    // Another seed, another output.
+    assert_ne!(run(&[0], 1)[0], batched[0]);
+}
+
+/// The adaptive policy verifies trees where drafts are accepted and rows are cheap, backs off
+/// to plain decoding where every row costs a whole pass, and keeps the tokens either way.
+#[test]
+fn adaptive_speculation_follows_acceptance_and_cost() {
+    let be = CpuBackend::new(2).unwrap();
+    let model = tiny_model(&spec("qwen2", GgmlType::Q8_0), 13).unwrap();
+    let vocab = model.config.vocab_size as u32;
+    // The model's own greedy output, repeated: prompt lookup then drafts what it will say.
+    let seed_prompt = repetitive(vocab, 12, 3);
+    let params = GenerateParams {
+        max_tokens: 40,
+        sampling: SamplingParams::greedy(),
+        ..GenerateParams::default()
+    };
+    let cont = alone(&model, &be, &seed_prompt, &params);
+    let mut prompt = seed_prompt.clone();
+    prompt.extend(&cont);
+    prompt.extend(&seed_prompt);
+    let want = alone(&model, &be, &prompt, &params);
+    let mut drafted = Vec::new();
+    for cost in [
+        StepCost::from_points(vec![(1, 0.010), (64, 0.011)]),
+        StepCost::from_points(vec![(1, 0.010), (64, 0.640)]),
+    ] {
+        let pool = KvPool::new(&model.config, model.config.n_layers, 64);
+        let mut s = Scheduler::new(&model, None, pool, SchedConfig::default()).unwrap();
+        s.set_step_cost(cost);
+        // Stop the measured step times from moving the cost model: a test's timings are noise.
+        s.freeze_step_cost = true;
+        s.submit_spec(
+            prompt.clone(),
+            params.clone(),
+            Some(ngram_spec(SpecPolicy::Adaptive, 8)),
+        )
+        .unwrap();
+        let done = s.run_to_completion(&be).unwrap();
+        assert_eq!(done_tokens(&done[0].1).0, &want[..]);
+        let m = spec_metrics(&done[0].1);
+        drafted.push((m.drafted, m.accepted, m.steps));
+    }
+    let (cheap, steep) = (drafted[0], drafted[1]);
+    assert!(
+        cheap.1 >= 20,
+        "cheap rows: most tokens come from accepted drafts ({cheap:?})"
+    );
+    assert!(
+        cheap.2 < 25,
+        "cheap rows: far fewer passes than tokens ({cheap:?})"
+    );
+    assert_eq!(
+        steep.0, 0,
+        "every row a whole pass: plain decoding ({steep:?})"
+    );
+    // Adaptive needs a cost model.
+    let pool = KvPool::new(&model.config, model.config.n_layers, 8);
+    let mut s = Scheduler::new(&model, None, pool, SchedConfig::default()).unwrap();
+    assert!(s
+        .submit_spec(
+            vec![1, 2],
+            params,
+            Some(ngram_spec(SpecPolicy::Adaptive, 4))
+        )
+        .is_err());
+}

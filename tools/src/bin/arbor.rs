@@ -205,6 +205,12 @@ enum BenchCmd {
         /// KV pool size, e.g. 2GiB, 512MiB.
         #[arg(long, default_value = "2GiB")]
         kv_memory: String,
+        /// Drafter of the fixed and adaptive modes: ngram[:N] (prompt lookup).
+        #[arg(long, default_value = "ngram")]
+        draft: String,
+        /// Most draft nodes per request per step.
+        #[arg(long, default_value_t = 8)]
+        budget: usize,
         #[arg(long, value_enum, default_value_t = Format::Text)]
         format: Format,
     },
@@ -294,6 +300,8 @@ fn run(cli: Cli) -> Result<()> {
                 tokens,
                 temperature,
                 kv_memory,
+                draft,
+                budget,
                 format,
             } => {
                 let kv = parse_bytes(&kv_memory)?;
@@ -309,6 +317,8 @@ fn run(cli: Cli) -> Result<()> {
                     tokens,
                     temperature,
                     kv,
+                    &draft,
+                    budget,
                 )?;
                 match format {
                     Format::Json => println!("{}", serde_json::to_string(&r)?),

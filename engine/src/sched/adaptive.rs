@@ -1,0 +1,320 @@
+//! Goodput-driven speculation length (SmartSpec, Liu et al. 2024): per step, choose every request's verified tree depth from its measured acceptance by depth and the measured cost of a forward pass over the step's rows, maximising expected accepted tokens per second for the whole batch.
+//!
+//! Acceptance is measured on the drafters' full proposals ("shadow" drafts): after a step, the
+//! proposal is walked along the tokens the step really produced, so a request whose drafts were
+//! verified only to depth D (or not at all) still tells how deep they would have been accepted,
+//! up to depth D + 1. A request that stops speculating keeps learning, and speculates again when
+//! its drafts start matching.
+
+use std::time::Instant;
+
+use crate::backend::{Backend, BatchMask};
+use crate::error::Result;
+use crate::kv::KvCache;
+use crate::model::Model;
+use crate::tree::TokenTree;
+
+/// Measured seconds of one forward pass by its row count: points `(rows, secs)` kept as
+/// exponential moving averages, linear between them, proportional past the last.
+#[derive(Clone, Debug)]
+pub struct StepCost {
+    points: Vec<(usize, f64)>,
+}
+
+/// Weight of a new measurement in a point's moving average.
+const COST_EMA: f64 = 0.2;
+
+impl StepCost {
+    /// A model from known points (sorted by rows, at least one).
+    pub fn from_points(mut points: Vec<(usize, f64)>) -> StepCost {
+        points.retain(|&(n, s)| n > 0 && s.is_finite() && s > 0.0);
+        points.sort_by_key(|p| p.0);
+        points.dedup_by_key(|p| p.0);
+        StepCost { points }
+    }
+
+    /// Time forward passes over `sizes` rows (context `ctx` tokens, the median of `reps` runs)
+    /// in a private cache.
+    pub fn calibrate<B: Backend>(
+        model: &Model,
+        backend: &B,
+        sizes: &[usize],
+        ctx: usize,
+        reps: usize,
+    ) -> Result<StepCost> {
+        let vocab = model.config.vocab_size as u32;
+        let max = sizes.iter().copied().max().unwrap_or(1);
+        let prompt: Vec<u32> = (0..ctx.max(1) as u32)
+            .map(|i| (i * 7 + 1) % vocab)
+            .collect();
+        let mut cache = KvCache::new(&model.config, ctx.max(1) + max + 1);
+        let pos: Vec<usize> = (0..prompt.len()).collect();
+        model.forward(backend, &mut cache, &prompt, &pos, BatchMask::Causal, &[])?;
+        let base = cache.len();
+        let mut points = Vec::new();
+        for &n in sizes.iter().filter(|&&n| n > 0) {
+            let toks: Vec<u32> = (0..n as u32).map(|i| (i * 13 + 5) % vocab).collect();
+            let pos: Vec<usize> = (base..base + n).collect();
+            let rows: Vec<usize> = (0..n).collect();
+            let mut t = Vec::new();
+            for _ in 0..reps.max(1) + 1 {
+                let t0 = Instant::now();
+                model.forward(backend, &mut cache, &toks, &pos, BatchMask::Causal, &rows)?;
+                t.push(t0.elapsed().as_secs_f64());
+                cache.truncate(base);
+            }
+            t.remove(0); // warm-up
+            t.sort_by(f64::total_cmp);
+            points.push((n, t[t.len() / 2]));
+        }
+        Ok(StepCost::from_points(points))
+    }
+
+    /// Fold in a measured pass over `rows` rows (the nearest point moves; a row count more than
+    /// 25% away from every point becomes a new point).
+    pub fn record(&mut self, rows: usize, secs: f64) {
+        if rows == 0 || !secs.is_finite() || secs <= 0.0 {
+            return;
+        }
+        let near = self
+            .points
+            .iter()
+            .enumerate()
+            .min_by(|a, b| {
+                let da = (a.1 .0 as f64 / rows as f64).ln().abs();
+                let db = (b.1 .0 as f64 / rows as f64).ln().abs();
+                da.total_cmp(&db)
+            })
+            .map(|(i, p)| (i, p.0));
+        match near {
+            Some((i, n)) if n == rows || (n as f64 / rows as f64).ln().abs() < 0.22 => {
+                // Scale the measurement to the point's row count along the current curve.
+                let scaled = secs * self.secs(n) / self.secs(rows).max(1e-12);
+                let p = &mut self.points[i].1;
+                *p = (1.0 - COST_EMA) * *p + COST_EMA * scaled;
+            }
+            _ => {
+                self.points.push((rows, secs));
+                self.points.sort_by_key(|p| p.0);
+            }
+        }
+    }
+
+    /// Estimated seconds of a pass over `rows` rows.
+    pub fn secs(&self, rows: usize) -> f64 {
+        let pts = &self.points;
+        let Some(&(n0, s0)) = pts.first() else {
+            return rows as f64; // no measurement: one unit per row
+        };
+        let x = rows as f64;
+        if rows <= n0 {
+            return s0;
+        }
+        for w in pts.windows(2) {
+            let ((a, sa), (b, sb)) = (w[0], w[1]);
+            if rows <= b {
+                return sa + (sb - sa) * (x - a as f64) / (b - a) as f64;
+            }
+        }
+        let (nl, sl) = pts[pts.len() - 1];
+        sl * x / nl as f64
+    }
+}
+
+/// One request's acceptance by depth: `hit[d] / tried[d]` estimates the probability that a
+/// proposal's depth-`d + 1` token is accepted when its depth-`d` prefix was.
+#[derive(Clone, Debug)]
+pub struct Acceptance {
+    hit: Vec<f64>,
+    tried: Vec<f64>,
+}
+
+/// Decay of old observations per step (recent behaviour matters: a request's text changes).
+const ACC_DECAY: f64 = 0.9;
+
+impl Default for Acceptance {
+    fn default() -> Self {
+        Acceptance::new()
+    }
+}
+
+impl Acceptance {
+    pub fn new() -> Acceptance {
+        Acceptance {
+            hit: Vec::new(),
+            tried: Vec::new(),
+        }
+    }
+
+    /// Probability that depth `d` (1-based) is accepted given depth `d - 1` was: a prior of
+    /// one half worth one observation, then the decayed counts.
+    pub fn p(&self, d: usize) -> f64 {
+        let (h, t) = match (self.hit.get(d - 1), self.tried.get(d - 1)) {
+            (Some(&h), Some(&t)) => (h, t),
+            _ => (0.0, 0.0),
+        };
+        (h + 0.5) / (t + 1.0)
+    }
+
+    /// Expected tokens a step yields with `proposal` verified to depth `depth`: the bonus token
+    /// plus, per depth, the probability that the path gets that far (for a tree, any node at
+    /// that depth; a chain's estimate, a lower bound for trees).
+    pub fn expected_tokens(&self, depth: usize) -> f64 {
+        let mut e = 1.0;
+        let mut reach = 1.0;
+        for d in 1..=depth {
+            reach *= self.p(d);
+            e += reach;
+        }
+        e
+    }
+
+    /// After a step that produced `emitted` (accepted tokens then the bonus token): walk the
+    /// full `proposal` along them and count, per depth, whether it would have been accepted.
+    pub fn record(&mut self, proposal: &TokenTree, emitted: &[u32]) {
+        for (h, t) in self.hit.iter_mut().zip(self.tried.iter_mut()) {
+            *h *= ACC_DECAY;
+            *t *= ACC_DECAY;
+        }
+        let mut node = 0;
+        for (d, &tok) in emitted.iter().enumerate() {
+            if proposal.children(node).is_empty() {
+                break;
+            }
+            if self.tried.len() <= d {
+                self.tried.resize(d + 1, 0.0);
+                self.hit.resize(d + 1, 0.0);
+            }
+            self.tried[d] += 1.0;
+            match proposal.child_with_token(node, tok) {
+                Some(c) => {
+                    self.hit[d] += 1.0;
+                    node = c;
+                }
+                None => break,
+            }
+        }
+    }
+}
+
+/// One request's options for this step: the draft nodes its proposal has at each depth.
+pub struct DepthOptions<'a> {
+    pub acceptance: &'a Acceptance,
+    /// `nodes_upto[d]`: draft nodes of depth at most `d` (`nodes_upto[0] = 0`).
+    pub nodes_upto: Vec<usize>,
+}
+
+/// Choose each request's verified depth for a step whose other rows (prefill chunks, the roots
+/// of every decoding request) number `base_rows`: greedily add the depth with the best expected
+/// tokens per extra row while the batch's expected tokens per second grows. Depth 0 everywhere
+/// is plain decoding, so the choice never expects a slower step mix than no speculation.
+pub fn choose_depths(
+    options: &[DepthOptions<'_>],
+    base_rows: usize,
+    cost: &StepCost,
+) -> Vec<usize> {
+    let mut depth = vec![0usize; options.len()];
+    let mut rows = base_rows;
+    let mut tokens: f64 = options.len() as f64;
+    loop {
+        let now = tokens / cost.secs(rows.max(1));
+        // The best next depth of any request: (request, extra rows, extra tokens).
+        let best = options
+            .iter()
+            .enumerate()
+            .filter_map(|(i, o)| {
+                let d = depth[i];
+                if d + 1 >= o.nodes_upto.len() {
+                    return None;
+                }
+                let extra = o.nodes_upto[d + 1] - o.nodes_upto[d];
+                let gain = o.acceptance.expected_tokens(d + 1) - o.acceptance.expected_tokens(d);
+                Some((i, extra, gain))
+            })
+            .filter(|&(_, extra, _)| extra > 0)
+            .max_by(|a, b| (a.2 / a.1 as f64).total_cmp(&(b.2 / b.1 as f64)));
+        let Some((i, extra, gain)) = best else {
+            break;
+        };
+        let next = (tokens + gain) / cost.secs(rows + extra);
+        if next <= now {
+            break;
+        }
+        depth[i] += 1;
+        rows += extra;
+        tokens += gain;
+    }
+    depth
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tree::DrafterId;
+
+    #[test]
+    fn step_cost_interpolates_and_learns() {
+        let mut c = StepCost::from_points(vec![(1, 0.010), (16, 0.020), (64, 0.080)]);
+        assert!((c.secs(1) - 0.010).abs() < 1e-12);
+        assert!((c.secs(8) - (0.010 + 0.010 * 7.0 / 15.0)).abs() < 1e-12);
+        assert!((c.secs(128) - 0.160).abs() < 1e-12);
+        for _ in 0..50 {
+            c.record(16, 0.040);
+        }
+        assert!((c.secs(16) - 0.040).abs() < 1e-3);
+        c.record(300, 0.5);
+        assert!((c.secs(300) - 0.5).abs() < 1e-12);
+    }
+
+    #[test]
+    fn acceptance_follows_the_realized_tokens_of_the_full_proposal() {
+        let d = DrafterId::try_from(0usize).unwrap();
+        let chain = TokenTree::chain(1, &[2, 3, 4, 5], d);
+        let mut a = Acceptance::new();
+        assert_eq!(a.p(1), 0.5);
+        // Realized 2, 3, 9: depths 1 and 2 accepted, 3 rejected, 4 unknown.
+        a.record(&chain, &[2, 3, 9]);
+        assert!((a.p(1) - 1.5 / 2.0).abs() < 1e-12);
+        assert!((a.p(2) - 1.5 / 2.0).abs() < 1e-12);
+        assert!((a.p(3) - 0.5 / 2.0).abs() < 1e-12);
+        assert_eq!(a.p(4), 0.5);
+        // Nothing proposed: nothing learnt (only decay).
+        a.record(&TokenTree::root_only(1), &[7]);
+        assert!((a.p(1) - (0.9 + 0.5) / (0.9 + 1.0)).abs() < 1e-12);
+        // Many misses at depth 1: speculation looks worthless.
+        for _ in 0..40 {
+            a.record(&chain, &[8]);
+        }
+        assert!(a.p(1) < 0.1);
+        assert!(a.expected_tokens(4) < 1.12);
+    }
+
+    #[test]
+    fn depths_grow_with_acceptance_and_shrink_with_cost() {
+        let d = DrafterId::try_from(0usize).unwrap();
+        let chain = TokenTree::chain(1, &[2, 3, 4, 5, 6, 7, 8, 9], d);
+        let (mut good, mut bad) = (Acceptance::new(), Acceptance::new());
+        for _ in 0..30 {
+            good.record(&chain, &[2, 3, 4, 5, 6, 7, 8, 9, 10]);
+            bad.record(&chain, &[11]);
+        }
+        let flat = StepCost::from_points(vec![(1, 0.01), (64, 0.0105)]);
+        let steep = StepCost::from_points(vec![(1, 0.01), (64, 0.64)]);
+        let mk = |a| DepthOptions {
+            acceptance: a,
+            nodes_upto: (0..=8).collect(),
+        };
+        // Nearly free rows: even a 5% chance pays for a few; the accepting request goes deep.
+        let ds = choose_depths(&[mk(&good), mk(&bad)], 2, &flat);
+        assert_eq!(ds[0], 8);
+        assert!(ds[1] < ds[0]);
+        // Rows at 3% of a pass each: the accepting request drafts deep, the rejecting one not.
+        let moderate = StepCost::from_points(vec![(1, 0.01), (64, 0.03)]);
+        assert_eq!(
+            choose_depths(&[mk(&good), mk(&bad)], 2, &moderate),
+            vec![8, 0]
+        );
+        // Each row costs a whole pass: plain decoding.
+        assert_eq!(choose_depths(&[mk(&good), mk(&bad)], 2, &steep), vec![0, 0]);
+    }
+}
