@@ -71,6 +71,7 @@ fn real_drafters_greedy_equal_incremental() {
             let sp = SpecParams {
                 budget: 24,
                 mode: None,
+                adaptive: false,
             };
             let out = spec::generate(
                 &m.model,

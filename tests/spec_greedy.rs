@@ -67,7 +67,11 @@ fn greedy_speculation_equals_incremental() {
                 _ => vec![&mut random, &mut oracle],
             };
             let budget = if kind == "both" { 2 * budget } else { *budget };
-            let sp = SpecParams { budget, mode: None };
+            let sp = SpecParams {
+                budget,
+                mode: None,
+                adaptive: false,
+            };
             let out = spec::generate(
                 &m.model,
                 be,
@@ -223,6 +227,7 @@ fn greedy_verification_needs_greedy_sampling() {
     let sp = SpecParams {
         budget: 8,
         mode: Some(VerifyMode::Greedy),
+        adaptive: false,
     };
     let mut r = RandomDrafter::new(ExpansionConfig::chain(2), 1);
     let e = spec::generate(

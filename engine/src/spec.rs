@@ -19,6 +19,7 @@ use crate::kv::KvCache;
 use crate::model::Model;
 use crate::sample::verify::{Verifier, VerifyMode, VerifyOutcome};
 use crate::sample::Sampler;
+use crate::sched::adaptive::{choose_depths, Acceptance, DepthOptions, StepCost};
 use crate::tokenizer::Tokenizer;
 use crate::tree::{DrafterId, TokenTree, TreeMask};
 
@@ -29,6 +30,10 @@ pub struct SpecParams {
     pub budget: usize,
     /// Verification rule; `None` = greedy for greedy sampling, MSS otherwise.
     pub mode: Option<VerifyMode>,
+    /// Verify only the tree depth that pays (the scheduler's goodput policy,
+    /// [`crate::sched::adaptive`]): where drafts are rarely accepted, steps fall back to plain
+    /// decoding. `false`: verify the whole drafted tree every step.
+    pub adaptive: bool,
 }
 
 impl Default for SpecParams {
@@ -36,6 +41,7 @@ impl Default for SpecParams {
         SpecParams {
             budget: 64,
             mode: None,
+            adaptive: false,
         }
     }
 }
@@ -399,6 +405,13 @@ impl<'m, B: Backend> SpecSession<'m, B> {
     }
 }
 
+/// Seconds of one decoding pass guessed from a prefill of `n` tokens that took `secs`: a
+/// pass reads every weight once whatever its rows, so one row costs at least `secs / n`; the
+/// guess is a tenth of the prefill or that, whichever is more, until passes are measured.
+fn model_decode_estimate(secs: f64, n: usize) -> f64 {
+    (secs / 10.0).max(secs / n.max(1) as f64).max(1e-6)
+}
+
 /// Result of a speculative generation.
 #[derive(Clone, Debug)]
 pub struct SpecOutput {
@@ -454,6 +467,15 @@ pub fn generate<B: Backend>(
     let mut seq = prompt.to_vec();
     seq.extend(first);
     let mut session = SpecSession::new(model, backend, cache, seq, verifier, spec.budget)?;
+    // Adaptive depth: the cost of a pass by row count starts from the prefill's rows per second
+    // (a batch of `prompt.len()` rows) and one decoding row, then follows the measured passes.
+    let mut policy = spec.adaptive.then(|| {
+        let one = model_decode_estimate(prefill_secs, prompt.len());
+        (
+            StepCost::from_points(vec![(1, one), (prompt.len().max(2), prefill_secs.max(one))]),
+            Acceptance::new(),
+        )
+    });
     let mut pending: Vec<u32> = first.into_iter().collect();
     let mut finish_reason = FinishReason::Length;
     'gen: loop {
@@ -476,7 +498,29 @@ pub fn generate<B: Backend>(
         let remaining = params.max_tokens - n;
         let committed = prompt.len() + n - 1;
         let max_depth = (remaining - 1).min(cap - 1 - committed);
-        pending = session.step(drafters, max_depth)?.emitted();
+        let Some((cost, acceptance)) = policy.as_mut() else {
+            pending = session.step(drafters, max_depth)?.emitted();
+            continue;
+        };
+        let proposal = session.draft(drafters, max_depth)?;
+        let mut upto = vec![0usize; proposal.max_depth() + 1];
+        for n in &proposal.nodes()[1..] {
+            upto[n.depth] += 1;
+        }
+        for d in 1..upto.len() {
+            upto[d] += upto[d - 1];
+        }
+        let opts = [DepthOptions {
+            acceptance,
+            nodes_upto: upto,
+        }];
+        let depth = choose_depths(&opts, 1, cost)[0];
+        let tree = proposal.truncate_depth(depth);
+        let t0 = Instant::now();
+        let o = session.verify(&tree, drafters)?;
+        cost.record(tree.len(), t0.elapsed().as_secs_f64());
+        pending = o.emitted();
+        acceptance.record(&proposal, &pending);
     }
     let (text, tokens, finish_reason) = sink.finish(finish_reason);
     let metrics = session.metrics().clone();

@@ -513,6 +513,7 @@ pub fn suite_bench(
                 let sp = SpecParams {
                     budget: *budget,
                     mode: None,
+                    adaptive: false,
                 };
                 let o = spec::generate(llm, backend, tok, p, &params, &sp, &mut refs, |_| {})?;
                 secs += o.output.decode_secs;

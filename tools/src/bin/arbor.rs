@@ -114,6 +114,10 @@ struct SpecArgs {
     /// Verification: auto (greedy when --temperature 0, else mss), greedy, mss, naive.
     #[arg(long, default_value = "auto")]
     speculate_verify: String,
+    /// Tree size per step: adaptive (verify the depth that pays, from the measured acceptance
+    /// and pass cost; plain decoding where drafts fail) or fixed (the whole tree every step).
+    #[arg(long, default_value = "adaptive", value_parser = ["adaptive", "fixed"])]
+    speculate_policy: String,
     /// SPACE auto-correct decoding: each verification pass also drafts the next candidates from
     /// placeholder groups (training-free: the previous pass's own predictions fill them). Merges
     /// with any --draft drafters.
@@ -566,6 +570,7 @@ fn speculate(
     let sp = SpecParams {
         budget: a.speculate_budget,
         mode,
+        adaptive: a.speculate_policy == "adaptive",
     };
     let mut refs: Vec<&mut dyn Drafter> = drafters
         .iter_mut()
