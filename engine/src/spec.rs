@@ -19,7 +19,7 @@ use crate::kv::KvCache;
 use crate::model::Model;
 use crate::sample::verify::{Verifier, VerifyMode, VerifyOutcome};
 use crate::sample::Sampler;
-use crate::sched::adaptive::{choose_depths, Acceptance, DepthOptions, StepCost};
+use crate::sched::adaptive::{choose_depths, nodes_upto, Acceptance, DepthOptions, StepCost};
 use crate::tokenizer::Tokenizer;
 use crate::tree::{DrafterId, TokenTree, TreeMask};
 
@@ -405,13 +405,6 @@ impl<'m, B: Backend> SpecSession<'m, B> {
     }
 }
 
-/// Seconds of one decoding pass guessed from a prefill of `n` tokens that took `secs`: a
-/// pass reads every weight once whatever its rows, so one row costs at least `secs / n`; the
-/// guess is a tenth of the prefill or that, whichever is more, until passes are measured.
-fn model_decode_estimate(secs: f64, n: usize) -> f64 {
-    (secs / 10.0).max(secs / n.max(1) as f64).max(1e-6)
-}
-
 /// Result of a speculative generation.
 #[derive(Clone, Debug)]
 pub struct SpecOutput {
@@ -466,16 +459,18 @@ pub fn generate<B: Backend>(
     };
     let mut seq = prompt.to_vec();
     seq.extend(first);
+    // Adaptive depth: the cost of a pass by row count, measured once here over 1, 8 and up to
+    // 32 scratch rows (dropped again), then following every measured pass.
+    let mut policy = None;
+    if spec.adaptive && first.is_some() {
+        let top = (spec.budget + 1).min(32);
+        let sizes: Vec<usize> = [1, 8.min(top), top].into_iter().collect();
+        let room = cache.capacity().saturating_sub(cache.len());
+        let sizes: Vec<usize> = sizes.into_iter().filter(|&n| n <= room).collect();
+        let cost = StepCost::measure_in(model, backend, &mut cache, &sizes, 1)?;
+        policy = Some((cost, Acceptance::new(), usize::MAX));
+    }
     let mut session = SpecSession::new(model, backend, cache, seq, verifier, spec.budget)?;
-    // Adaptive depth: the cost of a pass by row count starts from the prefill's rows per second
-    // (a batch of `prompt.len()` rows) and one decoding row, then follows the measured passes.
-    let mut policy = spec.adaptive.then(|| {
-        let one = model_decode_estimate(prefill_secs, prompt.len());
-        (
-            StepCost::from_points(vec![(1, one), (prompt.len().max(2), prefill_secs.max(one))]),
-            Acceptance::new(),
-        )
-    });
     let mut pending: Vec<u32> = first.into_iter().collect();
     let mut finish_reason = FinishReason::Length;
     'gen: loop {
@@ -498,23 +493,19 @@ pub fn generate<B: Backend>(
         let remaining = params.max_tokens - n;
         let committed = prompt.len() + n - 1;
         let max_depth = (remaining - 1).min(cap - 1 - committed);
-        let Some((cost, acceptance)) = policy.as_mut() else {
+        let Some((cost, acceptance, last_depth)) = policy.as_mut() else {
             pending = session.step(drafters, max_depth)?.emitted();
             continue;
         };
-        let proposal = session.draft(drafters, max_depth)?;
-        let mut upto = vec![0usize; proposal.max_depth() + 1];
-        for n in &proposal.nodes()[1..] {
-            upto[n.depth] += 1;
-        }
-        for d in 1..upto.len() {
-            upto[d] += upto[d - 1];
-        }
+        // Draft two depths past the last verified one: room to grow, one depth to learn from,
+        // and no deep drafting (a model drafter's passes) while speculation does not pay.
+        let proposal = session.draft(drafters, max_depth.min(last_depth.saturating_add(2)))?;
         let opts = [DepthOptions {
             acceptance,
-            nodes_upto: upto,
+            nodes_upto: nodes_upto(&proposal),
         }];
         let depth = choose_depths(&opts, 1, cost)[0];
+        *last_depth = depth;
         let tree = proposal.truncate_depth(depth);
         let t0 = Instant::now();
         let o = session.verify(&tree, drafters)?;

@@ -33,19 +33,26 @@ fn real_drafters_match_plain_generation_and_report_acceptance() {
         &["--space", "--space-mask-token", "0", "--draft", "ngram"][..],
         &["--draft", "ngram-else:smollm2-135m", "--tree", "1,1,1,1"][..],
     ] {
-        let mut args = BASE.to_vec();
-        args.extend(extra);
-        let j = json(&args);
-        if extra.contains(&"--space") {
-            assert!(j["spec"]["placeholder_rows"].as_u64().unwrap() > 0, "{j}");
-        }
-        assert_eq!(j["tokens"], plain["tokens"], "{extra:?}");
-        let s = &j["spec"];
-        assert_eq!(s["mode"], "greedy");
-        assert!(s["mean_accepted"].as_f64().is_some(), "{s}");
-        if extra.contains(&"smollm2-135m") || extra.contains(&"ngram-else:smollm2-135m") {
-            // The LLM drafting for itself: (almost) everything is accepted.
-            assert!(s["mean_accepted"].as_f64().unwrap() >= 2.0, "{s}");
+        // Fixed trees (every drafted node verified) and the adaptive policy (the default: the
+        // depth that pays): the same tokens either way.
+        for policy in ["fixed", "adaptive"] {
+            let mut args = BASE.to_vec();
+            args.extend(extra);
+            args.extend(["--speculate-policy", policy]);
+            let j = json(&args);
+            if extra.contains(&"--space") {
+                assert!(j["spec"]["placeholder_rows"].as_u64().unwrap() > 0, "{j}");
+            }
+            assert_eq!(j["tokens"], plain["tokens"], "{extra:?} {policy}");
+            let s = &j["spec"];
+            assert_eq!(s["mode"], "greedy");
+            assert!(s["mean_accepted"].as_f64().is_some(), "{s}");
+            let self_drafting =
+                extra.contains(&"smollm2-135m") || extra.contains(&"ngram-else:smollm2-135m");
+            if self_drafting && policy == "fixed" {
+                // The LLM drafting for itself: (almost) everything is accepted.
+                assert!(s["mean_accepted"].as_f64().unwrap() >= 2.0, "{s}");
+            }
         }
     }
 }

@@ -147,7 +147,8 @@ impl<'m, B: Backend> ModelDrafter<'m, B> {
             sampler,
             rng: Rng::new(seed),
             vocab_limit: vocab_limit.min(model.config.vocab_size),
-            cache: KvCache::new(&model.config, model.config.context_length),
+            // An early-exit drafter's cache holds its own layers only.
+            cache: KvCache::with_layers(&model.config, layers, model.config.context_length),
             fed: Vec::new(),
             scratch: Vec::new(),
             scratch_fed: 0,
@@ -507,6 +508,8 @@ mod tests {
 
     /// The drafter's committed K/V equal a fresh causal prefill of the same tokens.
     fn assert_cache_fresh(d: &ModelDrafter<'_, CpuBackend>, model: &Model, be: &CpuBackend) {
+        // An early-exit drafter keeps K/V for its own layers only.
+        assert_eq!(d.cache().n_layers(), d.layers);
         let fed = d.fed();
         let mut fresh = KvCache::new(&model.config, fed.len());
         let pos: Vec<usize> = (0..fed.len()).collect();

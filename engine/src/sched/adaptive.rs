@@ -50,6 +50,19 @@ impl StepCost {
         let mut cache = KvCache::new(&model.config, ctx.max(1) + max + 1);
         let pos: Vec<usize> = (0..prompt.len()).collect();
         model.forward(backend, &mut cache, &prompt, &pos, BatchMask::Causal, &[])?;
+        Self::measure_in(model, backend, &mut cache, sizes, reps)
+    }
+
+    /// Time forward passes over `sizes` rows (all logits, as verification needs) appended to
+    /// `cache` and dropped again (`cache` must have room for the largest); the median of `reps`.
+    pub fn measure_in<B: Backend>(
+        model: &Model,
+        backend: &B,
+        cache: &mut KvCache,
+        sizes: &[usize],
+        reps: usize,
+    ) -> Result<StepCost> {
+        let vocab = model.config.vocab_size as u32;
         let base = cache.len();
         let mut points = Vec::new();
         for &n in sizes.iter().filter(|&&n| n > 0) {
@@ -57,13 +70,13 @@ impl StepCost {
             let pos: Vec<usize> = (base..base + n).collect();
             let rows: Vec<usize> = (0..n).collect();
             let mut t = Vec::new();
-            for _ in 0..reps.max(1) + 1 {
+            for _ in 0..reps.max(1) {
                 let t0 = Instant::now();
-                model.forward(backend, &mut cache, &toks, &pos, BatchMask::Causal, &rows)?;
+                let r = model.forward(backend, cache, &toks, &pos, BatchMask::Causal, &rows);
                 t.push(t0.elapsed().as_secs_f64());
                 cache.truncate(base);
+                r?;
             }
-            t.remove(0); // warm-up
             t.sort_by(f64::total_cmp);
             points.push((n, t[t.len() / 2]));
         }
@@ -195,6 +208,18 @@ impl Acceptance {
             }
         }
     }
+}
+
+/// `nodes_upto[d]`: draft nodes of `tree` at depth at most `d`, for `d = 0..=max_depth`.
+pub fn nodes_upto(tree: &TokenTree) -> Vec<usize> {
+    let mut upto = vec![0usize; tree.max_depth() + 1];
+    for n in &tree.nodes()[1..] {
+        upto[n.depth] += 1;
+    }
+    for d in 1..upto.len() {
+        upto[d] += upto[d - 1];
+    }
+    upto
 }
 
 /// One request's options for this step: the draft nodes its proposal has at each depth.

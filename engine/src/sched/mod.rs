@@ -10,7 +10,7 @@ pub mod adaptive;
 
 use std::time::Instant;
 
-pub use adaptive::{choose_depths, Acceptance, DepthOptions, StepCost};
+pub use adaptive::{choose_depths, nodes_upto, Acceptance, DepthOptions, StepCost};
 
 use crate::backend::{Backend, BatchMask};
 use crate::draft::Drafter;
@@ -117,6 +117,8 @@ struct SpecState<'a> {
     policy: SpecPolicy,
     verifier: Verifier,
     acceptance: Acceptance,
+    /// Depth verified at the request's last step (adaptive).
+    last_depth: usize,
     metrics: SpecMetrics,
 }
 
@@ -379,6 +381,7 @@ impl<'a> Scheduler<'a> {
                     policy: rs.policy,
                     verifier: Verifier::new(mode, params.sampling.clone())?,
                     acceptance: Acceptance::new(),
+                    last_depth: usize::MAX,
                     metrics: SpecMetrics::default(),
                 })
             }
@@ -703,10 +706,14 @@ impl<'a> Scheduler<'a> {
         let vocab = self.model.config.vocab_size;
         for sl in plan.iter_mut().filter(|sl| sl.tree_cap > 0) {
             let r = &mut self.running[sl.idx];
-            let max_depth = r.max_depth();
+            let mut max_depth = r.max_depth();
             let Some(sp) = r.spec.as_mut() else {
                 continue;
             };
+            if sp.policy == SpecPolicy::Adaptive {
+                // Two depths past the last verified one: room to grow, one depth to learn from.
+                max_depth = max_depth.min(sp.last_depth.saturating_add(2));
+            }
             let mut ds: Vec<&mut dyn Drafter> = sp
                 .drafters
                 .iter_mut()
@@ -764,7 +771,12 @@ impl<'a> Scheduler<'a> {
                 continue;
             };
             sl.tree = Some(match adaptive.iter().position(|&a| a == k) {
-                Some(j) => p.truncate_depth(depths[j]),
+                Some(j) => {
+                    if let Some(sp) = self.running[sl.idx].spec.as_mut() {
+                        sp.last_depth = depths[j];
+                    }
+                    p.truncate_depth(depths[j])
+                }
                 None => p.clone(),
             });
         }
