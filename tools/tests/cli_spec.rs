@@ -23,26 +23,33 @@ fn greedy_speculation_reports_metrics_and_matches_plain_generation() {
         ("random", "2,2"),
         ("oracle,random", "2,2,2"),
     ] {
-        let mut args = BASE.to_vec();
-        args.extend(["--speculate", drafters, "--speculate-tree", tree]);
-        let j = json(&args);
-        assert_eq!(j["tokens"], plain["tokens"], "{drafters} {tree}");
-        assert_eq!(j["text"], plain["text"]);
-        let s = &j["spec"];
-        assert_eq!(s["mode"], "greedy");
-        let steps = s["steps"].as_u64().unwrap();
-        let accepted = s["accepted"].as_u64().unwrap();
-        assert!(steps >= 1 && s["drafted"].as_u64().unwrap() >= steps);
-        assert_eq!(
-            accepted + steps,
-            15,
-            "every token after the first is accepted or a bonus"
-        );
-        assert_eq!(s["drafter_contract_failures"], 0, "{s}");
-        let mean = s["mean_accepted"].as_f64().unwrap();
-        assert!((mean - accepted as f64 / steps as f64).abs() < 1e-9);
-        if drafters.contains("oracle") {
-            assert!(mean >= 1.0, "{s}");
+        // Fixed trees verify every drafted node; the adaptive policy (the default) what pays.
+        for policy in ["fixed", "adaptive"] {
+            let mut args = BASE.to_vec();
+            args.extend(["--speculate", drafters, "--speculate-tree", tree]);
+            args.extend(["--speculate-policy", policy]);
+            let j = json(&args);
+            assert_eq!(j["tokens"], plain["tokens"], "{drafters} {tree} {policy}");
+            assert_eq!(j["text"], plain["text"]);
+            let s = &j["spec"];
+            assert_eq!(s["mode"], "greedy");
+            let steps = s["steps"].as_u64().unwrap();
+            let accepted = s["accepted"].as_u64().unwrap();
+            assert!(steps >= 1);
+            if policy == "fixed" {
+                assert!(s["drafted"].as_u64().unwrap() >= steps);
+            }
+            assert_eq!(
+                accepted + steps,
+                15,
+                "every token after the first is accepted or a bonus"
+            );
+            assert_eq!(s["drafter_contract_failures"], 0, "{s}");
+            let mean = s["mean_accepted"].as_f64().unwrap();
+            assert!((mean - accepted as f64 / steps as f64).abs() < 1e-9);
+            if drafters.contains("oracle") && policy == "fixed" {
+                assert!(mean >= 1.0, "{s}");
+            }
         }
     }
 }

@@ -159,14 +159,20 @@ impl Acceptance {
         }
     }
 
-    /// Probability that depth `d` (1-based) is accepted given depth `d - 1` was: a prior of
-    /// one half worth one observation, then the decayed counts.
+    /// Probability that depth `d` (1-based) is accepted given depth `d - 1` was: the decayed
+    /// counts plus a prior worth one observation, one half at depth 1 and the estimate of depth
+    /// `d - 1` deeper (acceptance is alike from depth to depth; a depth never tried yet is
+    /// expected to do as well as the one above it, so good drafts grow their trees).
     pub fn p(&self, d: usize) -> f64 {
-        let (h, t) = match (self.hit.get(d - 1), self.tried.get(d - 1)) {
-            (Some(&h), Some(&t)) => (h, t),
-            _ => (0.0, 0.0),
-        };
-        (h + 0.5) / (t + 1.0)
+        let mut prior = 0.5;
+        for i in 0..d {
+            let (h, t) = match (self.hit.get(i), self.tried.get(i)) {
+                (Some(&h), Some(&t)) => (h, t),
+                _ => (0.0, 0.0),
+            };
+            prior = (h + prior) / (t + 1.0);
+        }
+        prior
     }
 
     /// Expected tokens a step yields with `proposal` verified to depth `depth`: the bonus token
@@ -299,10 +305,14 @@ mod tests {
         assert_eq!(a.p(1), 0.5);
         // Realized 2, 3, 9: depths 1 and 2 accepted, 3 rejected, 4 unknown.
         a.record(&chain, &[2, 3, 9]);
-        assert!((a.p(1) - 1.5 / 2.0).abs() < 1e-12);
-        assert!((a.p(2) - 1.5 / 2.0).abs() < 1e-12);
-        assert!((a.p(3) - 0.5 / 2.0).abs() < 1e-12);
-        assert_eq!(a.p(4), 0.5);
+        let p1 = 1.5 / 2.0;
+        let p2 = (1.0 + p1) / 2.0;
+        let p3 = p2 / 2.0;
+        assert!((a.p(1) - p1).abs() < 1e-12);
+        assert!((a.p(2) - p2).abs() < 1e-12);
+        assert!((a.p(3) - p3).abs() < 1e-12);
+        // Never tried: as good as the depth above.
+        assert!((a.p(4) - p3).abs() < 1e-12);
         // Nothing proposed: nothing learnt (only decay).
         a.record(&TokenTree::root_only(1), &[7]);
         assert!((a.p(1) - (0.9 + 0.5) / (0.9 + 1.0)).abs() < 1e-12);

@@ -206,8 +206,8 @@ enum BenchCmd {
         tokens: usize,
         #[arg(long, default_value_t = 0.0)]
         temperature: f32,
-        /// KV pool size, e.g. 2GiB, 512MiB.
-        #[arg(long, default_value = "2GiB")]
+        /// KV pool size, e.g. 2GiB, 512MiB; auto = a quarter of the available memory, at most 4GiB.
+        #[arg(long, default_value = "auto")]
         kv_memory: String,
         /// Drafter of the fixed and adaptive modes: ngram[:N] (prompt lookup).
         #[arg(long, default_value = "ngram")]
@@ -376,9 +376,21 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
-/// "2GiB", "512MiB", "1.5GB", "1000000" (bytes).
+/// "2GiB", "512MiB", "1.5GB", "1000000" (bytes), or "auto": a quarter of the memory the
+/// system reports available (at most 4 GiB; 1 GiB when it reports nothing).
 fn parse_bytes(s: &str) -> Result<usize> {
     let t = s.trim();
+    if t == "auto" {
+        const GIB: usize = 1 << 30;
+        let avail = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+            m.lines()
+                .find(|l| l.starts_with("MemAvailable:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<usize>().ok())
+                .map(|kb| kb * 1024)
+        });
+        return Ok(avail.map_or(GIB, |b| (b / 4).clamp(GIB / 4, 4 * GIB)));
+    }
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(t.len());
