@@ -4,9 +4,10 @@ use std::time::Instant;
 
 use crate::backend::{Backend, BatchMask};
 use crate::error::{EngineError, Result};
-use crate::kv::KvCache;
+use crate::kv::{KvCache, KvPool, BLOCK_SLOTS};
 use crate::model::Model;
-use crate::sample::{Sampler, SamplingParams};
+use crate::sample::SamplingParams;
+use crate::sched::{Finish, SchedConfig, Scheduler};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 
 /// What to generate.
@@ -239,48 +240,72 @@ pub(crate) fn prefill<B: Backend>(
     Ok((logits, t0.elapsed().as_secs_f64()))
 }
 
-/// Generate from `prompt` token ids, calling `on_text` with each piece of new text as it becomes final.
+/// Generate from `prompt` token ids, calling `on_text` with each piece of new text as it becomes
+/// final: one request through the continuous-batching [`Scheduler`] (the rules of a served
+/// request, exactly), in a private KV pool that holds its whole sequence.
 pub fn generate<B: Backend>(
     model: &Model,
     backend: &B,
     tokenizer: &Tokenizer,
     prompt: &[u32],
     params: &GenerateParams,
-    on_text: impl FnMut(&str),
+    mut on_text: impl FnMut(&str),
 ) -> Result<GenerateOutput> {
     check_prompt(model, prompt)?;
-    let needed = prompt.len() + params.max_tokens;
-    let mut sampler = Sampler::new(params.sampling.clone())?;
-    let mut cache = KvCache::new(&model.config, needed.min(model.config.context_length));
-    let mut sink = TokenSink::new(tokenizer, params, on_text);
-    let (mut logits, prefill_secs) = prefill(model, backend, &mut cache, prompt)?;
-
-    let t1 = Instant::now();
-    let mut decode_steps = 0;
-    let mut finish_reason = FinishReason::Length;
-    while sink.tokens.len() < params.max_tokens {
-        let tok = sampler.sample(&logits);
-        if let Some(reason) = sink.push(tok) {
-            finish_reason = reason;
-            break;
+    let cap = (prompt.len() + params.max_tokens).min(model.config.context_length);
+    let pool = KvPool::elastic(
+        &model.config,
+        model.config.n_layers,
+        cap.div_ceil(BLOCK_SLOTS) + 1,
+    );
+    // The whole prompt in one step (the forward pass chunks it), as a lone request's prefill.
+    let config = SchedConfig {
+        max_step_tokens: prompt.len(),
+        max_running: 1,
+        prefill_chunk: prompt.len(),
+        prefix_caching: false,
+    };
+    let mut sched = Scheduler::new(model, Some(tokenizer), pool, config)?;
+    sched.submit(prompt.to_vec(), params.clone())?;
+    let t0 = Instant::now();
+    let mut t1 = None;
+    loop {
+        for ev in sched.step(backend)? {
+            if !ev.tokens.is_empty() && t1.is_none() {
+                t1 = Some(Instant::now());
+            }
+            if !ev.text.is_empty() {
+                on_text(&ev.text);
+            }
+            match ev.finish {
+                Some(Finish::Done {
+                    reason,
+                    tokens,
+                    text,
+                    ..
+                }) => {
+                    let t1 = t1.unwrap_or(t0);
+                    return Ok(GenerateOutput {
+                        text,
+                        tokens,
+                        prompt_tokens: prompt.len(),
+                        finish_reason: reason,
+                        prefill_secs: t1.duration_since(t0).as_secs_f64(),
+                        decode_secs: t1.elapsed().as_secs_f64(),
+                        // Passes after the prefill's.
+                        decode_steps: sched.stats().steps.saturating_sub(1) as usize,
+                    });
+                }
+                Some(Finish::Failed(e)) => return Err(e),
+                None => {}
+            }
         }
-        if sink.tokens.len() == params.max_tokens || cache.len() >= cache.capacity() {
-            break;
+        if sched.is_idle() {
+            return Err(EngineError::InvalidArgument(
+                "the scheduler dropped the request".into(),
+            ));
         }
-        let pos = cache.len();
-        logits = model.forward(backend, &mut cache, &[tok], &[pos], BatchMask::Causal, &[0])?;
-        decode_steps += 1;
     }
-    let (text, tokens, finish_reason) = sink.finish(finish_reason);
-    Ok(GenerateOutput {
-        text,
-        tokens,
-        prompt_tokens: prompt.len(),
-        finish_reason,
-        prefill_secs,
-        decode_secs: t1.elapsed().as_secs_f64(),
-        decode_steps,
-    })
 }
 
 #[cfg(test)]

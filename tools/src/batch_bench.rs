@@ -31,11 +31,14 @@ pub struct ModeFigures {
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct BatchRow {
     pub concurrency: usize,
-    pub none: ModeFigures,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub none: Option<ModeFigures>,
     /// Every request verifies the drafter's whole tree (up to the budget) every step.
-    pub fixed: ModeFigures,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fixed: Option<ModeFigures>,
     /// Tree depths chosen per step for the whole batch (goodput-driven).
-    pub adaptive: ModeFigures,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub adaptive: Option<ModeFigures>,
 }
 
 /// Speculation of one benchmark mode.
@@ -113,7 +116,16 @@ pub fn batch_bench(
     kv_memory: usize,
     draft: &str,
     budget: usize,
+    modes: &[String],
 ) -> Result<BatchBench> {
+    for m in modes {
+        if !["none", "fixed", "adaptive"].contains(&m.as_str()) {
+            return Err(EngineError::InvalidArgument(format!(
+                "unknown mode '{m}' (none, fixed, adaptive)"
+            )));
+        }
+    }
+    let want = |m: &str| modes.iter().any(|x| x == m);
     if tokens < 2 || prompt_tokens == 0 {
         return Err(EngineError::InvalidArgument(
             "--tokens must be at least 2 and --prompt-tokens positive".into(),
@@ -122,8 +134,16 @@ pub fn batch_bench(
     let set = prompt_set(tok, prompts, prompt_tokens)?;
     let n = parse_ngram(draft)?;
     let sizes = [1usize, 2, 4, 8, 16, 32, 64, 128, 256];
-    let cost = StepCost::calibrate(model, backend, &sizes, prompt_tokens, 2)?;
-    let step_cost_ms = sizes.iter().map(|&r| (r, cost.secs(r) * 1e3)).collect();
+    let cost = if want("adaptive") {
+        StepCost::calibrate(model, backend, &sizes, prompt_tokens, 2)?
+    } else {
+        StepCost::from_points(vec![])
+    };
+    let step_cost_ms = if want("adaptive") {
+        sizes.iter().map(|&r| (r, cost.secs(r) * 1e3)).collect()
+    } else {
+        Vec::new()
+    };
     let mut results = Vec::new();
     for &c in concurrency {
         let run = |mode| {
@@ -144,9 +164,9 @@ pub fn batch_bench(
         };
         results.push(BatchRow {
             concurrency: c,
-            none: run(Mode::None)?,
-            fixed: run(Mode::Fixed)?,
-            adaptive: run(Mode::Adaptive)?,
+            none: want("none").then(|| run(Mode::None)).transpose()?,
+            fixed: want("fixed").then(|| run(Mode::Fixed)).transpose()?,
+            adaptive: want("adaptive").then(|| run(Mode::Adaptive)).transpose()?,
         });
     }
     Ok(BatchBench {
@@ -321,6 +341,9 @@ pub fn format_table(r: &BatchBench) -> String {
             ("fixed", &row.fixed),
             ("adaptive", &row.adaptive),
         ] {
+            let Some(f) = f else {
+                continue;
+            };
             s.push_str(&format!(
                 "{:>5} {:>9} {:>10.1} {:>10.2} {:>10.1} {:>8.2} {:>8} {:>7}\n",
                 row.concurrency,

@@ -115,8 +115,10 @@ struct SpecArgs {
     #[arg(long, default_value = "auto")]
     speculate_verify: String,
     /// Tree size per step: adaptive (verify the depth that pays, from the measured acceptance
-    /// and pass cost; plain decoding where drafts fail) or fixed (the whole tree every step).
-    #[arg(long, default_value = "adaptive", value_parser = ["adaptive", "fixed"])]
+    /// and pass cost; plain decoding where drafts fail), fixed (the whole tree every step), or
+    /// auto: adaptive under greedy decoding, fixed when sampling (adaptive trees follow measured
+    /// timings, so a seed would no longer reproduce the same text; the distribution stays the LLM's).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "adaptive", "fixed"])]
     speculate_policy: String,
     /// SPACE auto-correct decoding: each verification pass also drafts the next candidates from
     /// placeholder groups (training-free: the previous pass's own predictions fill them). Merges
@@ -215,6 +217,9 @@ enum BenchCmd {
         /// Most draft nodes per request per step.
         #[arg(long, default_value_t = 8)]
         budget: usize,
+        /// Modes to run (comma-separated): none, fixed, adaptive.
+        #[arg(long, value_delimiter = ',', default_value = "none,fixed,adaptive")]
+        modes: Vec<String>,
         #[arg(long, value_enum, default_value_t = Format::Text)]
         format: Format,
     },
@@ -306,6 +311,7 @@ fn run(cli: Cli) -> Result<()> {
                 kv_memory,
                 draft,
                 budget,
+                modes,
                 format,
             } => {
                 let kv = parse_bytes(&kv_memory)?;
@@ -323,6 +329,7 @@ fn run(cli: Cli) -> Result<()> {
                     kv,
                     &draft,
                     budget,
+                    &modes,
                 )?;
                 match format {
                     Format::Json => println!("{}", serde_json::to_string(&r)?),
@@ -582,7 +589,10 @@ fn speculate(
     let sp = SpecParams {
         budget: a.speculate_budget,
         mode,
-        adaptive: a.speculate_policy == "adaptive",
+        adaptive: match a.speculate_policy.as_str() {
+            "auto" => params.sampling.is_greedy(),
+            p => p == "adaptive",
+        },
     };
     let mut refs: Vec<&mut dyn Drafter> = drafters
         .iter_mut()
