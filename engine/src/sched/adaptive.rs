@@ -14,11 +14,15 @@ use crate::kv::KvCache;
 use crate::model::Model;
 use crate::tree::TokenTree;
 
-/// Measured seconds of one forward pass by its row count: points `(rows, secs)` kept as
-/// exponential moving averages, linear between them, proportional past the last.
+/// Seconds of one forward pass by its row count: the shape of the curve from calibration points
+/// `(rows, secs)` (linear between them, proportional past the last), times one factor that
+/// follows the measured passes. A whole-curve factor keeps marginal row costs in proportion when
+/// a step costs more than its rows predict (many sequences, long contexts): the policy then
+/// speculates less, never more.
 #[derive(Clone, Debug)]
 pub struct StepCost {
     points: Vec<(usize, f64)>,
+    scale: f64,
 }
 
 /// Weight of a new measurement in a point's moving average.
@@ -30,7 +34,7 @@ impl StepCost {
         points.retain(|&(n, s)| n > 0 && s.is_finite() && s > 0.0);
         points.sort_by_key(|p| p.0);
         points.dedup_by_key(|p| p.0);
-        StepCost { points }
+        StepCost { points, scale: 1.0 }
     }
 
     /// Time forward passes over `sizes` rows (context `ctx` tokens, the median of `reps` runs)
@@ -83,38 +87,23 @@ impl StepCost {
         Ok(StepCost::from_points(points))
     }
 
-    /// Fold in a measured pass over `rows` rows (the nearest point moves; a row count more than
-    /// 25% away from every point becomes a new point).
+    /// Fold in a measured pass over `rows` rows: the curve's factor moves toward the ratio of
+    /// the measurement to the calibrated shape (an exponential moving average).
     pub fn record(&mut self, rows: usize, secs: f64) {
-        if rows == 0 || !secs.is_finite() || secs <= 0.0 {
+        if rows == 0 || !secs.is_finite() || secs <= 0.0 || self.points.is_empty() {
             return;
         }
-        let near = self
-            .points
-            .iter()
-            .enumerate()
-            .min_by(|a, b| {
-                let da = (a.1 .0 as f64 / rows as f64).ln().abs();
-                let db = (b.1 .0 as f64 / rows as f64).ln().abs();
-                da.total_cmp(&db)
-            })
-            .map(|(i, p)| (i, p.0));
-        match near {
-            Some((i, n)) if n == rows || (n as f64 / rows as f64).ln().abs() < 0.22 => {
-                // Scale the measurement to the point's row count along the current curve.
-                let scaled = secs * self.secs(n) / self.secs(rows).max(1e-12);
-                let p = &mut self.points[i].1;
-                *p = (1.0 - COST_EMA) * *p + COST_EMA * scaled;
-            }
-            _ => {
-                self.points.push((rows, secs));
-                self.points.sort_by_key(|p| p.0);
-            }
-        }
+        let ratio = secs / self.shape(rows).max(1e-12);
+        self.scale = (1.0 - COST_EMA) * self.scale + COST_EMA * ratio;
     }
 
     /// Estimated seconds of a pass over `rows` rows.
     pub fn secs(&self, rows: usize) -> f64 {
+        self.scale * self.shape(rows)
+    }
+
+    /// The calibrated curve.
+    fn shape(&self, rows: usize) -> f64 {
         let pts = &self.points;
         let Some(&(n0, s0)) = pts.first() else {
             return rows as f64; // no measurement: one unit per row
@@ -289,12 +278,13 @@ mod tests {
         assert!((c.secs(1) - 0.010).abs() < 1e-12);
         assert!((c.secs(8) - (0.010 + 0.010 * 7.0 / 15.0)).abs() < 1e-12);
         assert!((c.secs(128) - 0.160).abs() < 1e-12);
-        for _ in 0..50 {
+        // Passes twice as slow as calibrated: the whole curve doubles, marginal costs too.
+        for _ in 0..60 {
             c.record(16, 0.040);
         }
-        assert!((c.secs(16) - 0.040).abs() < 1e-3);
-        c.record(300, 0.5);
-        assert!((c.secs(300) - 0.5).abs() < 1e-12);
+        assert!((c.secs(16) - 0.040).abs() < 1e-4);
+        assert!((c.secs(1) - 0.020).abs() < 1e-4);
+        assert!((c.secs(128) - 0.320).abs() < 1e-3);
     }
 
     #[test]
