@@ -16,9 +16,9 @@ use crate::tree::TokenTree;
 
 /// Seconds of one forward pass by its row count: the shape of the curve from calibration points
 /// `(rows, secs)` (linear between them, proportional past the last), times one factor that
-/// follows the measured passes. A whole-curve factor keeps marginal row costs in proportion when
-/// a step costs more than its rows predict (many sequences, long contexts): the policy then
-/// speculates less, never more.
+/// follows the measured passes. The policy's choices depend on the shape only (the factor
+/// cancels in its comparisons), so a noisy measurement never bends the curve it decides on; the
+/// factor keeps the seconds themselves current.
 #[derive(Clone, Debug)]
 pub struct StepCost {
     points: Vec<(usize, f64)>,
