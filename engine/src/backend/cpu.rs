@@ -313,7 +313,7 @@ fn attention_by_kv_head(
                 qt.copy_from_slice(&q[src..src + group * hd]);
             }
             simd::round_f16_slice(&mut qr);
-            let slots: Vec<Vec<usize>> = (t0..t1)
+            let mut slots: Vec<Vec<usize>> = (t0..t1)
                 .map(|t| {
                     let mut sl = Vec::new();
                     visible_slots(s, mask, t, &mut sl);
@@ -335,15 +335,10 @@ fn attention_by_kv_head(
                     }
                 }
             }
-            // The same pieces as cache rows.
-            let rows_of: Vec<Vec<usize>> = slots
-                .iter()
-                .map(|sl| {
-                    let mut r = sl.clone();
-                    kv.to_rows(&mut r);
-                    r
-                })
-                .collect();
+            // The pieces are cut; from here on each token's list holds its slots' pool rows.
+            for sl in slots.iter_mut() {
+                kv.to_rows(sl);
+            }
             // [rows, n_slots] scores, then weights (row r uses the first len(slots of its token)).
             let mut sc = vec![0f32; rows * n_slots];
             let mut maxes = vec![f32::NEG_INFINITY; rows];
@@ -351,7 +346,7 @@ fn attention_by_kv_head(
             for &(ti, c0, c1) in &pieces {
                 for r in ti * group..(ti + 1) * group {
                     let qh = &qr[r * hd..(r + 1) * hd];
-                    let sl = &rows_of[ti][c0..c1];
+                    let sl = &slots[ti][c0..c1];
                     let m = simd::attn_scores(qh, kv.k, sl, kv_dim, kvh * hd, scale, &mut tmp);
                     sc[r * n_slots + c0..r * n_slots + c1].copy_from_slice(&tmp);
                     maxes[r] = maxes[r].max(m);
@@ -367,7 +362,7 @@ fn attention_by_kv_head(
                 for r in ti * group..(ti + 1) * group {
                     let p = &sc[r * n_slots + c0..r * n_slots + c1];
                     let orow = &mut o[r * hd..(r + 1) * hd];
-                    let sl = &rows_of[ti][c0..c1];
+                    let sl = &slots[ti][c0..c1];
                     simd::attn_weighted_sum(p, kv.v, sl, kv_dim, kvh * hd, orow);
                 }
             }

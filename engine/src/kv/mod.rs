@@ -462,13 +462,8 @@ impl KvCache {
         Ok(())
     }
 
-    /// Give back blocks reserved past the last filled slot (a pass that failed after `reserve`).
-    pub(crate) fn release_unused_in(&mut self, g: &mut PoolInner) {
-        self.shrink(g);
-    }
-
-    /// Give back the blocks past the last filled slot.
-    fn shrink(&mut self, g: &mut PoolInner) {
+    /// Give back the blocks past the last filled slot (also those a failed pass reserved).
+    pub(crate) fn shrink(&mut self, g: &mut PoolInner) {
         let want = self.len.div_ceil(BLOCK_SLOTS);
         if self.blocks.len() > want {
             let gone = self.blocks.split_off(want);

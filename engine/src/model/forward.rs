@@ -37,18 +37,15 @@ impl Model {
         mask: BatchMask<'_>,
         logit_rows: &[usize],
     ) -> Result<Vec<f32>> {
-        let mut one = [SeqBatch {
+        let n_layers = self.layers.len();
+        let one = SeqBatch {
             cache,
             tokens,
             positions,
             mask,
             logit_rows,
-        }];
-        let n_layers = self.layers.len();
-        Ok(self
-            .forward_layers(backend, &mut one, n_layers)?
-            .pop()
-            .unwrap_or_default())
+        };
+        self.forward_one(backend, one, n_layers)
     }
 
     /// One forward pass over a ragged batch: every linear layer runs once over the rows of all
@@ -84,15 +81,25 @@ impl Model {
                 self.layers.len()
             )));
         }
-        let mut one = [SeqBatch {
+        let one = SeqBatch {
             cache,
             tokens,
             positions,
             mask,
             logit_rows,
-        }];
+        };
+        self.forward_one(backend, one, n_layers)
+    }
+
+    /// A batch of one sequence through `n_layers` layers: its logits.
+    fn forward_one<B: Backend>(
+        &self,
+        backend: &B,
+        seq: SeqBatch<'_>,
+        n_layers: usize,
+    ) -> Result<Vec<f32>> {
         Ok(self
-            .forward_layers(backend, &mut one, n_layers)?
+            .forward_layers(backend, &mut [seq], n_layers)?
             .pop()
             .unwrap_or_default())
     }
@@ -292,7 +299,7 @@ impl Model {
             if let Err(e) = seqs[i].cache.reserve_in(&mut g, seqs[i].tokens.len()) {
                 // Nothing taken for this pass stays taken.
                 for sq in seqs[..i].iter_mut() {
-                    sq.cache.release_unused_in(&mut g);
+                    sq.cache.shrink(&mut g);
                 }
                 return Err(e);
             }

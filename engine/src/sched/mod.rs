@@ -4,10 +4,9 @@
 //! bits they would get alone (the batch kernels are row-invariant), its sampler is its own, and
 //! a preempted request keeps its tokens and sampler and recomputes its K/V when resumed.
 
-use std::collections::VecDeque;
-
 pub mod adaptive;
 
+use std::collections::VecDeque;
 use std::time::Instant;
 
 pub use adaptive::{choose_depths, nodes_upto, Acceptance, DepthOptions, StepCost};
@@ -450,16 +449,11 @@ impl<'a> Scheduler<'a> {
             }
             let need_all = (req.seq.len() + 1).div_ceil(BLOCK_SLOTS);
             if need_all > self.pool.max_blocks() {
-                let mut req = self.waiting.pop_front().expect("front exists");
-                req.cache = None;
-                events.push(StepEvent {
-                    id: req.id,
-                    tokens: Vec::new(),
-                    text: String::new(),
-                    finish: Some(Finish::Failed(EngineError::KvPoolExhausted {
-                        needed: need_all,
-                    })),
-                });
+                let req = self.waiting.pop_front().expect("front exists");
+                events.push(failed(
+                    req.id,
+                    EngineError::KvPoolExhausted { needed: need_all },
+                ));
                 continue;
             }
             let cache = if self.config.prefix_caching {
@@ -539,18 +533,17 @@ impl<'a> Scheduler<'a> {
         let n_rows: usize = inputs.iter().map(|x| x.tokens.len()).sum();
         let t0 = Instant::now();
         let logits = {
-            let mut chosen: Vec<&mut Request<'a>> = Vec::with_capacity(plan.len());
-            let mut rest = self.running.iter_mut().enumerate();
+            // `plan` is sorted by index: the chosen requests in running order.
+            let mut in_plan = vec![false; self.running.len()];
             for sl in &plan {
-                for (j, r) in rest.by_ref() {
-                    if j == sl.idx {
-                        chosen.push(r);
-                        break;
-                    }
-                }
+                in_plan[sl.idx] = true;
             }
+            let chosen = self
+                .running
+                .iter_mut()
+                .zip(in_plan)
+                .filter_map(|(r, chosen)| chosen.then_some(r));
             let mut batch: Vec<SeqBatch<'_>> = chosen
-                .into_iter()
                 .zip(&inputs)
                 .map(|(r, x)| SeqBatch {
                     cache: r.cache.as_mut().expect("running requests have a cache"),
@@ -729,7 +722,7 @@ impl<'a> Scheduler<'a> {
             let r = &self.running[sl.idx];
             base_rows += if sl.prefill > 0 { sl.prefill } else { 1 };
             match (&r.spec, &sl.proposal) {
-                (Some(sp), Some(p)) if sp.policy == SpecPolicy::Adaptive => adaptive.push(k),
+                (Some(sp), Some(_)) if sp.policy == SpecPolicy::Adaptive => adaptive.push(k),
                 (Some(_), Some(p)) => base_rows += p.n_draft(),
                 _ => {}
             }
@@ -745,16 +738,9 @@ impl<'a> Scheduler<'a> {
                             .as_ref()
                             .expect("adaptive slots have a proposal");
                         let sp = self.running[sl.idx].spec.as_ref().expect("spec request");
-                        let mut upto = vec![0usize; p.max_depth() + 1];
-                        for n in &p.nodes()[1..] {
-                            upto[n.depth] += 1;
-                        }
-                        for d in 1..upto.len() {
-                            upto[d] += upto[d - 1];
-                        }
                         DepthOptions {
                             acceptance: &sp.acceptance,
-                            nodes_upto: upto,
+                            nodes_upto: nodes_upto(p),
                         }
                     })
                     .collect();
@@ -770,15 +756,16 @@ impl<'a> Scheduler<'a> {
                 }
                 continue;
             };
-            sl.tree = Some(match adaptive.iter().position(|&a| a == k) {
+            match adaptive.iter().position(|&a| a == k) {
                 Some(j) => {
                     if let Some(sp) = self.running[sl.idx].spec.as_mut() {
                         sp.last_depth = depths[j];
                     }
-                    p.truncate_depth(depths[j])
+                    sl.tree = Some(p.truncate_depth(depths[j]));
                 }
-                None => p.clone(),
-            });
+                // Fixed trees: the whole proposal (acceptance is only measured for adaptive).
+                None => sl.tree = sl.proposal.take(),
+            }
         }
         Ok(())
     }
