@@ -18,6 +18,7 @@ fn params(max_tokens: usize) -> GenerateParams {
     GenerateParams {
         max_tokens,
         ignore_eos: true,
+        min_tokens: 0,
         ..GenerateParams::default()
     }
 }

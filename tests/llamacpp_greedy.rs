@@ -313,6 +313,7 @@ fn check_greedy(m: &common::Loaded, f: &Fixture, allow: &Allowance) {
         let params = GenerateParams {
             max_tokens: first.map_or(c.greedy_ids.len(), |i| i + 1),
             ignore_eos: true,
+            min_tokens: 0,
             ..GenerateParams::default()
         };
         let out = generate(

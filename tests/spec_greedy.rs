@@ -36,6 +36,7 @@ fn params(max_tokens: usize) -> GenerateParams {
     GenerateParams {
         max_tokens,
         ignore_eos: true,
+        min_tokens: 0,
         ..GenerateParams::default()
     }
 }
@@ -126,6 +127,7 @@ fn stop_rules_match_incremental() {
         },
         GenerateParams {
             ignore_eos: false,
+            min_tokens: 0,
             ..params(16)
         },
     ] {

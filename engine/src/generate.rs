@@ -8,6 +8,7 @@ use crate::kv::{KvCache, KvPool, BLOCK_SLOTS};
 use crate::model::Model;
 use crate::sample::SamplingParams;
 use crate::sched::{Finish, SchedConfig, Scheduler};
+use crate::shared::Shared;
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 
 /// What to generate.
@@ -19,6 +20,9 @@ pub struct GenerateParams {
     pub stop: Vec<String>,
     /// Keep going past end-of-generation tokens.
     pub ignore_eos: bool,
+    /// End-of-generation tokens do not end generation before this many tokens (they are kept
+    /// as generated tokens, not masked; stop strings still apply).
+    pub min_tokens: usize,
 }
 
 impl Default for GenerateParams {
@@ -28,6 +32,7 @@ impl Default for GenerateParams {
             sampling: SamplingParams::default(),
             stop: Vec::new(),
             ignore_eos: false,
+            min_tokens: 0,
         }
     }
 }
@@ -141,8 +146,9 @@ impl StopFilter {
 /// detokenization and stop strings. Shared by incremental and speculative generation, so both
 /// end and stream exactly alike.
 pub(crate) struct TokenSink<'a, F: FnMut(&str)> {
-    tokenizer: &'a Tokenizer,
+    tokenizer: Shared<'a, Tokenizer>,
     ignore_eos: bool,
+    min_tokens: usize,
     detok: StreamDecoder<'a>,
     stop: StopFilter,
     on_text: F,
@@ -151,11 +157,17 @@ pub(crate) struct TokenSink<'a, F: FnMut(&str)> {
 }
 
 impl<'a, F: FnMut(&str)> TokenSink<'a, F> {
-    pub(crate) fn new(tokenizer: &'a Tokenizer, params: &GenerateParams, on_text: F) -> Self {
+    pub(crate) fn new(
+        tokenizer: impl Into<Shared<'a, Tokenizer>>,
+        params: &GenerateParams,
+        on_text: F,
+    ) -> Self {
+        let tokenizer = tokenizer.into();
         TokenSink {
+            detok: StreamDecoder::new(tokenizer.clone(), true),
             tokenizer,
             ignore_eos: params.ignore_eos,
-            detok: StreamDecoder::new(tokenizer, true),
+            min_tokens: params.min_tokens,
             stop: StopFilter::new(&params.stop),
             on_text,
             text: String::new(),
@@ -178,7 +190,7 @@ impl<'a, F: FnMut(&str)> TokenSink<'a, F> {
     /// Take one generated token; `Some(reason)` when generation must end here.
     pub(crate) fn push(&mut self, tok: u32) -> Option<FinishReason> {
         self.tokens.push(tok);
-        if !self.ignore_eos && self.tokenizer.is_eog(tok) {
+        if !self.ignore_eos && self.tokens.len() > self.min_tokens && self.tokenizer.is_eog(tok) {
             return Some(FinishReason::Eos);
         }
         let (out, hit) = self.stop.push(&self.detok.push(tok));
@@ -190,7 +202,10 @@ impl<'a, F: FnMut(&str)> TokenSink<'a, F> {
     pub(crate) fn finish(mut self, reason: FinishReason) -> (String, Vec<u32>, FinishReason) {
         let mut reason = reason;
         if reason != FinishReason::Stop {
-            let rest = std::mem::replace(&mut self.detok, StreamDecoder::new(self.tokenizer, true));
+            let rest = std::mem::replace(
+                &mut self.detok,
+                StreamDecoder::new(self.tokenizer.clone(), true),
+            );
             let (out, hit) = self.stop.push(&rest.finish());
             self.emit(&out);
             if hit {

@@ -215,44 +215,102 @@ pub fn draft_tree(
     max_depth: usize,
     vocab: usize,
 ) -> Result<TokenTree> {
-    let Some(&root) = tokens.last() else {
-        return Err(EngineError::InvalidArgument(
-            "drafting needs at least one token".into(),
-        ));
-    };
+    let root = draft_root(tokens)?;
     let n = drafters.len().max(1);
     let mut trees = Vec::with_capacity(drafters.len() + 1);
     trees.push(TokenTree::root_only(root));
     for (i, d) in drafters.iter_mut().enumerate() {
-        let id = DrafterId::try_from(i)
-            .map_err(|_| EngineError::InvalidArgument("too many drafters".into()))?;
-        let share = budget / n + usize::from(i < budget % n);
-        let req = DraftRequest {
-            tokens,
-            budget: share,
-            max_depth,
-            drafter: id,
-            vocab,
-        };
-        let t = d.propose(&req)?;
-        t.validate(vocab)?;
-        if t.root_token() != root {
-            return Err(EngineError::InvalidArgument(format!(
-                "drafter '{}' proposed a tree rooted at {} instead of {root}",
-                d.name(),
-                t.root_token()
-            )));
-        }
-        if t.n_draft() > share {
-            return Err(EngineError::InvalidArgument(format!(
-                "drafter '{}' proposed {} nodes over its budget of {share}",
-                d.name(),
-                t.n_draft()
-            )));
-        }
-        trees.push(t.truncate_depth(max_depth));
+        let t = propose_checked(&mut **d, i, n, tokens, budget, max_depth, vocab)?;
+        trees.push(t);
     }
     TokenTree::merge(&trees)
+}
+
+/// [`draft_tree`] that survives its drafters: a drafter that errors, panics or proposes an
+/// invalid tree is left out of this step's tree and reported as `(index, message)`; the tree of
+/// the others (at least the root) is still returned.
+pub fn draft_tree_tolerant(
+    drafters: &mut [&mut dyn Drafter],
+    tokens: &[u32],
+    budget: usize,
+    max_depth: usize,
+    vocab: usize,
+    failures: &mut Vec<(usize, String)>,
+) -> Result<TokenTree> {
+    let root = draft_root(tokens)?;
+    let n = drafters.len().max(1);
+    let mut trees = Vec::with_capacity(drafters.len() + 1);
+    trees.push(TokenTree::root_only(root));
+    for (i, d) in drafters.iter_mut().enumerate() {
+        let d: &mut dyn Drafter = &mut **d;
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            propose_checked(d, i, n, tokens, budget, max_depth, vocab)
+        }));
+        match r {
+            Ok(Ok(t)) => trees.push(t),
+            Ok(Err(e)) => failures.push((i, e.to_string())),
+            Err(panic) => failures.push((i, format!("panicked: {}", panic_message(&*panic)))),
+        }
+    }
+    TokenTree::merge(&trees)
+}
+
+/// The text of a caught panic.
+pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic".to_string()
+    }
+}
+
+fn draft_root(tokens: &[u32]) -> Result<u32> {
+    tokens
+        .last()
+        .copied()
+        .ok_or_else(|| EngineError::InvalidArgument("drafting needs at least one token".into()))
+}
+
+/// Drafter `i` of `n`: its share of `budget`, its proposal checked and cut to `max_depth`.
+fn propose_checked(
+    d: &mut dyn Drafter,
+    i: usize,
+    n: usize,
+    tokens: &[u32],
+    budget: usize,
+    max_depth: usize,
+    vocab: usize,
+) -> Result<TokenTree> {
+    let root = draft_root(tokens)?;
+    let id = DrafterId::try_from(i)
+        .map_err(|_| EngineError::InvalidArgument("too many drafters".into()))?;
+    let share = budget / n + usize::from(i < budget % n);
+    let req = DraftRequest {
+        tokens,
+        budget: share,
+        max_depth,
+        drafter: id,
+        vocab,
+    };
+    let t = d.propose(&req)?;
+    t.validate(vocab)?;
+    if t.root_token() != root {
+        return Err(EngineError::InvalidArgument(format!(
+            "drafter '{}' proposed a tree rooted at {} instead of {root}",
+            d.name(),
+            t.root_token()
+        )));
+    }
+    if t.n_draft() > share {
+        return Err(EngineError::InvalidArgument(format!(
+            "drafter '{}' proposed {} nodes over its budget of {share}",
+            d.name(),
+            t.n_draft()
+        )));
+    }
+    Ok(t.truncate_depth(max_depth))
 }
 
 /// A sequence being decoded speculatively: its KV cache, its tokens and its verifier.

@@ -37,3 +37,19 @@ pub fn fixture(name: &str) -> PathBuf {
         .join("fixtures")
         .join(name)
 }
+
+/// smollm2-135m shared as `Arc`s (for engines that run on their own threads).
+pub fn smollm2_shared() -> (
+    std::sync::Arc<arbor_engine::Model>,
+    std::sync::Arc<arbor_engine::Tokenizer>,
+) {
+    static M: OnceLock<(
+        std::sync::Arc<arbor_engine::Model>,
+        std::sync::Arc<arbor_engine::Tokenizer>,
+    )> = OnceLock::new();
+    let (m, t) = M.get_or_init(|| {
+        let l = load("smollm2-135m");
+        (std::sync::Arc::new(l.model), std::sync::Arc::new(l.tok))
+    });
+    (std::sync::Arc::clone(m), std::sync::Arc::clone(t))
+}

@@ -234,6 +234,7 @@ fn run_mode(
             },
             stop: Vec::new(),
             ignore_eos: true,
+            min_tokens: 0,
         };
         let spec = match mode {
             Mode::None => None,

@@ -86,6 +86,7 @@ pub fn spec_bench(
     let params = GenerateParams {
         max_tokens: tokens + depth + 1,
         ignore_eos: true,
+        min_tokens: 0,
         ..GenerateParams::default()
     };
     let reference = generate(model, backend, tok, &prompt, &params, |_| {})?;
@@ -468,6 +469,7 @@ pub fn suite_bench(
         let params = GenerateParams {
             max_tokens: tokens,
             ignore_eos: true,
+            min_tokens: 0,
             sampling: SamplingParams {
                 temperature: temp,
                 top_k: 0,

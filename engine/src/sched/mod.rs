@@ -7,6 +7,7 @@
 pub mod adaptive;
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::Instant;
 
 pub use adaptive::{choose_depths, nodes_upto, Acceptance, DepthOptions, StepCost};
@@ -19,6 +20,7 @@ use crate::kv::{KvCache, KvPool, BLOCK_SLOTS};
 use crate::model::{Model, SeqBatch};
 use crate::sample::verify::{Verifier, VerifyMode};
 use crate::sample::Sampler;
+use crate::shared::Shared;
 use crate::spec::SpecMetrics;
 use crate::tokenizer::Tokenizer;
 use crate::tree::{TokenTree, TreeMask};
@@ -87,6 +89,16 @@ pub struct SchedStats {
     pub preemptions: u64,
     /// Most blocks in use after any step.
     pub peak_blocks: usize,
+    /// Drafters dropped from their request after an error, a panic or an invalid tree.
+    pub drafter_failures: u64,
+}
+
+/// A drafter that failed and was dropped from its request (the request goes on without it).
+#[derive(Clone, Debug)]
+pub struct DrafterFailure {
+    pub id: u64,
+    pub drafter: String,
+    pub message: String,
 }
 
 /// How a speculating request sizes its trees.
@@ -258,8 +270,8 @@ impl Request<'_> {
 
 /// The iteration-level scheduler over one model and one KV pool.
 pub struct Scheduler<'a> {
-    model: &'a Model,
-    tokenizer: Option<&'a Tokenizer>,
+    model: Shared<'a, Model>,
+    tokenizer: Option<Shared<'a, Tokenizer>>,
     pool: KvPool,
     config: SchedConfig,
     waiting: VecDeque<Request<'a>>,
@@ -271,13 +283,37 @@ pub struct Scheduler<'a> {
     cost: Option<StepCost>,
     /// Keep the cost model as set (tests; benchmarks of a given cost curve).
     pub freeze_step_cost: bool,
+    /// Failures not yet taken by [`Scheduler::take_drafter_failures`].
+    drafter_failures: Vec<DrafterFailure>,
 }
 
 impl<'a> Scheduler<'a> {
     /// Without a tokenizer requests produce tokens only: no text, no stop strings, no EOS.
+    /// Borrow the model (`&Model`) for a scoped scheduler, or share it (`Arc<Model>`) for one
+    /// that lives on its own thread ([`Scheduler::shared`]).
     pub fn new(
         model: &'a Model,
         tokenizer: Option<&'a Tokenizer>,
+        pool: KvPool,
+        config: SchedConfig,
+    ) -> Result<Scheduler<'a>> {
+        Scheduler::with(model.into(), tokenizer.map(Shared::from), pool, config)
+    }
+
+    /// A scheduler that owns its (shared) model and tokenizer: `'static`, so it can live in
+    /// an actor or on another thread.
+    pub fn shared(
+        model: Arc<Model>,
+        tokenizer: Option<Arc<Tokenizer>>,
+        pool: KvPool,
+        config: SchedConfig,
+    ) -> Result<Scheduler<'static>> {
+        Scheduler::with(model.into(), tokenizer.map(Shared::from), pool, config)
+    }
+
+    fn with(
+        model: Shared<'a, Model>,
+        tokenizer: Option<Shared<'a, Tokenizer>>,
         pool: KvPool,
         config: SchedConfig,
     ) -> Result<Scheduler<'a>> {
@@ -303,6 +339,7 @@ impl<'a> Scheduler<'a> {
             stats: SchedStats::default(),
             cost: None,
             freeze_step_cost: false,
+            drafter_failures: Vec::new(),
         })
     }
 
@@ -324,6 +361,16 @@ impl<'a> Scheduler<'a> {
         self.stats
     }
 
+    /// Drafter failures since the last call (for logging; counted in [`SchedStats`]).
+    pub fn take_drafter_failures(&mut self) -> Vec<DrafterFailure> {
+        std::mem::take(&mut self.drafter_failures)
+    }
+
+    /// The model this scheduler runs.
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
     /// No request waiting or running.
     pub fn is_idle(&self) -> bool {
         self.waiting.is_empty() && self.running.is_empty()
@@ -335,6 +382,20 @@ impl<'a> Scheduler<'a> {
 
     pub fn n_waiting(&self) -> usize {
         self.waiting.len()
+    }
+
+    /// Ids of the requests holding KV blocks now (admitted and not finished).
+    pub fn running_ids(&self) -> Vec<u64> {
+        self.running.iter().map(|r| r.id).collect()
+    }
+
+    /// Ids of every queued or running request.
+    pub fn request_ids(&self) -> Vec<u64> {
+        self.waiting
+            .iter()
+            .chain(&self.running)
+            .map(|r| r.id)
+            .collect()
     }
 
     /// Queue a request without speculation; returns its id.
@@ -350,7 +411,7 @@ impl<'a> Scheduler<'a> {
         params: GenerateParams,
         spec: Option<RequestSpec<'a>>,
     ) -> Result<u64> {
-        crate::generate::check_prompt(self.model, &prompt)?;
+        crate::generate::check_prompt(&self.model, &prompt)?;
         params.sampling.validate()?;
         let vocab = self.model.config.vocab_size;
         if let Some(&t) = prompt.iter().find(|&&t| t as usize >= vocab) {
@@ -396,7 +457,10 @@ impl<'a> Scheduler<'a> {
             prompt_len: prompt.len(),
             seq: prompt,
             sampler: Sampler::new(params.sampling.clone())?,
-            sink: self.tokenizer.map(|t| TokenSink::new(t, &params, noop)),
+            sink: self
+                .tokenizer
+                .clone()
+                .map(|t| TokenSink::new(t, &params, noop)),
             params,
             cache: None,
             admitted: 0,
@@ -578,9 +642,24 @@ impl<'a> Scheduler<'a> {
                         sp.acceptance.record(p, &emitted);
                     }
                     sp.metrics.record(tree, &o);
-                    for d in sp.drafters.iter_mut() {
-                        d.observe(None);
-                        d.accept(&o.tokens, o.bonus);
+                    let mut broken = Vec::new();
+                    for (i, d) in sp.drafters.iter_mut().enumerate() {
+                        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            d.observe(None);
+                            d.accept(&o.tokens, o.bonus);
+                        }));
+                        if let Err(p) = r {
+                            broken.push((i, crate::spec::panic_message(&*p)));
+                        }
+                    }
+                    for (i, message) in broken.into_iter().rev() {
+                        let d = sp.drafters.remove(i);
+                        self.stats.drafter_failures += 1;
+                        self.drafter_failures.push(DrafterFailure {
+                            id: r.id,
+                            drafter: d.name().to_string(),
+                            message: format!("accept {message}"),
+                        });
                     }
                     emitted
                 }
@@ -712,7 +791,25 @@ impl<'a> Scheduler<'a> {
                 .iter_mut()
                 .map(|d| &mut **d as &mut dyn Drafter)
                 .collect();
-            let proposal = crate::spec::draft_tree(&mut ds, &r.seq, sl.tree_cap, max_depth, vocab)?;
+            let mut failures = Vec::new();
+            let proposal = crate::spec::draft_tree_tolerant(
+                &mut ds,
+                &r.seq,
+                sl.tree_cap,
+                max_depth,
+                vocab,
+                &mut failures,
+            )?;
+            // A failed drafter may be left in any state: the request goes on without it.
+            for &(i, ref message) in failures.iter().rev() {
+                let d = sp.drafters.remove(i);
+                self.stats.drafter_failures += 1;
+                self.drafter_failures.push(DrafterFailure {
+                    id: r.id,
+                    drafter: d.name().to_string(),
+                    message: message.clone(),
+                });
+            }
             sl.proposal = Some(proposal);
         }
         // Fixed requests verify the whole proposal; adaptive ones what the policy picks.

@@ -437,3 +437,11 @@ fn adaptive_speculation_follows_acceptance_and_cost() {
         )
         .is_err());
 }
+
+#[test]
+fn panic_messages_are_read_from_the_payload() {
+    let p = std::panic::catch_unwind(|| panic!("boom {}", 7)).expect_err("panics");
+    assert_eq!(crate::spec::panic_message(&*p), "boom 7");
+    let p = std::panic::catch_unwind(|| std::panic::panic_any("static")).expect_err("panics");
+    assert_eq!(crate::spec::panic_message(&*p), "static");
+}

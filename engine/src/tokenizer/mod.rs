@@ -32,6 +32,7 @@ use std::fmt;
 
 use crate::error::{EngineError, Result};
 use crate::gguf::{GgufFile, MetaValue};
+use crate::shared::Shared;
 
 mod pretok;
 #[cfg(test)]
@@ -912,15 +913,15 @@ impl Tokenizer {
 /// UTF-8 sequence are held back until the following tokens complete it; bytes that can
 /// never become valid are emitted as U+FFFD; `finish()` flushes the rest lossily.
 pub struct StreamDecoder<'a> {
-    tokenizer: &'a Tokenizer,
+    tokenizer: Shared<'a, Tokenizer>,
     skip_special: bool,
     pending: Vec<u8>,
 }
 
 impl<'a> StreamDecoder<'a> {
-    pub fn new(tokenizer: &'a Tokenizer, skip_special: bool) -> Self {
+    pub fn new(tokenizer: impl Into<Shared<'a, Tokenizer>>, skip_special: bool) -> Self {
         StreamDecoder {
-            tokenizer,
+            tokenizer: tokenizer.into(),
             skip_special,
             pending: Vec::new(),
         }

@@ -35,11 +35,65 @@ enum Cmd {
         #[command(subcommand)]
         cmd: ModelsCmd,
     },
+    /// Serve the model over TCP (line-delimited JSON, docs/protocol.md) until SIGINT/SIGTERM.
+    Serve(ServeArgs),
     /// Benchmarks that print figures.
     Bench {
         #[command(subcommand)]
         cmd: BenchCmd,
     },
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Drafters requests may speculate with (comma-separated): ngram[:N] (prompt lookup).
+    /// Requests choose a subset and caps (`speculation` field); none by default.
+    #[arg(long, value_delimiter = ',')]
+    draft: Vec<String>,
+    /// Address to listen on (loopback by default).
+    #[arg(long, default_value = "127.0.0.1:7070")]
+    listen: String,
+    /// KV cache memory (e.g. 2GiB, 512MiB) or auto (a quarter of the available memory).
+    #[arg(long, default_value = "auto")]
+    kv_memory: String,
+    /// Require `{"auth": TOKEN}` as the first line of every connection (or ARBOR_AUTH_TOKEN).
+    #[arg(long)]
+    auth_token: Option<String>,
+    /// Most requests waiting for admission at once (more are answered `overloaded`).
+    #[arg(long, default_value_t = 256)]
+    max_waiting: usize,
+    /// Most requests in flight per connection (more are answered `too_many_requests`).
+    #[arg(long, default_value_t = 64)]
+    max_requests_per_connection: usize,
+    /// Most connections at once.
+    #[arg(long, default_value_t = 1024)]
+    max_connections: usize,
+    /// Longest request line in bytes.
+    #[arg(long, default_value_t = 1 << 20)]
+    max_line_bytes: usize,
+    /// Most tokens one request may generate.
+    #[arg(long, default_value_t = 4096)]
+    max_tokens: usize,
+    /// Most prompt tokens (0: the model's context).
+    #[arg(long, default_value_t = 0)]
+    max_prompt_tokens: usize,
+    /// Longest a request may run, in seconds (its `deadline_ms` may only shorten it).
+    #[arg(long, default_value_t = 600.0)]
+    request_timeout: f64,
+    /// Seconds in-flight requests may run on after SIGINT/SIGTERM.
+    #[arg(long, default_value_t = 10.0)]
+    shutdown_grace: f64,
+    /// Most draft nodes per request and step.
+    #[arg(long, default_value_t = 64)]
+    speculate_budget: usize,
+    /// Most draft depth per request and step.
+    #[arg(long, default_value_t = 8)]
+    speculate_depth: usize,
+    /// Log format on stderr (filter with RUST_LOG).
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    log_format: Format,
 }
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -88,6 +142,9 @@ struct GenerateArgs {
     /// Do not stop at end-of-generation tokens.
     #[arg(long)]
     ignore_eos: bool,
+    /// End-of-generation tokens do not end generation before this many tokens.
+    #[arg(long, default_value_t = 0)]
+    min_tokens: usize,
     #[arg(long, value_enum, default_value_t = Format::Text)]
     format: Format,
     #[command(flatten)]
@@ -280,6 +337,7 @@ fn main() {
     // to handle, not a reason to exit. The match lists every command so a new one decides.)
     let filter = match cli.cmd {
         Cmd::Generate(_) | Cmd::Models { .. } | Cmd::Bench { .. } => true,
+        Cmd::Serve(_) => false,
     };
     #[cfg(unix)]
     if filter {
@@ -300,6 +358,7 @@ fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Generate(a) => cmd_generate(a),
         Cmd::Models { cmd } => cmd_models(cmd),
+        Cmd::Serve(a) => cmd_serve(a),
         Cmd::Bench { cmd } => match cmd {
             BenchCmd::Batch {
                 model,
@@ -430,6 +489,44 @@ fn load(m: &ModelArgs) -> Result<(Model, Tokenizer, CpuBackend, PathBuf)> {
     Ok((model, tok, backend, path))
 }
 
+fn cmd_serve(a: ServeArgs) -> Result<()> {
+    use arbor_tools::serve;
+    serve::init_logging(a.log_format == Format::Json);
+    for d in &a.draft {
+        arbor_actors::DrafterFactory::parse(d)?;
+    }
+    let auth_token = a
+        .auth_token
+        .clone()
+        .or_else(|| std::env::var("ARBOR_AUTH_TOKEN").ok())
+        .filter(|t| !t.is_empty());
+    let o = serve::ServeOptions {
+        model_path: fetch::resolve_model(&a.model.model)?,
+        threads: a.model.threads,
+        drafters: a.draft.clone(),
+        listen: a.listen.clone(),
+        kv_memory: parse_bytes(&a.kv_memory)?,
+        auth_token,
+        limits: arbor_actors::Limits {
+            max_waiting: a.max_waiting,
+            max_prompt_tokens: a.max_prompt_tokens,
+            max_tokens: a.max_tokens,
+            max_deadline: serve::secs(a.request_timeout),
+            ..Default::default()
+        },
+        server: arbor_actors::server::ServerConfig {
+            max_line_bytes: a.max_line_bytes,
+            max_requests_per_connection: a.max_requests_per_connection,
+            max_connections: a.max_connections,
+            shutdown_grace: serve::secs(a.shutdown_grace),
+            ..Default::default()
+        },
+        spec_budget: a.speculate_budget,
+        spec_depth: a.speculate_depth,
+    };
+    serve::run(o)
+}
+
 fn cmd_generate(a: GenerateArgs) -> Result<()> {
     if a.prompt.is_empty() {
         bail!("--prompt must not be empty");
@@ -444,6 +541,7 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         },
         stop: a.stop.clone(),
         ignore_eos: a.ignore_eos,
+        min_tokens: a.min_tokens,
     };
     params.sampling.validate()?;
     a.spec.validate()?;

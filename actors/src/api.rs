@@ -1,0 +1,270 @@
+//! The in-process API: `Engine::start` runs the actors on their own threads; callers submit requests and read their events from a blocking receiver or an async `Stream`, without knowing actix.
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{Context as TaskContext, Poll};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use actix::{Actor, Addr, SyncArbiter};
+use parking_lot::Mutex;
+
+use crate::config::{EngineConfig, Limits};
+use crate::error::{codes, Result, ServeError};
+use crate::events::{Completion, EngineStats, Event, RequestId};
+use crate::intake::Intake;
+use crate::messages::{CancelRequest, EventSink, GetStats, Shutdown, Submit};
+use crate::request::{Request, SpecLimits, ValidRequest};
+use crate::verifier::Verifier;
+
+/// What the engine runs (for clients: `health`, validation messages).
+#[derive(Clone, Debug)]
+pub struct EngineInfo {
+    pub model: String,
+    pub context_length: usize,
+    pub vocab_size: usize,
+    pub drafters: Vec<String>,
+    pub kv_memory: usize,
+}
+
+/// A running engine. Cheap to share (`Arc<Engine>`); all methods take `&self`.
+pub struct Engine {
+    intake: Addr<Intake>,
+    next_id: AtomicU64,
+    limits: Limits,
+    spec: SpecLimits,
+    info: EngineInfo,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    stopped: Arc<AtomicBool>,
+}
+
+impl Engine {
+    /// Load the pool and the scheduler, start the actors, and return once they take requests.
+    pub fn start(config: EngineConfig) -> Result<Engine> {
+        let verifier = Verifier::new(&config)?;
+        let info = EngineInfo {
+            model: config
+                .model
+                .gguf()
+                .get_str("general.name")
+                .unwrap_or("model")
+                .to_string(),
+            context_length: config.model.config.context_length,
+            vocab_size: config.model.config.vocab_size,
+            drafters: config.drafters.iter().map(|d| d.name.clone()).collect(),
+            kv_memory: config.kv_bytes(),
+        };
+        let spec = SpecLimits {
+            drafter_names: info.drafters.clone(),
+            budget: config.spec_budget,
+            depth: config.spec_depth,
+        };
+        let limits = config.limits.clone();
+        let slot = Arc::new(Mutex::new(Some(verifier)));
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        let stopped = Arc::new(AtomicBool::new(false));
+        let stopped_in = Arc::clone(&stopped);
+        let intake_limits = limits.clone();
+        let thread = std::thread::Builder::new()
+            .name("arbor-engine".into())
+            .spawn(move || {
+                let sys = actix::System::new();
+                sys.block_on(async move {
+                    let verifier = SyncArbiter::start(1, move || {
+                        slot.lock()
+                            .take()
+                            .expect("the verifier is built once (SyncArbiter with one thread)")
+                    });
+                    let _ = tx.send(Intake::new(verifier, intake_limits).start());
+                });
+                if let Err(e) = sys.run() {
+                    tracing::error!(error = %e, "engine event loop ended with an error");
+                }
+                stopped_in.store(true, Ordering::SeqCst);
+            })
+            .map_err(|e| ServeError::internal(format!("cannot start the engine thread: {e}")))?;
+        let intake = rx
+            .recv()
+            .map_err(|_| ServeError::internal("the engine thread stopped at start"))?;
+        Ok(Engine {
+            intake,
+            next_id: AtomicU64::new(0),
+            limits,
+            spec,
+            info,
+            thread: Mutex::new(Some(thread)),
+            stopped,
+        })
+    }
+
+    pub fn info(&self) -> &EngineInfo {
+        &self.info
+    }
+
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// Check a request without submitting it.
+    pub fn validate(&self, req: Request) -> Result<ValidRequest> {
+        ValidRequest::new(req, &self.limits, &self.spec)
+    }
+
+    /// Submit `req`; its events arrive on the handle's blocking receiver. Bad settings are an
+    /// error here; what can only be known later (prompt too long, overload) is the stream's
+    /// final `Event::Error`.
+    pub fn submit(&self, req: Request) -> Result<RequestHandle> {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let id = self.submit_to(self.validate(req)?, EventSink::Blocking(tx))?;
+        Ok(RequestHandle { id, events: rx })
+    }
+
+    /// Submit `req`; its events arrive as an async [`EventStream`].
+    pub fn submit_stream(&self, req: Request) -> Result<EventStream> {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let id = self.submit_to(self.validate(req)?, EventSink::Async(tx))?;
+        Ok(EventStream { id, rx })
+    }
+
+    /// Submit a validated request to any sink (the TCP server shares one bounded sink per
+    /// connection).
+    pub fn submit_to(&self, req: ValidRequest, sink: EventSink) -> Result<RequestId> {
+        if self.stopped.load(Ordering::SeqCst) || !self.intake.connected() {
+            return Err(ServeError::new(
+                codes::SHUTTING_DOWN,
+                "the engine has stopped",
+            ));
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        self.intake.do_send(Submit { id, req, sink });
+        Ok(id)
+    }
+
+    /// End a request: its stream gets a final `Done` with `cancelled` once its KV blocks are
+    /// free. Unknown or finished ids are ignored.
+    pub fn cancel(&self, id: RequestId) {
+        self.intake.do_send(CancelRequest {
+            id,
+            reason: crate::events::FinishReason::Cancelled,
+        });
+    }
+
+    /// The counters (blocking; `None` when the engine has stopped).
+    pub fn stats(&self) -> Option<EngineStats> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.intake
+            .try_send(GetStats {
+                reply: Box::new(move |s| {
+                    let _ = tx.send(s);
+                }),
+            })
+            .ok()?;
+        rx.recv_timeout(Duration::from_secs(10)).ok()
+    }
+
+    /// The counters, for async callers.
+    pub async fn stats_async(&self) -> Option<EngineStats> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.intake
+            .try_send(GetStats {
+                reply: Box::new(move |s| {
+                    let _ = tx.send(s);
+                }),
+            })
+            .ok()?;
+        rx.await.ok()
+    }
+
+    /// Stop taking requests; running ones may finish within `grace`, the rest end with
+    /// `shutdown`. Returns once the actors have stopped (blocking).
+    pub fn shutdown(&self, grace: Duration) {
+        let (tx, rx) = crossbeam_channel::bounded::<()>(1);
+        let sent = self.intake.try_send(Shutdown {
+            grace,
+            done: Box::new(move || {
+                let _ = tx.send(());
+            }),
+        });
+        if sent.is_ok() {
+            let _ = rx.recv();
+        }
+        if let Some(t) = self.thread.lock().take() {
+            let _ = t.join();
+        }
+    }
+
+    /// [`Engine::shutdown`] for async callers (the final join runs on a blocking thread).
+    pub async fn shutdown_async(self: Arc<Self>, grace: Duration) {
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let sent = self.intake.try_send(Shutdown {
+            grace,
+            done: Box::new(move || {
+                let _ = tx.send(());
+            }),
+        });
+        if sent.is_ok() {
+            let _ = rx.await;
+        }
+        let me = Arc::clone(&self);
+        let _ = tokio::task::spawn_blocking(move || {
+            if let Some(t) = me.thread.lock().take() {
+                let _ = t.join();
+            }
+        })
+        .await;
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        if self.thread.lock().is_some() {
+            self.shutdown(Duration::ZERO);
+        }
+    }
+}
+
+/// A submitted request's events, for callers without an async runtime.
+pub struct RequestHandle {
+    pub id: RequestId,
+    pub events: crossbeam_channel::Receiver<Event>,
+}
+
+impl RequestHandle {
+    /// The next event (`None` after the final one, or if the engine stopped).
+    pub fn recv(&self) -> Option<Event> {
+        self.events.recv().ok()
+    }
+
+    /// Read events until the final one: the completion, or the request's error.
+    pub fn wait(self) -> Result<Completion> {
+        while let Some(ev) = self.recv() {
+            match ev {
+                Event::Tokens { .. } => {}
+                Event::Done(c) => return Ok(*c),
+                Event::Error { error, .. } => return Err(error),
+            }
+        }
+        Err(ServeError::new(codes::SHUTTING_DOWN, "the engine stopped"))
+    }
+}
+
+/// A submitted request's events as an async `Stream`.
+pub struct EventStream {
+    pub id: RequestId,
+    rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
+}
+
+impl EventStream {
+    pub async fn recv(&mut self) -> Option<Event> {
+        self.rx.recv().await
+    }
+}
+
+impl futures_core::Stream for EventStream {
+    type Item = Event;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Option<Event>> {
+        self.rx.poll_recv(cx)
+    }
+}

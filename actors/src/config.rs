@@ -1,0 +1,174 @@
+//! Engine configuration: the model, KV memory, scheduler limits, the drafters requests may use, and the edge limits every request is checked against.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use arbor_engine::draft::ngram::NgramDrafter;
+use arbor_engine::draft::Drafter;
+use arbor_engine::sched::SchedConfig;
+use arbor_engine::{Model, Tokenizer};
+
+use crate::error::{Result, ServeError};
+
+/// What a drafter factory knows about the request it builds a drafter for.
+#[derive(Clone, Copy, Debug)]
+pub struct DraftContext {
+    /// The request's sampling seed (drafters that sample derive theirs from it).
+    pub seed: u64,
+    /// Most draft depth the request allows.
+    pub depth: usize,
+    pub vocab: usize,
+}
+
+type BuildFn = dyn Fn(&DraftContext) -> arbor_engine::Result<Box<dyn Drafter>> + Send + Sync;
+
+/// Builds one request's instance of a drafter (drafters keep per-sequence state).
+#[derive(Clone)]
+pub struct DrafterFactory {
+    pub name: String,
+    build: Arc<BuildFn>,
+}
+
+impl std::fmt::Debug for DrafterFactory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DrafterFactory")
+            .field("name", &self.name)
+            .finish()
+    }
+}
+
+impl DrafterFactory {
+    pub fn new(
+        name: impl Into<String>,
+        build: impl Fn(&DraftContext) -> arbor_engine::Result<Box<dyn Drafter>> + Send + Sync + 'static,
+    ) -> DrafterFactory {
+        DrafterFactory {
+            name: name.into(),
+            build: Arc::new(build),
+        }
+    }
+
+    /// Prompt lookup over suffixes of up to `max_n` tokens (`ngram[:N]`), proposing up to the
+    /// request's depth.
+    pub fn ngram(max_n: usize) -> Result<DrafterFactory> {
+        let d = NgramDrafter::default();
+        NgramDrafter::new(max_n, 1, 1, d.max_matches).map_err(ServeError::from)?;
+        Ok(DrafterFactory::new("ngram", move |cx: &DraftContext| {
+            Ok(
+                Box::new(NgramDrafter::new(max_n, 1, cx.depth.max(1), d.max_matches)?)
+                    as Box<dyn Drafter>,
+            )
+        }))
+    }
+
+    /// Parse a `--draft` value the server can run: `ngram[:N]`.
+    pub fn parse(spec: &str) -> Result<DrafterFactory> {
+        let (name, arg) = spec.split_once(':').unwrap_or((spec, ""));
+        match name {
+            "ngram" => {
+                let n = if arg.is_empty() {
+                    NgramDrafter::default().max_n
+                } else {
+                    arg.parse().map_err(|_| {
+                        ServeError::invalid(format!("ngram:N needs a number, got '{arg}'"))
+                    })?
+                };
+                DrafterFactory::ngram(n)
+            }
+            _ => Err(ServeError::invalid(format!(
+                "the server runs training-free drafters only: ngram[:N] (got '{spec}'; model \
+                 drafters are not served yet)"
+            ))),
+        }
+    }
+
+    pub fn build(&self, cx: &DraftContext) -> arbor_engine::Result<Box<dyn Drafter>> {
+        (self.build)(cx)
+    }
+}
+
+/// Edge limits (each request is checked against them before it is queued).
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// Most requests waiting for admission at once (more: `overloaded`).
+    pub max_waiting: usize,
+    /// Most prompt tokens (0: the model's context).
+    pub max_prompt_tokens: usize,
+    /// Most tokens one request may generate.
+    pub max_tokens: usize,
+    /// Most stop strings per request.
+    pub max_stop: usize,
+    /// Every request ends (finish reason `deadline`) at most this long after submission.
+    pub max_deadline: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_waiting: 256,
+            max_prompt_tokens: 0,
+            max_tokens: 4096,
+            max_stop: 8,
+            max_deadline: Duration::from_secs(600),
+        }
+    }
+}
+
+/// Everything an engine starts from.
+#[derive(Clone)]
+pub struct EngineConfig {
+    pub model: Arc<Model>,
+    pub tokenizer: Arc<Tokenizer>,
+    /// Compute threads (0: all cores).
+    pub threads: usize,
+    /// Bytes of KV cache (f16 blocks); `None`: a quarter of the available memory, 256 MiB to 4 GiB.
+    pub kv_memory: Option<usize>,
+    pub sched: SchedConfig,
+    /// Drafters requests speculate with (each request gets its own instances).
+    pub drafters: Vec<DrafterFactory>,
+    /// Most draft nodes per request and step.
+    pub spec_budget: usize,
+    /// Most draft depth per request and step.
+    pub spec_depth: usize,
+    pub limits: Limits,
+}
+
+impl EngineConfig {
+    pub fn new(model: Arc<Model>, tokenizer: Arc<Tokenizer>) -> EngineConfig {
+        EngineConfig {
+            model,
+            tokenizer,
+            threads: 0,
+            kv_memory: None,
+            sched: SchedConfig::default(),
+            drafters: Vec::new(),
+            spec_budget: 64,
+            spec_depth: 8,
+            limits: Limits::default(),
+        }
+    }
+
+    /// Load a GGUF model and its tokenizer.
+    pub fn open(path: &std::path::Path) -> Result<EngineConfig> {
+        let model = Model::open(path).map_err(ServeError::from)?;
+        let tok = Tokenizer::from_gguf(model.gguf()).map_err(ServeError::from)?;
+        Ok(EngineConfig::new(Arc::new(model), Arc::new(tok)))
+    }
+
+    pub(crate) fn kv_bytes(&self) -> usize {
+        self.kv_memory.unwrap_or_else(default_kv_memory)
+    }
+}
+
+/// A quarter of `MemAvailable`, clamped to 256 MiB..4 GiB (1 GiB when unknown).
+pub fn default_kv_memory() -> usize {
+    const GIB: usize = 1 << 30;
+    let avail = std::fs::read_to_string("/proc/meminfo").ok().and_then(|s| {
+        s.lines()
+            .find(|l| l.starts_with("MemAvailable:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|kb| kb.parse::<usize>().ok())
+            .map(|kb| kb * 1024)
+    });
+    avail.map_or(GIB, |b| (b / 4).clamp(GIB / 4, 4 * GIB))
+}

@@ -1,0 +1,553 @@
+//! The Intake actor: queues validated requests, drives the Verifier one step at a time, streams each step's tokens to their requests' sinks, and owns cancellation, deadlines, overload limits and shutdown (continuous batching's request side, as in Orca / vLLM's engine core).
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use actix::{Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, SpawnHandle, WrapFuture};
+use arbor_engine::sched::Finish;
+use arbor_engine::FinishReason as EngineFinish;
+
+use crate::config::Limits;
+use crate::error::{codes, ServeError};
+use crate::events::{
+    Completion, EngineStats, Event, FinishReason, RequestId, SpecSummary, Timing, Usage,
+};
+use crate::messages::{
+    Cancel, CancelRequest, Enqueue, EventSink, GetStats, RunStep, Shutdown, SinkError, StepReport,
+    Submit, VerifierState,
+};
+use crate::verifier::Verifier;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum EntryState {
+    Active,
+    /// Ending with this reason once the Verifier has dropped it.
+    Cancelling(FinishReason),
+}
+
+struct Entry {
+    sink: EventSink,
+    submitted: Instant,
+    admitted: Option<Instant>,
+    first_token: Option<Instant>,
+    deadline: Option<Instant>,
+    state: EntryState,
+    /// The Verifier has it (its `Enqueue` was answered).
+    enqueued: bool,
+    /// A `Cancel` is on its way to the Verifier.
+    cancel_sent: bool,
+    prompt_tokens: usize,
+    tokens: Vec<u32>,
+    text: String,
+}
+
+impl Entry {
+    fn timing(&self, now: Instant) -> Timing {
+        let ms = |t: Instant| t.duration_since(self.submitted).as_secs_f64() * 1e3;
+        Timing {
+            queue_ms: ms(self.admitted.unwrap_or(now)),
+            ttft_ms: self.first_token.map(ms),
+            total_ms: ms(now),
+        }
+    }
+}
+
+struct ShutdownState {
+    deadline: Instant,
+    done: Option<Box<dyn FnOnce() + Send>>,
+}
+
+pub struct Intake {
+    verifier: Addr<Verifier>,
+    limits: Limits,
+    entries: HashMap<RequestId, Entry>,
+    step: u64,
+    step_in_flight: bool,
+    state: VerifierState,
+    started: Instant,
+    /// Tokens sent per step over the last 10 s (tok/s).
+    window: VecDeque<(Instant, usize)>,
+    spec_steps: u64,
+    spec_accepted: u64,
+    drafter_failures: u64,
+    completed: u64,
+    cancelled: u64,
+    failed: u64,
+    slow_readers: u64,
+    shutdown: Option<ShutdownState>,
+    ticker: Option<SpawnHandle>,
+}
+
+const WINDOW: Duration = Duration::from_secs(10);
+
+impl Intake {
+    pub fn new(verifier: Addr<Verifier>, limits: Limits) -> Intake {
+        Intake {
+            verifier,
+            limits,
+            entries: HashMap::new(),
+            step: 0,
+            step_in_flight: false,
+            state: VerifierState::default(),
+            started: Instant::now(),
+            window: VecDeque::new(),
+            spec_steps: 0,
+            spec_accepted: 0,
+            drafter_failures: 0,
+            completed: 0,
+            cancelled: 0,
+            failed: 0,
+            slow_readers: 0,
+            shutdown: None,
+            ticker: None,
+        }
+    }
+
+    /// Send the next `RunStep` unless one is in flight or nothing can run.
+    fn maybe_step(&mut self, ctx: &mut Context<Self>) {
+        if self.step_in_flight {
+            return;
+        }
+        let work = self
+            .entries
+            .values()
+            .any(|e| e.enqueued && e.state == EntryState::Active);
+        if !work {
+            return;
+        }
+        self.step += 1;
+        self.step_in_flight = true;
+        let step = self.step;
+        let fut = self.verifier.send(RunStep { step });
+        ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| {
+            act.step_in_flight = false;
+            match res {
+                Ok(report) if report.step == step => act.on_report(report, ctx),
+                Ok(_) => tracing::warn!(step, "stale step report dropped"),
+                Err(e) => {
+                    tracing::error!(error = %e, "the verifier is gone");
+                    let ids: Vec<RequestId> = act.entries.keys().copied().collect();
+                    for id in ids {
+                        act.fail(id, ServeError::internal("the verifier stopped"));
+                    }
+                }
+            }
+            act.maybe_step(ctx);
+            act.maybe_finish_shutdown();
+        }));
+    }
+
+    /// Keep the newest state (replies of the Verifier may be read out of order).
+    fn set_state(&mut self, state: VerifierState) {
+        if state.seq > self.state.seq {
+            self.state = state;
+        }
+    }
+
+    fn on_report(&mut self, report: StepReport, ctx: &mut Context<Self>) {
+        self.set_state(report.state);
+        for id in &report.running_ids {
+            if let Some(e) = self.entries.get_mut(id) {
+                e.admitted.get_or_insert(report.started);
+            }
+        }
+        for (id, error) in report.failed {
+            tracing::error!(request = id, error = %error, "request failed with its step");
+            self.fail(id, error);
+        }
+        for f in report.drafter_failures {
+            self.drafter_failures += 1;
+            tracing::warn!(
+                request = f.id,
+                drafter = %f.drafter,
+                error = %f.message,
+                "drafter failed; the request goes on without it"
+            );
+        }
+        let now = Instant::now();
+        let mut sent = 0;
+        for ev in report.events {
+            let Some(e) = self.entries.get_mut(&ev.id) else {
+                continue;
+            };
+            let id = ev.id;
+            if !ev.tokens.is_empty() {
+                sent += ev.tokens.len();
+                e.tokens.extend_from_slice(&ev.tokens);
+                e.text.push_str(&ev.text);
+                if e.state == EntryState::Active {
+                    e.first_token.get_or_insert(now);
+                    let r = e.sink.send(Event::Tokens {
+                        id,
+                        tokens: ev.tokens,
+                        text: ev.text,
+                    });
+                    if let Err(err) = r {
+                        self.sink_failed(id, err, ctx);
+                    }
+                }
+            }
+            match ev.finish {
+                None => {}
+                Some(Finish::Done {
+                    reason,
+                    tokens,
+                    text,
+                    prompt_tokens,
+                    cached_prompt_tokens,
+                    preemptions,
+                    spec,
+                }) => {
+                    let Some(e) = self.entries.remove(&id) else {
+                        continue;
+                    };
+                    let spec = spec.map(|m| {
+                        self.spec_steps += m.steps as u64;
+                        self.spec_accepted += m.accepted as u64;
+                        SpecSummary {
+                            steps: m.steps,
+                            drafted: m.drafted,
+                            accepted: m.accepted,
+                            mean_accepted: m.mean_accepted(),
+                        }
+                    });
+                    // A request that finished before its cancel took effect ends as it finished.
+                    let finish_reason = match reason {
+                        EngineFinish::Length => FinishReason::Length,
+                        EngineFinish::Eos | EngineFinish::Stop => FinishReason::Stop,
+                    };
+                    if finish_reason == FinishReason::Cancelled {
+                        self.cancelled += 1;
+                    } else {
+                        self.completed += 1;
+                    }
+                    let c = Completion {
+                        id,
+                        finish_reason,
+                        usage: Usage {
+                            prompt_tokens,
+                            completion_tokens: tokens.len(),
+                            cached_prompt_tokens,
+                        },
+                        text,
+                        tokens,
+                        spec,
+                        timing: e.timing(now),
+                        preemptions,
+                    };
+                    tracing::debug!(
+                        request = id,
+                        reason = finish_reason.as_str(),
+                        "request done"
+                    );
+                    let _ = e.sink.send(Event::Done(Box::new(c)));
+                }
+                Some(Finish::Failed(err)) => self.fail(id, ServeError::from(err)),
+            }
+        }
+        if sent > 0 {
+            self.window.push_back((now, sent));
+        }
+        while self
+            .window
+            .front()
+            .is_some_and(|&(t, _)| now.duration_since(t) > WINDOW)
+        {
+            self.window.pop_front();
+        }
+        self.check_deadlines(ctx);
+    }
+
+    fn sink_failed(&mut self, id: RequestId, err: SinkError, ctx: &mut Context<Self>) {
+        if err == SinkError::Full {
+            self.slow_readers += 1;
+            tracing::warn!(
+                request = id,
+                "consumer stopped reading; request cancelled (slow reader)"
+            );
+        } else {
+            tracing::info!(request = id, "consumer gone; request cancelled");
+        }
+        self.begin_cancel(id, FinishReason::Cancelled, ctx);
+    }
+
+    /// End a request with an error event.
+    fn fail(&mut self, id: RequestId, error: ServeError) {
+        if let Some(e) = self.entries.remove(&id) {
+            self.failed += 1;
+            let _ = e.sink.send(Event::Error { id, error });
+        }
+    }
+
+    /// Drop `id` from the Verifier, then send its final `Done` with `reason` (unless it
+    /// finishes on its own first).
+    fn begin_cancel(&mut self, id: RequestId, reason: FinishReason, ctx: &mut Context<Self>) {
+        let Some(e) = self.entries.get_mut(&id) else {
+            return;
+        };
+        if e.state == EntryState::Active {
+            e.state = EntryState::Cancelling(reason);
+        }
+        if !e.enqueued || e.cancel_sent {
+            return; // the Enqueue reply sends the Cancel
+        }
+        e.cancel_sent = true;
+        let fut = self.verifier.send(Cancel { id });
+        ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| {
+            if let Ok(state) = res {
+                act.set_state(state);
+            }
+            if let Some(e) = act.entries.remove(&id) {
+                let reason = match e.state {
+                    EntryState::Cancelling(r) => r,
+                    EntryState::Active => FinishReason::Cancelled,
+                };
+                if reason == FinishReason::Cancelled {
+                    act.cancelled += 1;
+                } else {
+                    act.completed += 1;
+                }
+                tracing::info!(
+                    request = id,
+                    reason = reason.as_str(),
+                    "request ended early"
+                );
+                let c = Completion {
+                    id,
+                    finish_reason: reason,
+                    usage: Usage {
+                        prompt_tokens: e.prompt_tokens,
+                        completion_tokens: e.tokens.len(),
+                        cached_prompt_tokens: 0,
+                    },
+                    text: e.text.clone(),
+                    tokens: e.tokens.clone(),
+                    spec: None,
+                    timing: e.timing(Instant::now()),
+                    preemptions: 0,
+                };
+                let _ = e.sink.send(Event::Done(Box::new(c)));
+            }
+            act.maybe_step(ctx);
+            act.maybe_finish_shutdown();
+        }));
+    }
+
+    fn check_deadlines(&mut self, ctx: &mut Context<Self>) {
+        let now = Instant::now();
+        let shutdown_due = self.shutdown.as_ref().is_some_and(|s| now >= s.deadline);
+        let due: Vec<(RequestId, FinishReason)> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| e.state == EntryState::Active)
+            .filter_map(|(&id, e)| {
+                if shutdown_due {
+                    Some((id, FinishReason::Shutdown))
+                } else if e.deadline.is_some_and(|d| now >= d) {
+                    Some((id, FinishReason::Deadline))
+                } else {
+                    None
+                }
+            })
+            .collect();
+        for (id, reason) in due {
+            self.begin_cancel(id, reason, ctx);
+        }
+    }
+
+    fn maybe_finish_shutdown(&mut self) {
+        if self.entries.is_empty() && !self.step_in_flight {
+            if let Some(s) = self.shutdown.as_mut() {
+                if let Some(done) = s.done.take() {
+                    tracing::info!("all requests ended; stopping the engine");
+                    done();
+                    actix::System::current().stop();
+                }
+            }
+        }
+    }
+
+    /// Requests not yet running: submitted but not admitted by the scheduler.
+    fn waiting(&self) -> usize {
+        self.entries
+            .values()
+            .filter(|e| e.admitted.is_none() && e.state == EntryState::Active)
+            .count()
+    }
+
+    fn stats(&self) -> EngineStats {
+        let st = &self.state;
+        let now = Instant::now();
+        let span = now.duration_since(self.started).min(WINDOW).as_secs_f64();
+        let recent: usize = self.window.iter().map(|&(_, n)| n).sum();
+        EngineStats {
+            running: st.running,
+            waiting: st.waiting,
+            preempted: st.preempted,
+            kv_blocks_total: st.pool.total,
+            kv_blocks_used: st.pool.used,
+            kv_blocks_cached: st.pool.cached,
+            kv_blocks_free: st.pool.free,
+            prefix_hit_rate: if st.pool.prefix_lookups == 0 {
+                0.0
+            } else {
+                st.pool.prefix_hits as f64 / st.pool.prefix_lookups as f64
+            },
+            mean_accepted: if self.spec_steps == 0 {
+                0.0
+            } else {
+                self.spec_accepted as f64 / self.spec_steps as f64
+            },
+            tok_s: if span > 0.0 {
+                recent as f64 / span
+            } else {
+                0.0
+            },
+            drafter_failures: self.drafter_failures,
+            completed: self.completed,
+            cancelled: self.cancelled,
+            failed: self.failed,
+            slow_readers: self.slow_readers,
+            steps: st.steps,
+        }
+    }
+}
+
+impl Actor for Intake {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        // Deadlines and the shutdown grace period are checked between steps too.
+        let h = ctx.run_interval(Duration::from_millis(20), |act, ctx| {
+            act.check_deadlines(ctx);
+            act.maybe_finish_shutdown();
+        });
+        self.ticker = Some(h);
+        // The first VerifierState (pool size) before any request.
+        let fut = self.verifier.send(Cancel { id: u64::MAX });
+        ctx.spawn(fut.into_actor(self).map(|res, act, _| {
+            if let Ok(s) = res {
+                act.set_state(s);
+            }
+        }));
+    }
+}
+
+impl Handler<Submit> for Intake {
+    type Result = ();
+
+    fn handle(&mut self, msg: Submit, ctx: &mut Context<Self>) {
+        let Submit { id, req, sink } = msg;
+        let refuse = if self.shutdown.is_some() {
+            Some(ServeError::new(
+                codes::SHUTTING_DOWN,
+                "the server is shutting down",
+            ))
+        } else if self.waiting() >= self.limits.max_waiting {
+            Some(ServeError::new(
+                codes::OVERLOADED,
+                format!(
+                    "{} requests are waiting (the limit is {}); retry later",
+                    self.waiting(),
+                    self.limits.max_waiting
+                ),
+            ))
+        } else {
+            None
+        };
+        if let Some(error) = refuse {
+            self.failed += 1;
+            let _ = sink.send(Event::Error { id, error });
+            return;
+        }
+        let now = Instant::now();
+        self.entries.insert(
+            id,
+            Entry {
+                sink,
+                submitted: now,
+                admitted: None,
+                first_token: None,
+                deadline: req.deadline.map(|d| now + d),
+                state: EntryState::Active,
+                enqueued: false,
+                cancel_sent: false,
+                prompt_tokens: 0,
+                tokens: Vec::new(),
+                text: String::new(),
+            },
+        );
+        let fut = self.verifier.send(Enqueue { id, req });
+        ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| {
+            let res = res.unwrap_or_else(|e| Err(ServeError::internal(e.to_string())));
+            match res {
+                Ok(n) => {
+                    let Some(e) = act.entries.get_mut(&id) else {
+                        return;
+                    };
+                    e.enqueued = true;
+                    e.prompt_tokens = n;
+                    if let EntryState::Cancelling(r) = e.state {
+                        act.begin_cancel(id, r, ctx);
+                    }
+                }
+                Err(error) => {
+                    tracing::debug!(request = id, error = %error, "request refused");
+                    act.fail(id, error);
+                }
+            }
+            act.maybe_step(ctx);
+            act.maybe_finish_shutdown();
+        }));
+    }
+}
+
+impl Handler<CancelRequest> for Intake {
+    type Result = ();
+
+    fn handle(&mut self, msg: CancelRequest, ctx: &mut Context<Self>) {
+        self.begin_cancel(msg.id, msg.reason, ctx);
+    }
+}
+
+impl Handler<GetStats> for Intake {
+    type Result = ();
+
+    fn handle(&mut self, msg: GetStats, _: &mut Context<Self>) {
+        (msg.reply)(self.stats());
+    }
+}
+
+impl Handler<Shutdown> for Intake {
+    type Result = ();
+
+    fn handle(&mut self, msg: Shutdown, ctx: &mut Context<Self>) {
+        tracing::info!(
+            grace_ms = msg.grace.as_millis() as u64,
+            in_flight = self.entries.len(),
+            "shutting down"
+        );
+        match self.shutdown.as_mut() {
+            Some(s) => {
+                // A second shutdown: the earlier deadline wins; both callbacks run.
+                let first = s.done.take();
+                let second = msg.done;
+                s.done = Some(Box::new(move || {
+                    if let Some(f) = first {
+                        f();
+                    }
+                    second();
+                }));
+                s.deadline = s.deadline.min(Instant::now() + msg.grace);
+            }
+            None => {
+                self.shutdown = Some(ShutdownState {
+                    deadline: Instant::now() + msg.grace,
+                    done: Some(msg.done),
+                })
+            }
+        }
+        self.check_deadlines(ctx);
+        self.maybe_finish_shutdown();
+    }
+}

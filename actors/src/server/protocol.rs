@@ -1,0 +1,416 @@
+//! The line protocol: parsing client lines (checked field by field, each mistake its own code) and rendering events, stats and errors as lines (`docs/protocol.md`).
+
+use std::time::Duration;
+
+use arbor_engine::sample::verify::VerifyMode;
+use arbor_engine::{ChatMessage, SamplingParams};
+use serde_json::{json, Map, Value};
+
+use crate::api::EngineInfo;
+use crate::error::{codes, ServeError};
+use crate::events::{EngineStats, Event};
+use crate::request::{truncate, Input, Request, SpeculationRequest};
+
+/// Longest accepted request id (bytes of a string id).
+pub const MAX_ID_BYTES: usize = 256;
+
+/// One parsed client line.
+#[derive(Debug)]
+pub enum ClientLine {
+    Request {
+        id: Value,
+        stream: bool,
+        req: Box<Request>,
+    },
+    Cancel(Value),
+    Health,
+    Stats,
+    Auth(String),
+}
+
+/// A line that could not be served, with the request id when it was readable.
+#[derive(Debug)]
+pub struct LineError {
+    pub id: Option<Value>,
+    pub error: ServeError,
+}
+
+const REQUEST_FIELDS: [&str; 14] = [
+    "id",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "min_tokens",
+    "ignore_eos",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stream",
+    "deadline_ms",
+    "speculation",
+];
+const SPEC_FIELDS: [&str; 5] = ["draft", "tree", "budget", "adaptive", "verify"];
+
+fn err(code: &'static str, message: impl Into<String>) -> ServeError {
+    ServeError::new(code, message)
+}
+
+/// Parse one line (without its newline).
+pub fn parse_line(bytes: &[u8]) -> Result<ClientLine, LineError> {
+    let no_id = |error| LineError { id: None, error };
+    let text = std::str::from_utf8(bytes).map_err(|e| {
+        no_id(err(
+            codes::INVALID_UTF8,
+            format!(
+                "the line is not UTF-8 (bad byte at offset {})",
+                e.valid_up_to()
+            ),
+        ))
+    })?;
+    let value: Value = serde_json::from_str(text)
+        .map_err(|e| no_id(err(codes::INVALID_JSON, format!("invalid JSON: {e}"))))?;
+    let Value::Object(obj) = value else {
+        return Err(no_id(err(
+            codes::NOT_AN_OBJECT,
+            "each line must be one JSON object",
+        )));
+    };
+    for key in ["cancel", "health", "stats", "auth"] {
+        if let Some(v) = obj.get(key) {
+            if let Some(other) = obj.keys().find(|k| k.as_str() != key) {
+                return Err(no_id(err(
+                    codes::UNKNOWN_FIELD,
+                    format!("a '{key}' line has no field '{}'", truncate(other)),
+                )));
+            }
+            return control(key, v).map_err(no_id);
+        }
+    }
+    let id = match obj.get("id") {
+        None => return Err(no_id(err(codes::MISSING_FIELD, "a request needs an 'id'"))),
+        Some(v) => check_id(v).map_err(no_id)?,
+    };
+    let with_id = |error| LineError {
+        id: Some(id.clone()),
+        error,
+    };
+    let (stream, req) = request(&obj).map_err(with_id)?;
+    Ok(ClientLine::Request {
+        id,
+        stream,
+        req: Box::new(req),
+    })
+}
+
+fn control(key: &str, v: &Value) -> Result<ClientLine, ServeError> {
+    match key {
+        "cancel" => Ok(ClientLine::Cancel(check_id(v)?)),
+        "auth" => match v {
+            Value::String(s) => Ok(ClientLine::Auth(s.clone())),
+            _ => Err(err(codes::INVALID_TYPE, "'auth' must be a string")),
+        },
+        _ => match v {
+            Value::Bool(true) => Ok(if key == "health" {
+                ClientLine::Health
+            } else {
+                ClientLine::Stats
+            }),
+            Value::Bool(false) => Err(err(
+                codes::INVALID_ARGUMENT,
+                format!("'{key}' must be true"),
+            )),
+            _ => Err(err(codes::INVALID_TYPE, format!("'{key}' must be true"))),
+        },
+    }
+}
+
+/// Ids are strings (at most 256 bytes) or integers.
+fn check_id(v: &Value) -> Result<Value, ServeError> {
+    match v {
+        Value::String(s) if s.len() <= MAX_ID_BYTES => Ok(v.clone()),
+        Value::String(_) => Err(err(
+            codes::INVALID_ARGUMENT,
+            format!("an id has at most {MAX_ID_BYTES} bytes"),
+        )),
+        Value::Number(n) if n.is_i64() || n.is_u64() => Ok(v.clone()),
+        _ => Err(err(
+            codes::INVALID_TYPE,
+            "'id' must be a string or an integer",
+        )),
+    }
+}
+
+fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+fn wrong_type(field: &str, want: &str, v: &Value) -> ServeError {
+    err(
+        codes::INVALID_TYPE,
+        format!("'{field}' must be {want}, not {}", type_name(v)),
+    )
+}
+
+fn uint(field: &str, v: &Value, max: u64) -> Result<u64, ServeError> {
+    match v {
+        Value::Number(n) => match n.as_u64() {
+            Some(x) if x <= max => Ok(x),
+            _ => Err(err(
+                codes::INVALID_ARGUMENT,
+                format!("'{field}' must be an integer from 0 to {max}, got {n}"),
+            )),
+        },
+        _ => Err(wrong_type(field, "an integer", v)),
+    }
+}
+
+fn float(field: &str, v: &Value) -> Result<f64, ServeError> {
+    v.as_f64().ok_or_else(|| wrong_type(field, "a number", v))
+}
+
+fn boolean(field: &str, v: &Value) -> Result<bool, ServeError> {
+    v.as_bool().ok_or_else(|| wrong_type(field, "a boolean", v))
+}
+
+fn string<'v>(field: &str, v: &'v Value) -> Result<&'v str, ServeError> {
+    v.as_str().ok_or_else(|| wrong_type(field, "a string", v))
+}
+
+fn strings(field: &str, v: &Value) -> Result<Vec<String>, ServeError> {
+    match v {
+        Value::String(s) => Ok(vec![s.clone()]),
+        Value::Array(a) => a
+            .iter()
+            .map(|x| string(field, x).map(str::to_string))
+            .collect(),
+        _ => Err(wrong_type(field, "a string or an array of strings", v)),
+    }
+}
+
+fn request(obj: &Map<String, Value>) -> Result<(bool, Request), ServeError> {
+    if let Some(k) = obj.keys().find(|k| !REQUEST_FIELDS.contains(&k.as_str())) {
+        return Err(err(
+            codes::UNKNOWN_FIELD,
+            format!(
+                "unknown field '{}' (fields: {})",
+                truncate(k),
+                REQUEST_FIELDS.join(", ")
+            ),
+        ));
+    }
+    let input = match (obj.get("prompt"), obj.get("messages")) {
+        (Some(_), Some(_)) => {
+            return Err(err(
+                codes::INVALID_ARGUMENT,
+                "give either 'prompt' or 'messages', not both",
+            ))
+        }
+        (None, None) => {
+            return Err(err(
+                codes::MISSING_FIELD,
+                "a request needs 'prompt' or 'messages'",
+            ))
+        }
+        (Some(p), None) => Input::Prompt(string("prompt", p)?.to_string()),
+        (None, Some(m)) => Input::Messages(messages(m)?),
+    };
+    let mut req = Request::new(input);
+    let mut sampling = SamplingParams::default();
+    let mut stream = true;
+    for (k, v) in obj {
+        match k.as_str() {
+            "max_tokens" => req.max_tokens = uint(k, v, u32::MAX as u64)? as usize,
+            "min_tokens" => req.min_tokens = uint(k, v, u32::MAX as u64)? as usize,
+            "ignore_eos" => req.ignore_eos = boolean(k, v)?,
+            "temperature" => {
+                let t = float(k, v)?;
+                if !(0.0..=100.0).contains(&t) {
+                    return Err(err(
+                        codes::INVALID_ARGUMENT,
+                        format!("'temperature' must be from 0 to 100, got {t}"),
+                    ));
+                }
+                sampling.temperature = t as f32;
+            }
+            "top_p" => {
+                let p = float(k, v)?;
+                if !(p > 0.0 && p <= 1.0) {
+                    return Err(err(
+                        codes::INVALID_ARGUMENT,
+                        format!("'top_p' must be in (0, 1], got {p}"),
+                    ));
+                }
+                sampling.top_p = p as f32;
+            }
+            "top_k" => sampling.top_k = uint(k, v, u32::MAX as u64)? as usize,
+            "seed" => sampling.seed = uint(k, v, u64::MAX)?,
+            "stop" => req.stop = strings(k, v)?,
+            "stream" => stream = boolean(k, v)?,
+            "deadline_ms" => {
+                let ms = uint(k, v, u32::MAX as u64)?;
+                if ms == 0 {
+                    return Err(err(
+                        codes::INVALID_ARGUMENT,
+                        "'deadline_ms' must be positive",
+                    ));
+                }
+                req.deadline = Some(Duration::from_millis(ms));
+            }
+            "speculation" => req.speculation = Some(speculation(v)?),
+            _ => {}
+        }
+    }
+    req.sampling = sampling;
+    Ok((stream, req))
+}
+
+fn messages(v: &Value) -> Result<Vec<ChatMessage>, ServeError> {
+    let Value::Array(items) = v else {
+        return Err(wrong_type("messages", "an array of {role, content}", v));
+    };
+    let mut out = Vec::with_capacity(items.len());
+    for m in items {
+        let Value::Object(o) = m else {
+            return Err(wrong_type("messages[]", "an object", m));
+        };
+        if let Some(k) = o.keys().find(|k| *k != "role" && *k != "content") {
+            return Err(err(
+                codes::UNKNOWN_FIELD,
+                format!("a message has no field '{}' (role, content)", truncate(k)),
+            ));
+        }
+        let role = o
+            .get("role")
+            .ok_or_else(|| err(codes::MISSING_FIELD, "a message needs a 'role'"))?;
+        let content = o
+            .get("content")
+            .ok_or_else(|| err(codes::MISSING_FIELD, "a message needs 'content'"))?;
+        out.push(ChatMessage::new(
+            string("role", role)?,
+            string("content", content)?,
+        ));
+    }
+    Ok(out)
+}
+
+fn speculation(v: &Value) -> Result<SpeculationRequest, ServeError> {
+    let Value::Object(o) = v else {
+        return Err(wrong_type("speculation", "an object", v));
+    };
+    let mut s = SpeculationRequest::default();
+    for (k, v) in o {
+        match k.as_str() {
+            "draft" => s.drafters = Some(strings("speculation.draft", v)?),
+            "tree" => s.depth = Some(uint("speculation.tree", v, 1024)? as usize),
+            "budget" => s.budget = Some(uint("speculation.budget", v, 1 << 16)? as usize),
+            "adaptive" => s.adaptive = Some(boolean("speculation.adaptive", v)?),
+            "verify" => {
+                s.verify = Some(
+                    string("speculation.verify", v)?
+                        .parse::<VerifyMode>()
+                        .map_err(ServeError::from)?,
+                )
+            }
+            other => {
+                return Err(err(
+                    codes::UNKNOWN_FIELD,
+                    format!(
+                        "unknown speculation field '{}' ({})",
+                        truncate(other),
+                        SPEC_FIELDS.join(", ")
+                    ),
+                ))
+            }
+        }
+    }
+    Ok(s)
+}
+
+/// The line for an event of the request the client calls `id` (`None`: a token event of a
+/// request that does not stream).
+pub fn event_line(id: &Value, ev: &Event, stream: bool) -> Option<String> {
+    let v = match ev {
+        Event::Tokens { tokens, text, .. } => {
+            if !stream {
+                return None;
+            }
+            json!({"id": id, "text": text, "tokens": tokens})
+        }
+        Event::Done(c) => {
+            let mut v = json!({
+                "id": id,
+                "done": true,
+                "finish_reason": c.finish_reason.as_str(),
+                "usage": {
+                    "prompt_tokens": c.usage.prompt_tokens,
+                    "completion_tokens": c.usage.completion_tokens,
+                    "cached_prompt_tokens": c.usage.cached_prompt_tokens,
+                },
+                "spec": c.spec.map(|s| json!({
+                    "steps": s.steps,
+                    "drafted": s.drafted,
+                    "accepted": s.accepted,
+                    "mean_accepted": s.mean_accepted,
+                })),
+                "timing": {
+                    "queue_ms": c.timing.queue_ms,
+                    "ttft_ms": c.timing.ttft_ms,
+                    "total_ms": c.timing.total_ms,
+                },
+            });
+            if !stream {
+                v["text"] = Value::String(c.text.clone());
+                v["tokens"] = json!(c.tokens);
+            }
+            v
+        }
+        Event::Error { error, .. } => return Some(error_line(Some(id), error)),
+    };
+    Some(v.to_string())
+}
+
+pub fn error_line(id: Option<&Value>, e: &ServeError) -> String {
+    json!({
+        "id": id.cloned().unwrap_or(Value::Null),
+        "error": {"code": e.code, "message": e.message},
+    })
+    .to_string()
+}
+
+pub fn stats_line(s: &EngineStats, connections: usize) -> String {
+    json!({"stats": {
+        "running": s.running,
+        "waiting": s.waiting,
+        "preempted": s.preempted,
+        "kv_blocks_total": s.kv_blocks_total,
+        "kv_blocks_used": s.kv_blocks_used,
+        "kv_blocks_cached": s.kv_blocks_cached,
+        "kv_blocks_free": s.kv_blocks_free,
+        "prefix_hit_rate": s.prefix_hit_rate,
+        "mean_accepted": s.mean_accepted,
+        "tok_s": s.tok_s,
+        "drafter_failures": s.drafter_failures,
+        "completed": s.completed,
+        "cancelled": s.cancelled,
+        "failed": s.failed,
+        "slow_readers": s.slow_readers,
+        "steps": s.steps,
+        "connections": connections,
+    }})
+    .to_string()
+}
+
+pub fn health_line(info: &EngineInfo) -> String {
+    json!({"health": "ok", "model": info.model, "context_length": info.context_length,
+           "drafters": info.drafters})
+    .to_string()
+}

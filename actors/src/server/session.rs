@@ -1,0 +1,340 @@
+//! One TCP connection: frames lines, answers each with its own error code when it is bad, multiplexes the connection's requests by id, and cancels them all when the client goes away or stops reading.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use serde_json::Value;
+use subtle::ConstantTimeEq;
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, watch};
+use tokio_util::codec::FramedRead;
+
+use super::codec::{Frame, LineCodec};
+use super::protocol::{self, ClientLine, LineError};
+use super::{ServerConfig, ServerCounters};
+use crate::api::Engine;
+use crate::error::{codes, ServeError};
+use crate::events::{Event, RequestId};
+use crate::messages::EventSink;
+
+struct InFlight {
+    client_id: Value,
+    stream: bool,
+    span: tracing::Span,
+}
+
+pub(super) struct Session {
+    engine: Arc<Engine>,
+    config: Arc<ServerConfig>,
+    counters: Arc<ServerCounters>,
+    closing: watch::Receiver<bool>,
+    authed: bool,
+    in_flight: HashMap<RequestId, InFlight>,
+    /// Canonical JSON of a client id → engine id (duplicates are refused).
+    by_client: HashMap<String, RequestId>,
+}
+
+/// Why a session ended.
+#[derive(Debug, PartialEq, Eq)]
+enum End {
+    ClientClosed,
+    WriteFailed,
+    SlowReader,
+    Shutdown,
+}
+
+impl Session {
+    pub(super) fn new(
+        engine: Arc<Engine>,
+        config: Arc<ServerConfig>,
+        counters: Arc<ServerCounters>,
+        closing: watch::Receiver<bool>,
+    ) -> Session {
+        let authed = config.auth_token.is_none();
+        Session {
+            engine,
+            config,
+            counters,
+            closing,
+            authed,
+            in_flight: HashMap::new(),
+            by_client: HashMap::new(),
+        }
+    }
+
+    pub(super) async fn run(mut self, stream: TcpStream) {
+        tracing::debug!("connected");
+        if let Some(n) = self.config.send_buffer_bytes {
+            let _ = socket2::SockRef::from(&stream).set_send_buffer_size(n);
+        }
+        let _ = stream.set_nodelay(true);
+        let (rd, wr) = stream.into_split();
+        let (out_tx, out_rx) = mpsc::channel::<String>(self.config.out_queue_lines.max(1));
+        let write_failed = Arc::new(AtomicBool::new(false));
+        let writer = tokio::spawn(write_lines(wr, out_rx, Arc::clone(&write_failed)));
+        let (ev_tx, mut ev_rx) = mpsc::channel::<Event>(self.config.event_queue.max(1));
+        let overflowed = Arc::new(AtomicBool::new(false));
+        let sink = EventSink::Bounded {
+            tx: ev_tx,
+            overflowed: Arc::clone(&overflowed),
+        };
+        let mut lines = FramedRead::new(rd, LineCodec::new(self.config.max_line_bytes));
+        let mut tick = tokio::time::interval(Duration::from_millis(50));
+        let end = loop {
+            if overflowed.load(Ordering::Relaxed) {
+                break End::SlowReader;
+            }
+            if write_failed.load(Ordering::Relaxed) {
+                break End::WriteFailed;
+            }
+            if *self.closing.borrow() && self.in_flight.is_empty() {
+                break End::Shutdown;
+            }
+            tokio::select! {
+                frame = lines.next() => match frame {
+                    None | Some(Err(_)) => break End::ClientClosed,
+                    Some(Ok(frame)) => {
+                        let reply = self.on_frame(frame, &sink).await;
+                        for line in reply {
+                            if out_tx.try_send(line).is_err() {
+                                overflowed.store(true, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                },
+                ev = ev_rx.recv() => {
+                    let Some(ev) = ev else { break End::Shutdown };
+                    if let Some(line) = self.on_event(ev) {
+                        if out_tx.try_send(line).is_err() {
+                            overflowed.store(true, Ordering::Relaxed);
+                        }
+                    }
+                }
+                _ = tick.tick() => {}
+                _ = self.closing.changed() => {}
+            }
+        };
+        match end {
+            End::SlowReader => {
+                self.counters.slow_readers.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    requests = self.in_flight.len(),
+                    "client stopped reading: its requests are cancelled, connection closed"
+                );
+            }
+            End::ClientClosed | End::WriteFailed if !self.in_flight.is_empty() => {
+                tracing::info!(
+                    requests = self.in_flight.len(),
+                    "client went away: its requests are cancelled"
+                );
+            }
+            _ => {}
+        }
+        for (&id, f) in &self.in_flight {
+            f.span
+                .in_scope(|| tracing::info!(request = id, "cancelled: connection ended"));
+            self.engine.cancel(id);
+        }
+        drop(out_tx);
+        if end == End::SlowReader || end == End::WriteFailed {
+            writer.abort();
+        } else {
+            let _ = tokio::time::timeout(Duration::from_secs(5), writer).await;
+        }
+        self.counters.connections.fetch_sub(1, Ordering::Relaxed);
+        tracing::debug!(?end, "disconnected");
+    }
+
+    /// The lines that answer one frame.
+    async fn on_frame(&mut self, frame: Frame, sink: &EventSink) -> Vec<String> {
+        let bytes = match frame {
+            Frame::TooLong { bytes } => {
+                self.counters.bad_lines.fetch_add(1, Ordering::Relaxed);
+                return vec![protocol::error_line(
+                    None,
+                    &ServeError::new(
+                        codes::LINE_TOO_LONG,
+                        format!(
+                            "a line of {bytes} bytes is over the limit of {} (dropped)",
+                            self.config.max_line_bytes
+                        ),
+                    ),
+                )];
+            }
+            Frame::Line(b) => b,
+        };
+        if bytes.iter().all(u8::is_ascii_whitespace) {
+            return Vec::new(); // blank lines are keep-alives
+        }
+        let parsed = protocol::parse_line(&bytes);
+        let line = match parsed {
+            Ok(l) => l,
+            Err(LineError { id, error }) => {
+                self.counters.bad_lines.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(code = error.code, "bad line");
+                return vec![protocol::error_line(id.as_ref(), &error)];
+            }
+        };
+        if !self.authed {
+            return match line {
+                ClientLine::Auth(t) => {
+                    let want = self.config.auth_token.as_deref().unwrap_or_default();
+                    if bool::from(t.as_bytes().ct_eq(want.as_bytes())) {
+                        self.authed = true;
+                        vec![r#"{"auth":"ok"}"#.to_string()]
+                    } else {
+                        tracing::warn!("wrong auth token");
+                        vec![protocol::error_line(
+                            None,
+                            &ServeError::new(codes::UNAUTHORIZED, "wrong auth token"),
+                        )]
+                    }
+                }
+                ClientLine::Request { id, .. } | ClientLine::Cancel(id) => {
+                    vec![protocol::error_line(Some(&id), &unauthorized())]
+                }
+                _ => vec![protocol::error_line(None, &unauthorized())],
+            };
+        }
+        match line {
+            ClientLine::Auth(_) => vec![r#"{"auth":"ok"}"#.to_string()],
+            ClientLine::Health => vec![protocol::health_line(self.engine.info())],
+            ClientLine::Stats => {
+                let conns = self.counters.connections.load(Ordering::Relaxed);
+                match self.engine.stats_async().await {
+                    Some(mut s) => {
+                        s.slow_readers += self.counters.slow_readers.load(Ordering::Relaxed);
+                        vec![protocol::stats_line(&s, conns)]
+                    }
+                    None => vec![protocol::error_line(
+                        None,
+                        &ServeError::new(codes::SHUTTING_DOWN, "the engine has stopped"),
+                    )],
+                }
+            }
+            ClientLine::Cancel(id) => match self.by_client.get(&id.to_string()) {
+                // The final `done` (cancelled) follows once the request's blocks are free.
+                Some(&eid) => {
+                    self.engine.cancel(eid);
+                    Vec::new()
+                }
+                None => vec![protocol::error_line(
+                    Some(&id),
+                    &ServeError::new(
+                        codes::UNKNOWN_ID,
+                        format!("no request {id} in flight on this connection"),
+                    ),
+                )],
+            },
+            ClientLine::Request { id, stream, req } => {
+                let key = id.to_string();
+                if self.by_client.contains_key(&key) {
+                    return vec![protocol::error_line(
+                        Some(&id),
+                        &ServeError::new(
+                            codes::DUPLICATE_ID,
+                            format!("request {id} is still in flight on this connection"),
+                        ),
+                    )];
+                }
+                if self.in_flight.len() >= self.config.max_requests_per_connection {
+                    return vec![protocol::error_line(
+                        Some(&id),
+                        &ServeError::new(
+                            codes::TOO_MANY_REQUESTS,
+                            format!(
+                                "this connection has {} requests in flight (the limit)",
+                                self.in_flight.len()
+                            ),
+                        ),
+                    )];
+                }
+                if *self.closing.borrow() {
+                    return vec![protocol::error_line(
+                        Some(&id),
+                        &ServeError::new(codes::SHUTTING_DOWN, "the server is shutting down"),
+                    )];
+                }
+                let valid = match self.engine.validate(*req) {
+                    Ok(v) => v,
+                    Err(e) => return vec![protocol::error_line(Some(&id), &e)],
+                };
+                match self.engine.submit_to(valid, sink.clone()) {
+                    Ok(eid) => {
+                        let span = tracing::info_span!("request", id = %id, engine_id = eid);
+                        span.in_scope(|| tracing::debug!(stream, "submitted"));
+                        self.by_client.insert(key, eid);
+                        self.in_flight.insert(
+                            eid,
+                            InFlight {
+                                client_id: id,
+                                stream,
+                                span,
+                            },
+                        );
+                        Vec::new()
+                    }
+                    Err(e) => vec![protocol::error_line(Some(&id), &e)],
+                }
+            }
+        }
+    }
+
+    fn on_event(&mut self, ev: Event) -> Option<String> {
+        let eid = ev.id();
+        let f = self.in_flight.get(&eid)?;
+        let line = protocol::event_line(&f.client_id, &ev, f.stream);
+        if ev.is_final() {
+            if let Some(f) = self.in_flight.remove(&eid) {
+                self.by_client.remove(&f.client_id.to_string());
+                f.span.in_scope(|| match &ev {
+                    Event::Done(c) => tracing::info!(
+                        finish = c.finish_reason.as_str(),
+                        prompt_tokens = c.usage.prompt_tokens,
+                        completion_tokens = c.usage.completion_tokens,
+                        total_ms = c.timing.total_ms,
+                        "done"
+                    ),
+                    Event::Error { error, .. } => {
+                        tracing::info!(code = error.code, error = %error.message, "failed")
+                    }
+                    Event::Tokens { .. } => {}
+                });
+            }
+        }
+        line
+    }
+}
+
+fn unauthorized() -> ServeError {
+    ServeError::new(
+        codes::UNAUTHORIZED,
+        "send {\"auth\": TOKEN} before anything else",
+    )
+}
+
+/// Write queued lines, flushing whenever the queue runs dry.
+async fn write_lines(
+    wr: tokio::net::tcp::OwnedWriteHalf,
+    mut rx: mpsc::Receiver<String>,
+    failed: Arc<AtomicBool>,
+) {
+    let mut wr = tokio::io::BufWriter::new(wr);
+    while let Some(mut line) = rx.recv().await {
+        line.push('\n');
+        if wr.write_all(line.as_bytes()).await.is_err() {
+            failed.store(true, Ordering::Relaxed);
+            return;
+        }
+        if rx.is_empty() && wr.flush().await.is_err() {
+            failed.store(true, Ordering::Relaxed);
+            return;
+        }
+    }
+    let _ = wr.flush().await;
+    let _ = wr.shutdown().await;
+}

@@ -1,0 +1,251 @@
+//! The Verifier actor: owns the LLM, the KV pool and the scheduler on a `SyncArbiter` thread; each `RunStep` runs one batched forward pass (prefill chunks, decode tokens, draft trees) with verification and commit (SpecInfer tree verification inside continuous batching).
+
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::time::Instant;
+
+use actix::{Actor, Handler, SyncContext};
+use arbor_engine::sched::{RequestSpec, Scheduler, SpecPolicy, StepCost};
+use arbor_engine::{CpuBackend, KvPool, Tokenizer};
+
+use crate::config::{DraftContext, DrafterFactory, EngineConfig};
+use crate::error::{codes, Result, ServeError};
+use crate::events::RequestId;
+use crate::messages::{Cancel, Enqueue, RunStep, StepReport, VerifierState};
+use crate::request::Input;
+
+pub struct Verifier {
+    sched: Scheduler<'static>,
+    backend: CpuBackend,
+    tokenizer: Arc<Tokenizer>,
+    drafters: Vec<DrafterFactory>,
+    max_prompt_tokens: usize,
+    /// Scheduler id → request id, and back.
+    to_req: HashMap<u64, RequestId>,
+    to_sched: HashMap<RequestId, u64>,
+    /// Replies so far (orders the states the Intake receives).
+    seq: u64,
+}
+
+impl Actor for Verifier {
+    type Context = SyncContext<Self>;
+}
+
+impl Verifier {
+    /// Build the pool and the scheduler; calibrate the step cost when drafters are configured
+    /// (adaptive speculation plans with it).
+    pub fn new(config: &EngineConfig) -> Result<Verifier> {
+        let model = Arc::clone(&config.model);
+        let backend = CpuBackend::new(config.threads).map_err(ServeError::from)?;
+        let pool = KvPool::with_memory(&model.config, config.kv_bytes());
+        let ctx = model.config.context_length;
+        let cost = if config.drafters.is_empty() {
+            None
+        } else {
+            let sizes = [1usize, 2, 4, 8, 16, 32, 64];
+            Some(StepCost::calibrate(
+                &model,
+                &backend,
+                &sizes,
+                128.min(ctx / 2).max(1),
+                2,
+            )?)
+        };
+        let mut sched = Scheduler::shared(
+            model,
+            Some(Arc::clone(&config.tokenizer)),
+            pool,
+            config.sched.clone(),
+        )?;
+        if let Some(c) = cost {
+            sched.set_step_cost(c);
+        }
+        let max_prompt_tokens = match config.limits.max_prompt_tokens {
+            0 => ctx,
+            n => n.min(ctx),
+        };
+        Ok(Verifier {
+            sched,
+            backend,
+            tokenizer: Arc::clone(&config.tokenizer),
+            drafters: config.drafters.clone(),
+            max_prompt_tokens,
+            to_req: HashMap::new(),
+            to_sched: HashMap::new(),
+            seq: 0,
+        })
+    }
+
+    fn state(&mut self, found: bool) -> VerifierState {
+        let st = self.sched.stats();
+        self.seq += 1;
+        VerifierState {
+            seq: self.seq,
+            found,
+            running: self.sched.n_running(),
+            waiting: self.sched.n_waiting(),
+            preempted: st.preemptions,
+            steps: st.steps,
+            pool: self.sched.pool().stats(),
+        }
+    }
+
+    fn enqueue(&mut self, msg: Enqueue) -> Result<usize> {
+        let req = msg.req;
+        let text = match &req.input {
+            Input::Prompt(p) => p.clone(),
+            Input::Messages(m) => self.tokenizer.apply_chat_template(m, true),
+        };
+        let prompt = self.tokenizer.encode_prompt(&text)?;
+        if prompt.is_empty() {
+            return Err(ServeError::new(
+                codes::EMPTY_PROMPT,
+                "the prompt has no tokens",
+            ));
+        }
+        if prompt.len() > self.max_prompt_tokens {
+            return Err(ServeError::new(
+                codes::PROMPT_TOO_LONG,
+                format!(
+                    "the prompt has {} tokens, the limit is {}",
+                    prompt.len(),
+                    self.max_prompt_tokens
+                ),
+            ));
+        }
+        let spec = match &req.speculation {
+            Some(sp) => {
+                let vocab = self.sched.model().config.vocab_size;
+                let mut drafters = Vec::with_capacity(sp.drafters.len());
+                for (k, &i) in sp.drafters.iter().enumerate() {
+                    let cx = DraftContext {
+                        seed: req.params.sampling.seed.wrapping_add(1 + k as u64),
+                        depth: sp.depth,
+                        vocab,
+                    };
+                    drafters.push(self.drafters[i].build(&cx)?);
+                }
+                Some(RequestSpec {
+                    drafters,
+                    budget: sp.budget,
+                    policy: if sp.adaptive && self.sched.step_cost().is_some() {
+                        SpecPolicy::Adaptive
+                    } else {
+                        SpecPolicy::Fixed
+                    },
+                    mode: sp.verify,
+                })
+            }
+            None => None,
+        };
+        let n = prompt.len();
+        let sid = self.sched.submit_spec(prompt, req.params, spec)?;
+        self.to_req.insert(sid, msg.id);
+        self.to_sched.insert(msg.id, sid);
+        Ok(n)
+    }
+
+    /// End every request after a step failed as a whole (their state is not trusted).
+    fn fail_all(&mut self, error: ServeError) -> Vec<(RequestId, ServeError)> {
+        let mut out = Vec::new();
+        for sid in self.sched.request_ids() {
+            self.sched.cancel(sid);
+            if let Some(id) = self.to_req.remove(&sid) {
+                self.to_sched.remove(&id);
+                out.push((id, error.clone()));
+            }
+        }
+        out
+    }
+}
+
+impl Handler<Enqueue> for Verifier {
+    type Result = Result<usize>;
+
+    fn handle(&mut self, msg: Enqueue, _: &mut SyncContext<Self>) -> Result<usize> {
+        match catch_unwind(AssertUnwindSafe(|| self.enqueue(msg))) {
+            Ok(r) => r,
+            Err(p) => Err(ServeError::internal(format!(
+                "queueing panicked: {}",
+                arbor_engine::spec::panic_message(&*p)
+            ))),
+        }
+    }
+}
+
+impl Handler<Cancel> for Verifier {
+    type Result = actix::MessageResult<Cancel>;
+
+    fn handle(&mut self, msg: Cancel, _: &mut SyncContext<Self>) -> Self::Result {
+        let found = match self.to_sched.remove(&msg.id) {
+            Some(sid) => {
+                self.to_req.remove(&sid);
+                self.sched.cancel(sid)
+            }
+            None => false,
+        };
+        actix::MessageResult(self.state(found))
+    }
+}
+
+impl Handler<RunStep> for Verifier {
+    type Result = actix::MessageResult<RunStep>;
+
+    fn handle(&mut self, msg: RunStep, _: &mut SyncContext<Self>) -> Self::Result {
+        let started = Instant::now();
+        let mut failed = Vec::new();
+        let stepped = catch_unwind(AssertUnwindSafe(|| self.sched.step(&self.backend)));
+        let mut events = match stepped {
+            Ok(Ok(events)) => events,
+            Ok(Err(e)) => {
+                failed = self.fail_all(ServeError::from(e));
+                Vec::new()
+            }
+            Err(p) => {
+                failed = self.fail_all(ServeError::internal(format!(
+                    "the step panicked: {}",
+                    arbor_engine::spec::panic_message(&*p)
+                )));
+                Vec::new()
+            }
+        };
+        let mut running_ids: Vec<RequestId> = self
+            .sched
+            .running_ids()
+            .iter()
+            .filter_map(|sid| self.to_req.get(sid).copied())
+            .collect();
+        events.retain_mut(|ev| match self.to_req.get(&ev.id) {
+            Some(&id) => {
+                if ev.finish.is_some() {
+                    self.to_req.remove(&ev.id);
+                    self.to_sched.remove(&id);
+                }
+                ev.id = id;
+                running_ids.push(id);
+                true
+            }
+            None => false,
+        });
+        let drafter_failures = self
+            .sched
+            .take_drafter_failures()
+            .into_iter()
+            .map(|mut f| {
+                f.id = self.to_req.get(&f.id).copied().unwrap_or(f.id);
+                f
+            })
+            .collect();
+        actix::MessageResult(StepReport {
+            step: msg.step,
+            started,
+            running_ids,
+            events,
+            failed,
+            drafter_failures,
+            state: self.state(false),
+            idle: self.sched.is_idle(),
+        })
+    }
+}

@@ -1,0 +1,754 @@
+//! The TCP server end to end on loopback with smollm2-135m: outputs equal `arbor generate`'s, many clients get exactly their own outputs, hostile input is answered code by code while a good request completes, cancellation and disconnects free KV blocks, failing drafters, auth, overload, slow readers, shutdown, and a fuzz test over arbitrary lines.
+
+mod common;
+#[path = "server/harness.rs"]
+mod harness;
+
+use std::time::Duration;
+
+use arbor_actors::server::ServerConfig;
+use arbor_actors::{DraftContext, DrafterFactory, Limits};
+use arbor_engine::draft::{DraftRequest, Drafter, NgramDrafter};
+use arbor_engine::spec::{self, SpecParams};
+use arbor_engine::tree::TokenTree;
+use arbor_engine::{generate, EngineError, GenerateParams, SamplingParams};
+use harness::{code, engine_config, streamed, Client, TestServer};
+use serde_json::{json, Value};
+
+const PROMPTS: [&str; 4] = [
+    "def fibonacci(n):",
+    "The capital of France is",
+    "```python\nimport numpy as np\nx = np.arange(10)\n",
+    "Once upon a time, in a small village,",
+];
+
+fn params(max_tokens: usize, temperature: f32, seed: u64) -> GenerateParams {
+    GenerateParams {
+        max_tokens,
+        sampling: SamplingParams {
+            temperature,
+            seed,
+            ..SamplingParams::default()
+        },
+        ..GenerateParams::default()
+    }
+}
+
+/// What `arbor generate` prints for this prompt (with `--draft ngram` when `spec` is set).
+fn reference(prompt: &str, p: &GenerateParams, spec: Option<bool>) -> (String, Vec<u32>) {
+    let m = common::smollm2();
+    let be = common::backend();
+    let ids = m.tok.encode_prompt(prompt).expect("encode");
+    match spec {
+        None => {
+            let o = generate(&m.model, be, &m.tok, &ids, p, |_| {}).expect("generate");
+            (o.text, o.tokens)
+        }
+        Some(adaptive) => {
+            let d = NgramDrafter::default();
+            let mut ng = NgramDrafter::new(d.max_n, 1, 8, d.max_matches).expect("ngram");
+            let mut ds: Vec<&mut dyn Drafter> = vec![&mut ng];
+            let sp = SpecParams {
+                budget: 64,
+                mode: None,
+                adaptive,
+            };
+            let o = spec::generate(&m.model, be, &m.tok, &ids, p, &sp, &mut ds, |_| {})
+                .expect("spec generate");
+            (o.output.text, o.output.tokens)
+        }
+    }
+}
+
+fn request(id: Value, prompt: &str, p: &GenerateParams) -> Value {
+    json!({
+        "id": id,
+        "prompt": prompt,
+        "max_tokens": p.max_tokens,
+        "temperature": p.sampling.temperature,
+        "seed": p.sampling.seed,
+    })
+}
+
+#[test]
+fn streamed_text_equals_generate_with_and_without_speculation() {
+    let server = TestServer::start(
+        engine_config(vec![DrafterFactory::ngram(3).expect("ngram")]),
+        ServerConfig::default(),
+    );
+    let mut c = server.client();
+    let mut n = 0;
+    // (temperature, speculation): greedy plain and speculative (adaptive by default), sampled
+    // plain and with a fixed speculation config.
+    for (temperature, spec) in [
+        (0.0f32, None),
+        (0.0, Some(true)),
+        (0.8, None),
+        (0.8, Some(false)),
+    ] {
+        for (i, prompt) in PROMPTS.iter().enumerate() {
+            let p = params(24, temperature, 11 + i as u64);
+            let mut req = request(json!(format!("r{n}")), prompt, &p);
+            n += 1;
+            req["speculation"] = match spec {
+                None => json!({"draft": []}),
+                Some(adaptive) => json!({"draft": ["ngram"], "adaptive": adaptive}),
+            };
+            let (events, fin) = c.run(&req);
+            assert_eq!(fin["done"], true, "{fin}");
+            let (text, toks) = streamed(&events);
+            let (want_text, want_toks) = reference(prompt, &p, spec);
+            assert_eq!(
+                toks, want_toks,
+                "tokens of {prompt:?} t={temperature} spec={spec:?}"
+            );
+            assert_eq!(
+                text, want_text,
+                "text of {prompt:?} t={temperature} spec={spec:?}"
+            );
+            assert_eq!(fin["usage"]["completion_tokens"], want_toks.len());
+            assert_eq!(fin["spec"].is_null(), spec.is_none(), "{fin}");
+            // Not streamed: the final line carries the whole text.
+            let mut req2 = req.clone();
+            req2["id"] = json!(format!("r{n}"));
+            n += 1;
+            req2["stream"] = json!(false);
+            let (events, fin) = c.run(&req2);
+            assert!(events.is_empty(), "no token lines when not streaming");
+            assert_eq!(fin["text"], json!(want_text));
+        }
+    }
+}
+
+#[test]
+fn thirty_two_clients_over_eight_connections_get_their_own_outputs() {
+    let server = TestServer::plain();
+    let addr = server.addr;
+    let threads: Vec<_> = (0..8)
+        .map(|conn| {
+            std::thread::spawn(move || {
+                let mut c = Client::connect(addr);
+                let mut want = Vec::new();
+                for k in 0..4 {
+                    let i = conn * 4 + k;
+                    let prompt = PROMPTS[i % PROMPTS.len()];
+                    let temperature = if i % 2 == 0 { 0.0 } else { 0.9 };
+                    let p = params(10 + i % 5, temperature, 100 + i as u64);
+                    c.send(&request(json!(i), prompt, &p));
+                    want.push((i, prompt, p));
+                }
+                // Lines of the four requests interleave: collect per id.
+                let mut got: std::collections::HashMap<u64, (Vec<Value>, Option<Value>)> =
+                    Default::default();
+                while got.values().filter(|(_, f)| f.is_some()).count() < 4 {
+                    let v = c.recv();
+                    let id = v["id"].as_u64().expect("integer id");
+                    let e = got.entry(id).or_default();
+                    if v.get("done").is_some() || v.get("error").is_some() {
+                        assert!(e.1.is_none(), "two final lines for {id}");
+                        e.1 = Some(v);
+                    } else {
+                        assert!(e.1.is_none(), "a token line after the final one");
+                        e.0.push(v);
+                    }
+                }
+                (want, got)
+            })
+        })
+        .collect();
+    for t in threads {
+        let (want, got) = t.join().expect("client thread");
+        for (i, prompt, p) in want {
+            let (events, fin) = &got[&(i as u64)];
+            assert_eq!(fin.as_ref().expect("final")["done"], true);
+            let (text, toks) = streamed(events);
+            let (want_text, want_toks) = reference(prompt, &p, None);
+            assert_eq!(toks, want_toks, "request {i}");
+            assert_eq!(text, want_text, "request {i}");
+        }
+    }
+    let s = server.wait_stats("idle", |s| s["running"] == 0);
+    assert_eq!(s["kv_blocks_used"], 0, "{s}");
+    assert_eq!(s["completed"], 32, "{s}");
+}
+
+/// (line, expected code, whether the error line carries an id).
+fn hostile_lines() -> Vec<(Vec<u8>, &'static str)> {
+    let l = |s: &str| s.as_bytes().to_vec();
+    vec![
+        (b"\xff\xfe\xfd".to_vec(), "invalid_utf8"),
+        (b"{\"id\": \"\xc3\x28\"}".to_vec(), "invalid_utf8"),
+        (l("{not json"), "invalid_json"),
+        (l("{\"id\": 1,}"), "invalid_json"),
+        (l("\"just a string\""), "not_an_object"),
+        (l("[1, 2, 3]"), "not_an_object"),
+        (l("42"), "not_an_object"),
+        (l("null"), "not_an_object"),
+        (l(r#"{"prompt": "hi"}"#), "missing_field"),
+        (l(r#"{"id": "a1"}"#), "missing_field"),
+        (
+            l(r#"{"id": "a2", "prompt": "hi", "bogus": 1}"#),
+            "unknown_field",
+        ),
+        (
+            l(r#"{"id": "a3", "prompt": "hi", "speculation": {"depth": 2}}"#),
+            "unknown_field",
+        ),
+        (l(r#"{"cancel": "x", "extra": true}"#), "unknown_field"),
+        (
+            l(r#"{"id": "a4", "messages": [{"role": "user", "content": "hi", "name": "x"}]}"#),
+            "unknown_field",
+        ),
+        (l(r#"{"id": [1], "prompt": "hi"}"#), "invalid_type"),
+        (l(r#"{"id": 1.5, "prompt": "hi"}"#), "invalid_type"),
+        (l(r#"{"id": "a5", "prompt": 7}"#), "invalid_type"),
+        (
+            l(r#"{"id": "a6", "prompt": "hi", "max_tokens": "ten"}"#),
+            "invalid_type",
+        ),
+        (
+            l(r#"{"id": "a7", "prompt": "hi", "stream": "yes"}"#),
+            "invalid_type",
+        ),
+        (
+            l(r#"{"id": "a8", "prompt": "hi", "stop": [1]}"#),
+            "invalid_type",
+        ),
+        (l(r#"{"id": "a9", "messages": "hello"}"#), "invalid_type"),
+        (
+            l(r#"{"id": "b1", "prompt": "hi", "speculation": 3}"#),
+            "invalid_type",
+        ),
+        (l(r#"{"health": 1}"#), "invalid_type"),
+        (
+            l(r#"{"id": "b2", "prompt": "hi", "max_tokens": -1}"#),
+            "invalid_argument",
+        ),
+        (
+            l(r#"{"id": "b3", "prompt": "hi", "max_tokens": 0}"#),
+            "invalid_argument",
+        ),
+        (
+            l(r#"{"id": "b4", "prompt": "hi", "max_tokens": 100000000}"#),
+            "invalid_argument",
+        ),
+        (
+            l(r#"{"id": "b5", "prompt": "hi", "temperature": -0.5}"#),
+            "invalid_argument",
+        ),
+        (
+            l(r#"{"id": "b6", "prompt": "hi", "top_p": 0}"#),
+            "invalid_argument",
+        ),
+        (
+            l(r#"{"id": "b7", "prompt": "hi", "top_p": 1.5}"#),
+            "invalid_argument",
+        ),
+        (
+            l(r#"{"id": "b8", "prompt": "hi", "deadline_ms": 0}"#),
+            "invalid_argument",
+        ),
+        (
+            l(r#"{"id": "b9", "prompt": "hi", "min_tokens": 9, "max_tokens": 3}"#),
+            "invalid_argument",
+        ),
+        (
+            l(r#"{"id": "c1", "prompt": "hi", "speculation": {"draft": ["ssm"]}}"#),
+            "invalid_argument",
+        ),
+        (
+            l(
+                r#"{"id": "c2", "prompt": "hi", "speculation": {"verify": "greedy"}, "temperature": 0.7}"#,
+            ),
+            "invalid_argument",
+        ),
+        (
+            l(r#"{"id": "c3", "prompt": "hi", "speculation": {"verify": "magic"}}"#),
+            "invalid_argument",
+        ),
+        (
+            l(r#"{"id": "c4", "prompt": "hi", "messages": []}"#),
+            "invalid_argument",
+        ),
+        (
+            l(r#"{"id": "c5", "prompt": "hi", "stop": ["", "x"]}"#),
+            "invalid_argument",
+        ),
+        (
+            l(&format!(
+                r#"{{"id": "{}", "prompt": "hi"}}"#,
+                "x".repeat(300)
+            )),
+            "invalid_argument",
+        ),
+        (l(r#"{"health": false}"#), "invalid_argument"),
+        (l(r#"{"id": "c6", "prompt": ""}"#), "empty_prompt"),
+        (l(r#"{"id": "c7", "messages": []}"#), "empty_prompt"),
+        (
+            l(r#"{"id": "c8", "messages": [{"role": "wizard", "content": "hi"}]}"#),
+            "invalid_role",
+        ),
+        (
+            l(r#"{"id": "c9", "messages": [{"role": "user"}]}"#),
+            "missing_field",
+        ),
+        (l(r#"{"cancel": "never-sent"}"#), "unknown_id"),
+        (l(r#"{"cancel": {"x": 1}}"#), "invalid_type"),
+        (l(r#"{"auth": 5}"#), "invalid_type"),
+        (vec![b'a'; 5000], "line_too_long"),
+        (
+            l(&format!(
+                r#"{{"id": "d1", "prompt": "{}"}}"#,
+                "word ".repeat(900)
+            )),
+            "line_too_long",
+        ),
+        (
+            l(r#"{"id": "d2", "prompt": "hi", "max_tokens": 5000}"#),
+            "invalid_argument",
+        ),
+    ]
+}
+
+#[test]
+fn hostile_inputs_get_their_codes_while_a_good_request_completes() {
+    let mut cfg = engine_config(vec![DrafterFactory::ngram(3).expect("ngram")]);
+    cfg.limits.max_tokens = 4096;
+    let server = TestServer::start(
+        cfg,
+        ServerConfig {
+            max_line_bytes: 4096,
+            ..ServerConfig::default()
+        },
+    );
+    let p = params(40, 0.0, 1);
+    let (want_text, want_toks) = reference(PROMPTS[0], &p, None);
+    // The good request runs on its own connection; the hostile lines share another connection
+    // with a second good request.
+    let mut good = server.client();
+    let mut good_req = request(json!("good"), PROMPTS[0], &p);
+    good_req["speculation"] = json!({"draft": []});
+    good.send(&good_req);
+    let mut bad = server.client();
+    let mut bad_req = request(json!("good2"), PROMPTS[0], &p);
+    bad_req["speculation"] = json!({"draft": []});
+    bad.send(&bad_req);
+    let lines = hostile_lines();
+    assert!(lines.len() >= 30);
+    let mut good2 = Vec::new();
+    for (line, want) in &lines {
+        let mut bytes = line.clone();
+        bytes.push(b'\n');
+        bad.send_raw(&bytes);
+        // Answers to this connection's good request may come in between.
+        let answer = loop {
+            let v = bad.recv();
+            if v["id"] == "good2" {
+                good2.push(v);
+                continue;
+            }
+            break v;
+        };
+        assert_eq!(
+            code(&answer),
+            *want,
+            "line {:?} got {answer}",
+            String::from_utf8_lossy(&line[..line.len().min(80)])
+        );
+    }
+    // A duplicate id while "good2" runs (unless it already finished), then the connection
+    // still serves.
+    let fin2 = if good2.iter().any(|v| v.get("done").is_some()) {
+        good2.pop().expect("final")
+    } else {
+        bad.send(&bad_req);
+        let v = loop {
+            let v = bad.recv();
+            if v.get("error").is_some() || v.get("done").is_some() {
+                break v;
+            }
+            good2.push(v);
+        };
+        if v.get("error").is_some() {
+            assert_eq!(code(&v), "duplicate_id", "{v}");
+            assert_eq!(v["id"], "good2");
+            loop {
+                let v = bad.recv();
+                if v.get("done").is_some() {
+                    break v;
+                }
+                good2.push(v);
+            }
+        } else {
+            v // finished just before the duplicate arrived: the duplicate runs as a new request
+        }
+    };
+    assert_eq!(fin2["done"], true, "{fin2}");
+    let (text, toks) = streamed(&good2);
+    assert_eq!(toks[..], want_toks[..toks.len()]);
+    // The other connection's request is untouched by all of it.
+    let mut events = Vec::new();
+    let fin = loop {
+        let v = good.recv();
+        if v.get("done").is_some() || v.get("error").is_some() {
+            break v;
+        }
+        events.push(v);
+    };
+    assert_eq!(fin["done"], true, "{fin}");
+    let (text1, toks1) = streamed(&events);
+    assert_eq!(toks1, want_toks);
+    assert_eq!(text1, want_text);
+    assert!(want_text.starts_with(&text) || text == want_text);
+    // Both connections still work.
+    bad.send(&json!({"health": true}));
+    let mut h = bad.recv();
+    while h.get("health").is_none() {
+        h = bad.recv();
+    }
+    assert_eq!(h["health"], "ok");
+}
+
+#[test]
+fn disconnect_and_cancel_free_the_kv_blocks() {
+    let server = TestServer::plain();
+    // Cancel: the final line says cancelled, and blocks are free once it is read.
+    let mut c = server.client();
+    c.send(&json!({"id": "long", "prompt": PROMPTS[3], "max_tokens": 3000, "ignore_eos": true}));
+    let first = c.recv();
+    assert_eq!(first["id"], "long", "{first}");
+    // Its id is taken while it runs.
+    c.send(&json!({"id": "long", "prompt": "hi"}));
+    let dup = loop {
+        let v = c.recv();
+        if v.get("error").is_some() {
+            break v;
+        }
+    };
+    assert_eq!(code(&dup), "duplicate_id", "{dup}");
+    c.send(&json!({"cancel": "long"}));
+    let fin = loop {
+        let v = c.recv();
+        if v.get("done").is_some() {
+            break v;
+        }
+    };
+    assert_eq!(fin["finish_reason"], "cancelled", "{fin}");
+    let s = c.stats();
+    assert_eq!(s["kv_blocks_used"], 0, "after cancel: {s}");
+    assert_eq!(s["running"], 0, "{s}");
+    assert_eq!(s["cancelled"], 1);
+    // Cancelling a finished request is an unknown id.
+    c.send(&json!({"cancel": "long"}));
+    assert_eq!(code(&c.recv()), "unknown_id");
+    // Disconnect mid-stream.
+    let mut d = server.client();
+    d.send(&json!({"id": 1, "prompt": PROMPTS[1], "max_tokens": 3000, "ignore_eos": true}));
+    let _ = d.recv();
+    let _ = d.recv();
+    drop(d);
+    let s = server.wait_stats("cancellation after disconnect", |s| s["cancelled"] == 2);
+    assert_eq!(s["kv_blocks_used"], 0, "after disconnect: {s}");
+    assert_eq!(s["running"], 0, "{s}");
+}
+
+/// A drafter that proposes a chain of the root repeated, then fails: by error or by panic.
+struct FailingDrafter {
+    proposals: usize,
+    fail_after: usize,
+    panic: bool,
+}
+
+impl Drafter for FailingDrafter {
+    fn name(&self) -> &str {
+        if self.panic {
+            "panicking"
+        } else {
+            "erroring"
+        }
+    }
+
+    fn propose(&mut self, req: &DraftRequest<'_>) -> arbor_engine::Result<TokenTree> {
+        self.proposals += 1;
+        if self.proposals > self.fail_after {
+            if self.panic {
+                panic!("drafter bug (test)");
+            }
+            return Err(EngineError::InvalidArgument(
+                "drafter failure (test)".into(),
+            ));
+        }
+        let n = req.budget.min(req.max_depth).min(2);
+        Ok(TokenTree::chain(
+            req.root(),
+            &vec![req.root(); n],
+            req.drafter,
+        ))
+    }
+}
+
+#[test]
+fn a_failing_drafter_does_not_change_greedy_output() {
+    let factory = |panic: bool| {
+        DrafterFactory::new(
+            if panic { "panicking" } else { "erroring" },
+            move |_: &DraftContext| {
+                Ok(Box::new(FailingDrafter {
+                    proposals: 0,
+                    fail_after: 3,
+                    panic,
+                }) as Box<dyn Drafter>)
+            },
+        )
+    };
+    let server = TestServer::start(
+        engine_config(vec![
+            factory(true),
+            factory(false),
+            DrafterFactory::ngram(3).expect("ngram"),
+        ]),
+        ServerConfig::default(),
+    );
+    let mut c = server.client();
+    for (i, prompt) in PROMPTS.iter().enumerate() {
+        let p = params(20, 0.0, 0);
+        let mut req = request(json!(i), prompt, &p);
+        req["speculation"] = json!({"adaptive": false});
+        let (events, fin) = c.run(&req);
+        assert_eq!(fin["done"], true, "{fin}");
+        let (text, toks) = streamed(&events);
+        let (want_text, want_toks) = reference(prompt, &p, None);
+        assert_eq!(toks, want_toks, "{prompt:?}");
+        assert_eq!(text, want_text);
+    }
+    let s = c.stats();
+    assert_eq!(s["drafter_failures"], 2 * PROMPTS.len() as u64, "{s}");
+}
+
+#[test]
+fn auth_is_required_when_configured() {
+    let server = TestServer::start(
+        engine_config(vec![]),
+        ServerConfig {
+            auth_token: Some("s3cret".into()),
+            ..ServerConfig::default()
+        },
+    );
+    let mut c = server.client();
+    c.send(&json!({"health": true}));
+    assert_eq!(code(&c.recv()), "unauthorized");
+    c.send(&json!({"id": 1, "prompt": "hi", "max_tokens": 2}));
+    let v = c.recv();
+    assert_eq!(code(&v), "unauthorized");
+    assert_eq!(v["id"], 1);
+    c.send(&json!({"auth": "wrong"}));
+    assert_eq!(code(&c.recv()), "unauthorized");
+    c.send(&json!({"auth": "s3cret"}));
+    assert_eq!(c.recv()["auth"], "ok");
+    let (_, fin) = c.run(&json!({"id": 2, "prompt": "hi", "max_tokens": 2}));
+    assert_eq!(fin["done"], true, "{fin}");
+    // Each connection authenticates for itself.
+    let mut c2 = server.client();
+    c2.send(&json!({"stats": true}));
+    assert_eq!(code(&c2.recv()), "unauthorized");
+    // Without a token configured nothing is asked.
+    let open = TestServer::plain();
+    let mut c3 = open.client();
+    let (_, fin) = c3.run(&json!({"id": 3, "prompt": "hi", "max_tokens": 2}));
+    assert_eq!(fin["done"], true);
+}
+
+#[test]
+fn overload_limits_answer_with_their_codes() {
+    let mut cfg = engine_config(vec![]);
+    cfg.limits = Limits {
+        max_waiting: 1,
+        ..Limits::default()
+    };
+    cfg.sched.max_running = 1;
+    let server = TestServer::start(
+        cfg,
+        ServerConfig {
+            max_requests_per_connection: 2,
+            ..ServerConfig::default()
+        },
+    );
+    let long =
+        |id: &str| json!({"id": id, "prompt": PROMPTS[3], "max_tokens": 3000, "ignore_eos": true});
+    let mut c = server.client();
+    c.send(&long("a"));
+    let v = c.recv();
+    assert_eq!(v["id"], "a");
+    // "a" runs; "b" waits (the one waiting slot); a third on this connection is refused here.
+    c.send(&long("b"));
+    c.send(&long("c"));
+    let v = loop {
+        let v = c.recv();
+        if v["id"] == "c" {
+            break v;
+        }
+    };
+    assert_eq!(code(&v), "too_many_requests", "{v}");
+    // Another connection: the waiting queue is full.
+    let mut c2 = server.client();
+    c2.send(&long("d"));
+    let v = c2.recv();
+    assert_eq!(code(&v), "overloaded", "{v}");
+    assert_eq!(v["id"], "d");
+    c.send(&json!({"cancel": "a"}));
+    c.send(&json!({"cancel": "b"}));
+    let mut finals = 0;
+    while finals < 2 {
+        let v = c.recv();
+        if v.get("done").is_some() {
+            assert_eq!(v["finish_reason"], "cancelled");
+            finals += 1;
+        }
+    }
+    // With room again, requests are served.
+    let (_, fin) = c2.run(&json!({"id": "e", "prompt": "hi", "max_tokens": 3}));
+    assert_eq!(fin["done"], true, "{fin}");
+}
+
+#[test]
+fn a_slow_reader_is_cancelled_and_its_blocks_freed() {
+    let server = TestServer::start(
+        engine_config(vec![]),
+        ServerConfig {
+            out_queue_lines: 8,
+            event_queue: 8,
+            send_buffer_bytes: Some(4096),
+            ..ServerConfig::default()
+        },
+    );
+    let slow = std::net::TcpStream::connect(server.addr).expect("connect");
+    let _ = socket2::SockRef::from(&slow).set_recv_buffer_size(4096);
+    let mut w = slow.try_clone().expect("clone");
+    use std::io::Write;
+    for i in 0..4 {
+        let line =
+            json!({"id": i, "prompt": PROMPTS[i % 4], "max_tokens": 4000, "ignore_eos": true});
+        writeln!(w, "{line}").expect("write");
+    }
+    // Never read: the server must give up on this client instead of buffering forever.
+    let s = server.wait_stats("slow reader", |s| {
+        s["slow_readers"].as_u64() >= Some(1) && s["running"] == 0
+    });
+    assert_eq!(s["kv_blocks_used"], 0, "{s}");
+    // The server is fine.
+    let mut c = server.client();
+    let (_, fin) = c.run(&json!({"id": "ok", "prompt": "hi", "max_tokens": 3}));
+    assert_eq!(fin["done"], true);
+    drop(slow);
+}
+
+#[test]
+fn shutdown_ends_in_flight_requests_with_a_final_line() {
+    let mut server = TestServer::start(
+        engine_config(vec![]),
+        ServerConfig {
+            shutdown_grace: Duration::from_millis(300),
+            ..ServerConfig::default()
+        },
+    );
+    let mut c = server.client();
+    // One short request finishes within the grace; a long one is ended by the shutdown.
+    c.send(&json!({"id": "long", "prompt": PROMPTS[3], "max_tokens": 4000, "ignore_eos": true}));
+    let _ = c.recv();
+    c.send(&json!({"id": "short", "prompt": PROMPTS[1], "max_tokens": 4}));
+    std::thread::sleep(Duration::from_millis(50));
+    server.signal_shutdown();
+    let mut finals = std::collections::HashMap::new();
+    while let Some(v) = c.try_recv() {
+        if v.get("done").is_some() || v.get("error").is_some() {
+            finals.insert(v["id"].as_str().expect("id").to_string(), v);
+        }
+    }
+    assert_eq!(finals.len(), 2, "{finals:?}");
+    assert_eq!(finals["long"]["finish_reason"], "shutdown");
+    assert_eq!(finals["short"]["done"], true);
+    assert_eq!(finals["short"]["finish_reason"], "length");
+    server.shutdown();
+    assert!(
+        std::net::TcpStream::connect(server.addr).is_err(),
+        "no longer listening"
+    );
+}
+
+#[test]
+fn every_error_code_is_in_the_protocol_doc() {
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/protocol.md"))
+        .expect("docs/protocol.md");
+    for (code, _) in arbor_actors::codes::ALL {
+        assert!(
+            doc.contains(&format!("| `{code}` |")),
+            "docs/protocol.md has no table row for `{code}`"
+        );
+    }
+}
+
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+    use std::sync::OnceLock;
+
+    fn server() -> &'static TestServer {
+        static S: OnceLock<TestServer> = OnceLock::new();
+        S.get_or_init(|| {
+            TestServer::start(
+                engine_config(vec![]),
+                ServerConfig {
+                    max_line_bytes: 512,
+                    ..ServerConfig::default()
+                },
+            )
+        })
+    }
+
+    fn line() -> impl Strategy<Value = Vec<u8>> {
+        prop_oneof![
+            proptest::collection::vec(any::<u8>(), 0..600),
+            "[ -~]{0,80}".prop_map(String::into_bytes),
+            (
+                "[a-z_]{1,12}",
+                prop_oneof![
+                    Just("1".to_string()),
+                    Just("\"x\"".to_string()),
+                    Just("[]".to_string()),
+                    Just("{}".to_string()),
+                    Just("null".to_string()),
+                    Just("-3.5".to_string()),
+                ]
+            )
+                .prop_map(
+                    |(k, v)| format!(r#"{{"id": "f", "prompt": "a", "{k}": {v}}}"#).into_bytes()
+                ),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+        #[test]
+        fn arbitrary_lines_never_kill_the_connection(lines in proptest::collection::vec(line(), 1..6)) {
+            let mut c = server().client();
+            for l in &lines {
+                // Lines are framed by newlines: embedded ones split a line into several.
+                let clean: Vec<u8> = l.iter().copied().filter(|&b| b != b'\n').collect();
+                let mut bytes = clean;
+                bytes.push(b'\n');
+                c.send_raw(&bytes);
+            }
+            c.send(&json!({"health": true}));
+            // Every line before the health check is answered or ignored (blank) without
+            // closing the connection; a request that was valid may stream and finish.
+            loop {
+                let v = c.try_recv();
+                prop_assert!(v.is_some(), "connection closed after {:?}", lines);
+                let v = v.unwrap_or_default();
+                if v.get("health").is_some() {
+                    break;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,113 @@
+//! `arbor serve`: load a model, start the engine's actors and serve the line-delimited JSON protocol on TCP until SIGINT/SIGTERM.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use arbor_actors::server::{self, ServerConfig};
+use arbor_actors::{DrafterFactory, Engine, EngineConfig, Limits};
+
+/// What `arbor serve` was asked for.
+#[derive(Clone, Debug)]
+pub struct ServeOptions {
+    pub model_path: std::path::PathBuf,
+    pub threads: usize,
+    pub drafters: Vec<String>,
+    pub listen: String,
+    pub kv_memory: usize,
+    pub auth_token: Option<String>,
+    pub limits: Limits,
+    pub server: ServerConfig,
+    pub spec_budget: usize,
+    pub spec_depth: usize,
+}
+
+/// Build the engine config from the options (drafters checked before the model loads).
+pub fn engine_config(o: &ServeOptions) -> anyhow::Result<EngineConfig> {
+    let drafters = o
+        .drafters
+        .iter()
+        .map(|d| DrafterFactory::parse(d))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut config = EngineConfig::open(&o.model_path)?;
+    config.threads = o.threads;
+    config.kv_memory = Some(o.kv_memory);
+    config.drafters = drafters;
+    config.limits = o.limits.clone();
+    config.spec_budget = o.spec_budget;
+    config.spec_depth = o.spec_depth;
+    Ok(config)
+}
+
+/// Run the server until a signal; in-flight requests get the grace period.
+pub fn run(o: ServeOptions) -> anyhow::Result<()> {
+    let config = engine_config(&o)?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let listener = server::bind(&o.listen)
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", o.listen))?;
+        let addr = listener.local_addr()?;
+        let engine = Arc::new(Engine::start(config)?);
+        tracing::info!(
+            kv_memory = engine.info().kv_memory,
+            drafters = ?engine.info().drafters,
+            auth = o.auth_token.is_some(),
+            "engine started"
+        );
+        {
+            use std::io::Write;
+            let mut out = std::io::stdout().lock();
+            writeln!(out, "arbor: listening on {addr}")?;
+            out.flush()?;
+        }
+        let mut server_config = o.server.clone();
+        server_config.auth_token = o.auth_token.clone();
+        server::serve(engine, listener, server_config, shutdown_signal()).await?;
+        Ok(())
+    })
+}
+
+/// SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = match signal(SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot watch SIGTERM");
+                let _ = tokio::signal::ctrl_c().await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT"),
+            _ = term.recv() => tracing::info!("SIGTERM"),
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// Logs to stderr through `tracing` (`RUST_LOG`, default `info`), as text or JSON lines.
+pub fn init_logging(json: bool) {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = if json {
+        b.json().try_init()
+    } else {
+        b.try_init()
+    };
+}
+
+/// Seconds as a `Duration` (CLI values).
+pub fn secs(s: f64) -> Duration {
+    Duration::from_secs_f64(s.max(0.0))
+}
