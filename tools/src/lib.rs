@@ -4,6 +4,7 @@ pub mod batch_bench;
 pub mod bench;
 pub mod fetch;
 pub mod serve;
+pub mod serve_bench;
 pub mod spec_bench;
 
 pub use fetch::{resolve_model, FetchError};

@@ -246,6 +246,18 @@ enum ModelsCmd {
 
 #[derive(Subcommand)]
 enum BenchCmd {
+    /// The server's own overhead: one streamed greedy request over loopback TCP against
+    /// `generate` in-process (decode tok/s, alternated in one run).
+    Serve {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[arg(long, default_value = "def fibonacci(n):")]
+        prompt: String,
+        #[arg(long, default_value_t = 128)]
+        tokens: usize,
+        #[arg(long, default_value_t = 5)]
+        reps: usize,
+    },
     /// Continuous batching: aggregate decode tok/s of N concurrent requests (one paged KV pool,
     /// one forward pass per step for all of them).
     Batch {
@@ -394,6 +406,51 @@ fn run(cli: Cli) -> Result<()> {
                     Format::Json => println!("{}", serde_json::to_string(&r)?),
                     Format::Text => print!("{}", arbor_tools::batch_bench::format_table(&r)),
                 }
+                Ok(())
+            }
+            BenchCmd::Serve {
+                model,
+                prompt,
+                tokens,
+                reps,
+            } => {
+                let path = fetch::resolve_model(&model.model)?;
+                let r = arbor_tools::serve_bench::serve_bench(
+                    &path,
+                    model.threads,
+                    &prompt,
+                    tokens,
+                    reps.max(1),
+                )?;
+                let cpu = std::fs::read_to_string("/proc/cpuinfo")
+                    .ok()
+                    .and_then(|s| {
+                        s.lines()
+                            .find(|l| l.starts_with("model name"))
+                            .and_then(|l| l.split(':').nth(1))
+                            .map(|s| s.trim().to_string())
+                    })
+                    .unwrap_or_default();
+                println!("# {} on {cpu}, {tokens} tokens, greedy, ignore_eos", model.model);
+                println!("| rep | generate decode tok/s | TCP stream decode tok/s | ratio |");
+                println!("|--:|--:|--:|--:|");
+                for (i, x) in r.iter().enumerate() {
+                    println!(
+                        "| {} | {:.1} | {:.1} | {:.3} |",
+                        i + 1,
+                        x.generate_tok_s,
+                        x.server_tok_s,
+                        x.server_tok_s / x.generate_tok_s
+                    );
+                }
+                let med = |mut v: Vec<f64>| {
+                    v.sort_by(f64::total_cmp);
+                    v[v.len() / 2]
+                };
+                let g = med(r.iter().map(|x| x.generate_tok_s).collect());
+                let sv = med(r.iter().map(|x| x.server_tok_s).collect());
+                let ratio = med(r.iter().map(|x| x.server_tok_s / x.generate_tok_s).collect());
+                println!("| median | {g:.1} | {sv:.1} | {ratio:.3} |");
                 Ok(())
             }
             BenchCmd::Decode {

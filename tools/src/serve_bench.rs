@@ -1,0 +1,106 @@
+//! `arbor bench serve`: the server's own overhead — one streamed greedy request over loopback TCP against `generate` in-process, same model, prompt and settings, alternated in one run.
+
+use std::io::{BufRead, BufReader, Write};
+use std::sync::Arc;
+use std::time::Instant;
+
+use arbor_actors::server::{self, ServerConfig};
+use arbor_actors::{Engine, EngineConfig};
+use arbor_engine::{generate, CpuBackend, GenerateParams, Model, Tokenizer};
+use serde_json::{json, Value};
+
+/// One repetition's decode rates (tokens after the first per second).
+#[derive(Clone, Copy, Debug)]
+pub struct ServeRep {
+    pub generate_tok_s: f64,
+    pub server_tok_s: f64,
+}
+
+/// Alternate `reps` runs of `generate` and of the same request through the TCP server.
+pub fn serve_bench(
+    model_path: &std::path::Path,
+    threads: usize,
+    prompt: &str,
+    tokens: usize,
+    reps: usize,
+) -> anyhow::Result<Vec<ServeRep>> {
+    let model = Arc::new(Model::open(model_path)?);
+    let tok = Arc::new(Tokenizer::from_gguf(model.gguf())?);
+    let backend = CpuBackend::new(threads)?;
+    let mut config = EngineConfig::new(Arc::clone(&model), Arc::clone(&tok));
+    config.threads = threads;
+    config.kv_memory = Some(256 << 20);
+    let engine = Arc::new(Engine::start(config)?);
+    let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let e = Arc::clone(&engine);
+    let server_thread = std::thread::spawn(move || -> anyhow::Result<()> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        rt.block_on(async move {
+            let l = server::bind("127.0.0.1:0").await?;
+            addr_tx.send(l.local_addr()?)?;
+            server::serve(e, l, ServerConfig::default(), async {
+                let _ = stop_rx.await;
+            })
+            .await?;
+            Ok(())
+        })
+    });
+    let addr = addr_rx.recv()?;
+    let ids = tok.encode_prompt(prompt)?;
+    let params = GenerateParams {
+        max_tokens: tokens,
+        ignore_eos: true,
+        ..GenerateParams::default()
+    };
+    let stream = std::net::TcpStream::connect(addr)?;
+    stream.set_nodelay(true)?;
+    let mut w = stream.try_clone()?;
+    let mut r = BufReader::new(stream);
+    let mut out = Vec::new();
+    for rep in 0..reps + 1 {
+        let g = generate(&model, &backend, &tok, &ids, &params, |_| {})?;
+        let req = json!({"id": rep, "prompt": prompt, "max_tokens": tokens, "ignore_eos": true});
+        writeln!(w, "{req}")?;
+        let mut first: Option<(Instant, usize)> = None;
+        let mut last = Instant::now();
+        let mut n = 0usize;
+        loop {
+            let mut line = String::new();
+            if r.read_line(&mut line)? == 0 {
+                anyhow::bail!("the server closed the connection");
+            }
+            let now = Instant::now();
+            let v: Value = serde_json::from_str(&line)?;
+            if v.get("error").is_some() {
+                anyhow::bail!("server error: {v}");
+            }
+            if v.get("done").is_some() {
+                break;
+            }
+            let k = v["tokens"].as_array().map_or(0, Vec::len);
+            n += k;
+            if first.is_none() {
+                first = Some((now, n));
+            }
+            last = now;
+        }
+        let (t0, n0) = first.ok_or_else(|| anyhow::anyhow!("no tokens streamed"))?;
+        let server_tok_s = (n - n0) as f64 / last.duration_since(t0).as_secs_f64();
+        if rep > 0 {
+            // The first repetition warms both paths.
+            out.push(ServeRep {
+                generate_tok_s: g.decode_tok_s(),
+                server_tok_s,
+            });
+        }
+    }
+    drop(w);
+    let _ = stop_tx.send(());
+    server_thread
+        .join()
+        .map_err(|_| anyhow::anyhow!("server thread panicked"))??;
+    Ok(out)
+}
