@@ -555,6 +555,7 @@ fn batched_adaptive_speculation_keeps_the_llm_distribution() {
             budget: 4,
             policy: SpecPolicy::Adaptive,
             mode: Some(VerifyMode::Mss),
+            external: false,
         };
         s.submit_spec(PROMPT.to_vec(), params, Some(spec)).unwrap();
     }

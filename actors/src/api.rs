@@ -11,9 +11,11 @@ use actix::{Actor, Addr, SyncArbiter};
 use parking_lot::Mutex;
 
 use crate::config::{EngineConfig, Limits};
+use crate::drafter::DrafterActor;
 use crate::error::{codes, Result, ServeError};
 use crate::events::{Completion, EngineStats, Event, RequestId};
 use crate::intake::Intake;
+use crate::merger::TreeMerger;
 use crate::messages::{CancelRequest, EventSink, GetStats, Shutdown, Submit};
 use crate::request::{Request, SpecLimits, ValidRequest};
 use crate::verifier::Verifier;
@@ -66,6 +68,8 @@ impl Engine {
         let stopped = Arc::new(AtomicBool::new(false));
         let stopped_in = Arc::clone(&stopped);
         let intake_limits = limits.clone();
+        let factories = config.drafters.clone();
+        let vocab = config.model.config.vocab_size;
         let thread = std::thread::Builder::new()
             .name("arbor-engine".into())
             .spawn(move || {
@@ -76,7 +80,17 @@ impl Engine {
                             .take()
                             .expect("the verifier is built once (SyncArbiter with one thread)")
                     });
-                    let _ = tx.send(Intake::new(verifier, intake_limits).start());
+                    // One thread per drafter, one for the merger.
+                    let drafters = factories
+                        .into_iter()
+                        .enumerate()
+                        .map(|(i, f)| {
+                            SyncArbiter::start(1, move || DrafterActor::new(i, f.clone(), vocab))
+                        })
+                        .collect();
+                    let merger = SyncArbiter::start(1, TreeMerger::default);
+                    let intake = Intake::new(verifier, drafters, merger, intake_limits).start();
+                    let _ = tx.send(intake);
                 });
                 if let Err(e) = sys.run() {
                     tracing::error!(error = %e, "engine event loop ended with an error");

@@ -1,6 +1,7 @@
 //! The Intake actor: queues validated requests, drives the Verifier one step at a time, streams each step's tokens to their requests' sinks, and owns cancellation, deadlines, overload limits and shutdown (continuous batching's request side, as in Orca / vLLM's engine core).
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::{Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, SpawnHandle, WrapFuture};
@@ -8,13 +9,15 @@ use arbor_engine::sched::Finish;
 use arbor_engine::FinishReason as EngineFinish;
 
 use crate::config::Limits;
+use crate::drafter::DrafterActor;
 use crate::error::{codes, ServeError};
 use crate::events::{
     Completion, EngineStats, Event, FinishReason, RequestId, SpecSummary, Timing, Usage,
 };
+use crate::merger::TreeMerger;
 use crate::messages::{
-    Cancel, CancelRequest, Enqueue, EventSink, GetStats, RunStep, Shutdown, SinkError, StepReport,
-    Submit, VerifierState,
+    Cancel, CancelRequest, CommitDrafts, Draft, Drafted, Enqueue, EventSink, Forget, GetStats,
+    Merge, PlanReply, PlanStep, Shutdown, SinkError, StepReport, Submit, VerifierState, Verify,
 };
 use crate::verifier::Verifier;
 
@@ -59,6 +62,8 @@ struct ShutdownState {
 
 pub struct Intake {
     verifier: Addr<Verifier>,
+    drafters: Vec<Addr<DrafterActor>>,
+    merger: Addr<TreeMerger>,
     limits: Limits,
     entries: HashMap<RequestId, Entry>,
     step: u64,
@@ -79,11 +84,20 @@ pub struct Intake {
 }
 
 const WINDOW: Duration = Duration::from_secs(10);
+/// A drafter that has not answered by then is skipped for the step.
+const DRAFT_TIMEOUT: Duration = Duration::from_secs(2);
 
 impl Intake {
-    pub fn new(verifier: Addr<Verifier>, limits: Limits) -> Intake {
+    pub fn new(
+        verifier: Addr<Verifier>,
+        drafters: Vec<Addr<DrafterActor>>,
+        merger: Addr<TreeMerger>,
+        limits: Limits,
+    ) -> Intake {
         Intake {
             verifier,
+            drafters,
+            merger,
             limits,
             entries: HashMap::new(),
             step: 0,
@@ -118,11 +132,72 @@ impl Intake {
         self.step += 1;
         self.step_in_flight = true;
         let step = self.step;
-        let fut = self.verifier.send(RunStep { step });
-        ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| {
+        // Plan → (drafters → merger →) verify: one chain of messages per step.
+        let verifier = self.verifier.clone();
+        let drafters = self.drafters.clone();
+        let merger = self.merger.clone();
+        let chain = async move {
+            let work = match verifier.send(PlanStep { step }).await? {
+                PlanReply::Ran(report) => return Ok((*report, Vec::new())),
+                PlanReply::Draft { work, .. } => work,
+            };
+            let asks = drafters.iter().map(|d| {
+                tokio::time::timeout(
+                    DRAFT_TIMEOUT,
+                    d.send(Draft {
+                        step,
+                        work: Arc::clone(&work),
+                    }),
+                )
+            });
+            let mut drafted: Vec<Drafted> = Vec::new();
+            let mut lost = Vec::new();
+            for (i, r) in futures_util::future::join_all(asks)
+                .await
+                .into_iter()
+                .enumerate()
+            {
+                match r {
+                    Ok(Ok(mut d)) if d.step == step => {
+                        for (id, why) in std::mem::take(&mut d.failures) {
+                            lost.push((i, format!("request {id}: {why}")));
+                        }
+                        drafted.push(d)
+                    }
+                    Ok(Ok(_)) => lost.push((i, "stale reply".to_string())),
+                    Ok(Err(e)) => lost.push((i, e.to_string())),
+                    Err(_) => lost.push((i, format!("no reply within {DRAFT_TIMEOUT:?}"))),
+                }
+            }
+            let merged = merger
+                .send(Merge {
+                    step,
+                    work,
+                    drafted: std::mem::take(&mut drafted),
+                })
+                .await?;
+            let report = verifier
+                .send(Verify {
+                    step,
+                    trees: merged.trees,
+                })
+                .await?;
+            Ok::<_, actix::MailboxError>((report, lost))
+        };
+        ctx.spawn(chain.into_actor(self).map(move |res, act, ctx| {
             act.step_in_flight = false;
             match res {
-                Ok(report) if report.step == step => act.on_report(report, ctx),
+                Ok((report, lost)) if report.step == step => {
+                    for (i, why) in lost {
+                        act.drafter_failures += 1;
+                        tracing::warn!(
+                            drafter = i,
+                            error = %why,
+                            "drafter failed; the step goes on without it"
+                        );
+                    }
+                    act.on_report(report, ctx)
+                }
                 Ok(_) => tracing::warn!(step, "stale step report dropped"),
                 Err(e) => {
                     tracing::error!(error = %e, "the verifier is gone");
@@ -137,6 +212,24 @@ impl Intake {
         }));
     }
 
+    /// Tell the drafters what was accepted, and which requests ended.
+    fn follow_drafters(&mut self, report: &StepReport, ended: Vec<RequestId>) {
+        if self.drafters.is_empty() {
+            return;
+        }
+        let commits = Arc::new(report.commits.clone());
+        for d in &self.drafters {
+            if !commits.is_empty() {
+                d.do_send(CommitDrafts {
+                    commits: Arc::clone(&commits),
+                });
+            }
+            if !ended.is_empty() {
+                d.do_send(Forget { ids: ended.clone() });
+            }
+        }
+    }
+
     /// Keep the newest state (replies of the Verifier may be read out of order).
     fn set_state(&mut self, state: VerifierState) {
         if state.seq > self.state.seq {
@@ -144,8 +237,23 @@ impl Intake {
         }
     }
 
-    fn on_report(&mut self, report: StepReport, ctx: &mut Context<Self>) {
+    fn forget(&self, id: RequestId) {
+        for d in &self.drafters {
+            d.do_send(Forget { ids: vec![id] });
+        }
+    }
+
+    fn on_report(&mut self, mut report: StepReport, ctx: &mut Context<Self>) {
         self.set_state(report.state);
+        let ended: Vec<RequestId> = report
+            .events
+            .iter()
+            .filter(|e| e.finish.is_some())
+            .map(|e| e.id)
+            .chain(report.failed.iter().map(|(id, _)| *id))
+            .collect();
+        self.follow_drafters(&report, ended);
+        report.commits.clear();
         for id in &report.running_ids {
             if let Some(e) = self.entries.get_mut(id) {
                 e.admitted.get_or_insert(report.started);
@@ -273,6 +381,7 @@ impl Intake {
 
     /// End a request with an error event.
     fn fail(&mut self, id: RequestId, error: ServeError) {
+        self.forget(id);
         if let Some(e) = self.entries.remove(&id) {
             self.failed += 1;
             let _ = e.sink.send(Event::Error { id, error });
@@ -297,6 +406,7 @@ impl Intake {
             if let Ok(state) = res {
                 act.set_state(state);
             }
+            act.forget(id);
             if let Some(e) = act.entries.remove(&id) {
                 let reason = match e.state {
                     EntryState::Cancelling(r) => r,

@@ -1,4 +1,4 @@
-//! Arbor actors: request intake, verification (the LLM on a `SyncArbiter` thread), the in-process [`Engine`] API, and the line-delimited JSON TCP server.
+//! Arbor actors: request intake, drafters and the tree merger (each on its own `SyncArbiter` thread), verification (the LLM on a `SyncArbiter` thread), the in-process [`Engine`] API, and the line-delimited JSON TCP server.
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -20,9 +20,11 @@
 
 pub mod api;
 pub mod config;
+pub mod drafter;
 pub mod error;
 pub mod events;
 pub mod intake;
+pub mod merger;
 pub mod messages;
 pub mod request;
 pub mod server;

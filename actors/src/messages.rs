@@ -105,13 +105,6 @@ pub struct Cancel {
     pub id: RequestId,
 }
 
-/// Intake → Verifier: run one scheduler step.
-#[derive(Message)]
-#[rtype(result = "StepReport")]
-pub struct RunStep {
-    pub step: u64,
-}
-
 /// The scheduler and pool as the verifier saw them last.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct VerifierState {
@@ -137,7 +130,97 @@ pub struct StepReport {
     /// A step that failed as a whole: the requests it ended, with the error.
     pub failed: Vec<(RequestId, ServeError)>,
     pub drafter_failures: Vec<DrafterFailure>,
+    /// What verification accepted for externally drafted requests.
+    pub commits: Vec<arbor_engine::sched::Commit>,
     pub state: VerifierState,
     /// No request left in the scheduler.
     pub idle: bool,
+}
+
+/// Intake → Verifier: plan one step. A step without trees to draft runs at once
+/// (`PlanReply::Ran`); otherwise the Verifier holds the plan until `Verify`.
+#[derive(Message)]
+#[rtype(result = "PlanReply")]
+pub struct PlanStep {
+    pub step: u64,
+}
+
+pub enum PlanReply {
+    Ran(Box<StepReport>),
+    Draft {
+        step: u64,
+        work: Arc<Vec<DraftWork>>,
+    },
+}
+
+/// One request's tree to draft this step.
+#[derive(Clone, Debug)]
+pub struct DraftWork {
+    pub id: RequestId,
+    /// The request's tokens (the root is the last).
+    pub tokens: Vec<u32>,
+    /// Most draft nodes, shared by the request's drafters.
+    pub budget: usize,
+    pub max_depth: usize,
+    /// The engine's drafters this request uses, in merge order (drafter id = position).
+    pub drafters: Vec<usize>,
+    /// The request's sampling seed (drafter k derives `seed + 1 + k`).
+    pub seed: u64,
+    /// The request's depth cap (drafters are built for it).
+    pub depth: usize,
+}
+
+/// Intake → Drafter: draft the trees of the step's requests that use this drafter.
+#[derive(Message)]
+#[rtype(result = "Drafted")]
+pub struct Draft {
+    pub step: u64,
+    pub work: Arc<Vec<DraftWork>>,
+}
+
+/// A drafter's trees for one step (each checked: root, budget share, depth, vocabulary).
+#[derive(Debug)]
+pub struct Drafted {
+    pub step: u64,
+    pub drafter: usize,
+    /// (request, position of this drafter in the request's list, tree).
+    pub trees: Vec<(RequestId, usize, arbor_engine::tree::TokenTree)>,
+    /// Requests whose instance of this drafter failed (it is dropped for them).
+    pub failures: Vec<(RequestId, String)>,
+}
+
+/// Intake → Drafter: what verification accepted (drafters with caches follow).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct CommitDrafts {
+    pub commits: Arc<Vec<arbor_engine::sched::Commit>>,
+}
+
+/// Intake → Drafter: these requests ended; drop their drafter state.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Forget {
+    pub ids: Vec<RequestId>,
+}
+
+/// Intake → TreeMerger: merge the drafters' trees per request.
+#[derive(Message)]
+#[rtype(result = "Merged")]
+pub struct Merge {
+    pub step: u64,
+    pub work: Arc<Vec<DraftWork>>,
+    pub drafted: Vec<Drafted>,
+}
+
+pub struct Merged {
+    pub step: u64,
+    pub trees: Vec<(RequestId, arbor_engine::tree::TokenTree)>,
+}
+
+/// Intake (via TreeMerger's trees) → Verifier: run the planned step with these trees.
+#[derive(Message)]
+#[rtype(result = "StepReport")]
+pub struct Verify {
+    pub step: u64,
+    pub trees: Vec<(RequestId, arbor_engine::tree::TokenTree)>,
 }

@@ -6,26 +6,32 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use actix::{Actor, Handler, SyncContext};
-use arbor_engine::sched::{RequestSpec, Scheduler, SpecPolicy, StepCost};
+use arbor_engine::sched::{PlannedStep, RequestSpec, Scheduler, SpecPolicy, StepCost};
 use arbor_engine::{CpuBackend, KvPool, Tokenizer};
 
-use crate::config::{DraftContext, DrafterFactory, EngineConfig};
+use crate::config::EngineConfig;
 use crate::error::{codes, Result, ServeError};
 use crate::events::RequestId;
-use crate::messages::{Cancel, Enqueue, RunStep, StepReport, VerifierState};
+use crate::messages::{
+    Cancel, DraftWork, Enqueue, PlanReply, PlanStep, StepReport, VerifierState, Verify,
+};
 use crate::request::Input;
 
 pub struct Verifier {
     sched: Scheduler<'static>,
     backend: CpuBackend,
     tokenizer: Arc<Tokenizer>,
-    drafters: Vec<DrafterFactory>,
+    n_drafters: usize,
     max_prompt_tokens: usize,
     /// Scheduler id → request id, and back.
     to_req: HashMap<u64, RequestId>,
     to_sched: HashMap<RequestId, u64>,
     /// Replies so far (orders the states the Intake receives).
     seq: u64,
+    /// Speculating requests: their drafters (engine indices), seed and depth cap.
+    spec_info: HashMap<RequestId, (Vec<usize>, u64, usize)>,
+    /// A step waiting for its trees: (step, plan, when it began).
+    planned: Option<(u64, PlannedStep, Instant)>,
 }
 
 impl Actor for Verifier {
@@ -69,11 +75,13 @@ impl Verifier {
             sched,
             backend,
             tokenizer: Arc::clone(&config.tokenizer),
-            drafters: config.drafters.clone(),
+            n_drafters: config.drafters.len(),
             max_prompt_tokens,
             to_req: HashMap::new(),
             to_sched: HashMap::new(),
             seq: 0,
+            spec_info: HashMap::new(),
+            planned: None,
         })
     }
 
@@ -114,20 +122,14 @@ impl Verifier {
                 ),
             ));
         }
+        // Trees are drafted by the Drafter actors (`PlanStep` lists the work).
         let spec = match &req.speculation {
             Some(sp) => {
-                let vocab = self.sched.model().config.vocab_size;
-                let mut drafters = Vec::with_capacity(sp.drafters.len());
-                for (k, &i) in sp.drafters.iter().enumerate() {
-                    let cx = DraftContext {
-                        seed: req.params.sampling.seed.wrapping_add(1 + k as u64),
-                        depth: sp.depth,
-                        vocab,
-                    };
-                    drafters.push(self.drafters[i].build(&cx)?);
+                if let Some(&bad) = sp.drafters.iter().find(|&&i| i >= self.n_drafters) {
+                    return Err(ServeError::internal(format!("no drafter {bad}")));
                 }
                 Some(RequestSpec {
-                    drafters,
+                    drafters: Vec::new(),
                     budget: sp.budget,
                     policy: if sp.adaptive && self.sched.step_cost().is_some() {
                         SpecPolicy::Adaptive
@@ -135,14 +137,21 @@ impl Verifier {
                         SpecPolicy::Fixed
                     },
                     mode: sp.verify,
+                    external: true,
                 })
             }
             None => None,
         };
         let n = prompt.len();
+        let req_spec = req.speculation.clone();
+        let req_seed = req.params.sampling.seed;
         let sid = self.sched.submit_spec(prompt, req.params, spec)?;
         self.to_req.insert(sid, msg.id);
         self.to_sched.insert(msg.id, sid);
+        if let Some(sp) = &req_spec {
+            self.spec_info
+                .insert(msg.id, (sp.drafters.clone(), req_seed, sp.depth));
+        }
         Ok(n)
     }
 
@@ -153,6 +162,7 @@ impl Verifier {
             self.sched.cancel(sid);
             if let Some(id) = self.to_req.remove(&sid) {
                 self.to_sched.remove(&id);
+                self.spec_info.remove(&id);
                 out.push((id, error.clone()));
             }
         }
@@ -178,6 +188,7 @@ impl Handler<Cancel> for Verifier {
     type Result = actix::MessageResult<Cancel>;
 
     fn handle(&mut self, msg: Cancel, _: &mut SyncContext<Self>) -> Self::Result {
+        self.spec_info.remove(&msg.id);
         let found = match self.to_sched.remove(&msg.id) {
             Some(sid) => {
                 self.to_req.remove(&sid);
@@ -189,13 +200,23 @@ impl Handler<Cancel> for Verifier {
     }
 }
 
-impl Handler<RunStep> for Verifier {
-    type Result = actix::MessageResult<RunStep>;
-
-    fn handle(&mut self, msg: RunStep, _: &mut SyncContext<Self>) -> Self::Result {
-        let started = Instant::now();
+impl Verifier {
+    /// Finish a planned step and report it.
+    fn finish(
+        &mut self,
+        step: u64,
+        planned: PlannedStep,
+        started: Instant,
+        trees: Vec<(RequestId, arbor_engine::tree::TokenTree)>,
+    ) -> StepReport {
+        let trees: Vec<(u64, arbor_engine::tree::TokenTree)> = trees
+            .into_iter()
+            .filter_map(|(id, t)| self.to_sched.get(&id).map(|&sid| (sid, t)))
+            .collect();
         let mut failed = Vec::new();
-        let stepped = catch_unwind(AssertUnwindSafe(|| self.sched.step(&self.backend)));
+        let stepped = catch_unwind(AssertUnwindSafe(|| {
+            self.sched.finish_step(&self.backend, planned, trees)
+        }));
         let mut events = match stepped {
             Ok(Ok(events)) => events,
             Ok(Err(e)) => {
@@ -216,11 +237,21 @@ impl Handler<RunStep> for Verifier {
             .iter()
             .filter_map(|sid| self.to_req.get(sid).copied())
             .collect();
+        let commits = self
+            .sched
+            .take_commits()
+            .into_iter()
+            .filter_map(|mut c| {
+                c.id = *self.to_req.get(&c.id)?;
+                Some(c)
+            })
+            .collect();
         events.retain_mut(|ev| match self.to_req.get(&ev.id) {
             Some(&id) => {
                 if ev.finish.is_some() {
                     self.to_req.remove(&ev.id);
                     self.to_sched.remove(&id);
+                    self.spec_info.remove(&id);
                 }
                 ev.id = id;
                 running_ids.push(id);
@@ -237,15 +268,98 @@ impl Handler<RunStep> for Verifier {
                 f
             })
             .collect();
-        actix::MessageResult(StepReport {
-            step: msg.step,
+        StepReport {
+            step,
             started,
             running_ids,
             events,
             failed,
             drafter_failures,
+            commits,
             state: self.state(false),
             idle: self.sched.is_idle(),
+        }
+    }
+}
+
+impl Handler<PlanStep> for Verifier {
+    type Result = actix::MessageResult<PlanStep>;
+
+    fn handle(&mut self, msg: PlanStep, _: &mut SyncContext<Self>) -> Self::Result {
+        let started = Instant::now();
+        let planned = match catch_unwind(AssertUnwindSafe(|| self.sched.begin_step())) {
+            Ok(p) => p,
+            Err(p) => {
+                let failed = self.fail_all(ServeError::internal(format!(
+                    "planning panicked: {}",
+                    arbor_engine::spec::panic_message(&*p)
+                )));
+                return actix::MessageResult(PlanReply::Ran(Box::new(StepReport {
+                    step: msg.step,
+                    started,
+                    running_ids: Vec::new(),
+                    events: Vec::new(),
+                    failed,
+                    drafter_failures: Vec::new(),
+                    commits: Vec::new(),
+                    state: self.state(false),
+                    idle: self.sched.is_idle(),
+                })));
+            }
+        };
+        let work: Vec<DraftWork> = planned
+            .jobs
+            .iter()
+            .filter_map(|j| {
+                let id = *self.to_req.get(&j.id)?;
+                let (drafters, seed, depth) = self.spec_info.get(&id)?.clone();
+                Some(DraftWork {
+                    id,
+                    tokens: j.tokens.clone(),
+                    budget: j.budget,
+                    max_depth: j.max_depth,
+                    drafters,
+                    seed,
+                    depth,
+                })
+            })
+            .collect();
+        if work.is_empty() {
+            let report = self.finish(msg.step, planned, started, Vec::new());
+            return actix::MessageResult(PlanReply::Ran(Box::new(report)));
+        }
+        self.planned = Some((msg.step, planned, started));
+        actix::MessageResult(PlanReply::Draft {
+            step: msg.step,
+            work: Arc::new(work),
         })
+    }
+}
+
+impl Handler<Verify> for Verifier {
+    type Result = actix::MessageResult<Verify>;
+
+    fn handle(&mut self, msg: Verify, _: &mut SyncContext<Self>) -> Self::Result {
+        let report = match self.planned.take() {
+            Some((step, planned, started)) if step == msg.step => {
+                self.finish(step, planned, started, msg.trees)
+            }
+            other => {
+                // No plan for this step (stale): keep any other plan, report nothing.
+                self.planned = other;
+                StepReport {
+                    step: msg.step,
+                    started: Instant::now(),
+                    running_ids: Vec::new(),
+                    events: Vec::new(),
+                    failed: Vec::new(),
+                    drafter_failures: Vec::new(),
+                    commits: Vec::new(),
+                    state: self.state(false),
+                    idle: self.sched.is_idle(),
+                }
+            }
+        };
+        actix::MessageResult(report)
     }
 }

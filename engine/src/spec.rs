@@ -274,7 +274,7 @@ fn draft_root(tokens: &[u32]) -> Result<u32> {
 }
 
 /// Drafter `i` of `n`: its share of `budget`, its proposal checked and cut to `max_depth`.
-fn propose_checked(
+pub fn propose_checked(
     d: &mut dyn Drafter,
     i: usize,
     n: usize,

@@ -252,6 +252,7 @@ fn run_mode(
                     SpecPolicy::Adaptive
                 },
                 mode: None,
+                external: false,
             }),
         };
         s.submit_spec(set[i % set.len()].clone(), params, spec)?;

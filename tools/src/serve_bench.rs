@@ -1,4 +1,4 @@
-//! `arbor bench serve`: the server's own overhead — one streamed greedy request over loopback TCP against `generate` in-process, same model, prompt and settings, alternated in one run.
+//! `arbor bench serve`: the server's own overhead — one streamed greedy request over loopback TCP against `generate` in-process (or both speculating with prompt lookup), same model, prompt and settings, alternated in one run.
 
 use std::io::{BufRead, BufReader, Write};
 use std::sync::Arc;
@@ -6,6 +6,8 @@ use std::time::Instant;
 
 use arbor_actors::server::{self, ServerConfig};
 use arbor_actors::{Engine, EngineConfig};
+use arbor_engine::draft::{Drafter, NgramDrafter};
+use arbor_engine::spec::{self, SpecParams};
 use arbor_engine::{generate, CpuBackend, GenerateParams, Model, Tokenizer};
 use serde_json::{json, Value};
 
@@ -23,6 +25,7 @@ pub fn serve_bench(
     prompt: &str,
     tokens: usize,
     reps: usize,
+    ngram: bool,
 ) -> anyhow::Result<Vec<ServeRep>> {
     let model = Arc::new(Model::open(model_path)?);
     let tok = Arc::new(Tokenizer::from_gguf(model.gguf())?);
@@ -30,6 +33,9 @@ pub fn serve_bench(
     let mut config = EngineConfig::new(Arc::clone(&model), Arc::clone(&tok));
     config.threads = threads;
     config.kv_memory = Some(256 << 20);
+    if ngram {
+        config.drafters = vec![arbor_actors::DrafterFactory::ngram(3)?];
+    }
     let engine = Arc::new(Engine::start(config)?);
     let (addr_tx, addr_rx) = std::sync::mpsc::channel();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -61,7 +67,20 @@ pub fn serve_bench(
     let mut r = BufReader::new(stream);
     let mut out = Vec::new();
     for rep in 0..reps + 1 {
-        let g = generate(&model, &backend, &tok, &ids, &params, |_| {})?;
+        let g = if ngram {
+            // What `arbor generate --draft ngram` runs (adaptive under greedy decoding).
+            let d = NgramDrafter::default();
+            let mut ng = NgramDrafter::new(d.max_n, 1, 8, d.max_matches)?;
+            let mut ds: Vec<&mut dyn Drafter> = vec![&mut ng];
+            let sp = SpecParams {
+                budget: 64,
+                mode: None,
+                adaptive: true,
+            };
+            spec::generate(&model, &backend, &tok, &ids, &params, &sp, &mut ds, |_| {})?.output
+        } else {
+            generate(&model, &backend, &tok, &ids, &params, |_| {})?
+        };
         let req = json!({"id": rep, "prompt": prompt, "max_tokens": tokens, "ignore_eos": true});
         writeln!(w, "{req}")?;
         let mut first: Option<(Instant, usize)> = None;

@@ -120,6 +120,40 @@ pub struct RequestSpec<'a> {
     pub policy: SpecPolicy,
     /// Verification rule; `None` = greedy for greedy sampling, MSS otherwise.
     pub mode: Option<VerifyMode>,
+    /// The request's trees are drafted outside the scheduler: [`Scheduler::begin_step`] lists
+    /// what to draft, [`Scheduler::finish_step`] takes the trees (`drafters` stays empty), and
+    /// [`Scheduler::take_commits`] says what was accepted.
+    pub external: bool,
+}
+
+/// A tree to draft outside the scheduler for one request of a planned step.
+#[derive(Clone, Debug)]
+pub struct DraftJob {
+    pub id: u64,
+    /// The request's tokens; the tree's root is the last.
+    pub tokens: Vec<u32>,
+    /// Most draft nodes.
+    pub budget: usize,
+    /// Most draft depth.
+    pub max_depth: usize,
+}
+
+/// What verification accepted for a request drafted outside (drafters follow with it).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Commit {
+    pub id: u64,
+    /// Accepted draft tokens after the root, in order.
+    pub accepted: Vec<u32>,
+    /// The next root.
+    pub bonus: u32,
+}
+
+/// A step between [`Scheduler::begin_step`] and [`Scheduler::finish_step`].
+pub struct PlannedStep {
+    slots: Vec<Slot>,
+    events: Vec<StepEvent>,
+    /// Trees to draft outside (requests with `external` speculation).
+    pub jobs: Vec<DraftJob>,
 }
 
 struct SpecState<'a> {
@@ -131,6 +165,7 @@ struct SpecState<'a> {
     /// Depth verified at the request's last step (adaptive).
     last_depth: usize,
     metrics: SpecMetrics,
+    external: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -145,6 +180,8 @@ enum Phase {
 /// One request's part of a step.
 struct Slot {
     idx: usize,
+    /// The request's id (indices are re-resolved by id when a step is finished later).
+    id: u64,
     /// Prefill rows (0: a decode slot).
     prefill: usize,
     logits: bool,
@@ -157,9 +194,10 @@ struct Slot {
 }
 
 impl Slot {
-    fn decode(idx: usize) -> Slot {
+    fn decode(idx: usize, id: u64) -> Slot {
         Slot {
             idx,
+            id,
             prefill: 0,
             logits: true,
             tree_cap: 0,
@@ -253,6 +291,18 @@ impl Request<'_> {
             .min(self.cap.saturating_sub(1 + committed))
     }
 
+    /// Deepest draft the drafters are asked for this step.
+    fn draft_depth(&self) -> usize {
+        let max_depth = self.max_depth();
+        match &self.spec {
+            // Two depths past the last verified one: room to grow, one depth to learn from.
+            Some(sp) if sp.policy == SpecPolicy::Adaptive => {
+                max_depth.min(sp.last_depth.saturating_add(2))
+            }
+            _ => max_depth,
+        }
+    }
+
     /// Most draft nodes this step (0 without speculation).
     fn tree_cap(&self) -> usize {
         let Some(sp) = &self.spec else {
@@ -285,6 +335,8 @@ pub struct Scheduler<'a> {
     pub freeze_step_cost: bool,
     /// Failures not yet taken by [`Scheduler::take_drafter_failures`].
     drafter_failures: Vec<DrafterFailure>,
+    /// Outcomes of externally drafted requests not yet taken by [`Scheduler::take_commits`].
+    commits: Vec<Commit>,
 }
 
 impl<'a> Scheduler<'a> {
@@ -340,6 +392,7 @@ impl<'a> Scheduler<'a> {
             cost: None,
             freeze_step_cost: false,
             drafter_failures: Vec::new(),
+            commits: Vec::new(),
         })
     }
 
@@ -364,6 +417,11 @@ impl<'a> Scheduler<'a> {
     /// Drafter failures since the last call (for logging; counted in [`SchedStats`]).
     pub fn take_drafter_failures(&mut self) -> Vec<DrafterFailure> {
         std::mem::take(&mut self.drafter_failures)
+    }
+
+    /// What verification accepted for externally drafted requests since the last call.
+    pub fn take_commits(&mut self) -> Vec<Commit> {
+        std::mem::take(&mut self.commits)
     }
 
     /// The model this scheduler runs.
@@ -443,6 +501,7 @@ impl<'a> Scheduler<'a> {
                     acceptance: Acceptance::new(),
                     last_depth: usize::MAX,
                     metrics: SpecMetrics::default(),
+                    external: rs.external,
                 })
             }
             None => None,
@@ -561,9 +620,17 @@ impl<'a> Scheduler<'a> {
     /// depth chosen by the request's policy) — verification or sampling, and stop checks.
     /// Returns one event per request that produced tokens or finished.
     pub fn step<B: Backend>(&mut self, backend: &B) -> Result<Vec<StepEvent>> {
+        let planned = self.begin_step();
+        self.finish_step(backend, planned, Vec::new())
+    }
+
+    /// The first half of [`Scheduler::step`]: admission and this step's plan (preempting when
+    /// blocks run short). Its `jobs` are the trees to draft outside; requests may be submitted
+    /// or cancelled before [`Scheduler::finish_step`] runs it.
+    pub fn begin_step(&mut self) -> PlannedStep {
         let mut events = Vec::new();
         self.admit(&mut events);
-        let mut plan = loop {
+        let plan = loop {
             let plan = self.plan();
             let blocks: usize = plan
                 .iter()
@@ -584,11 +651,67 @@ impl<'a> Scheduler<'a> {
                         EngineError::KvPoolExhausted { needed: blocks },
                     ));
                 }
-                return Ok(events);
+                break Vec::new();
             }
         };
+        let jobs = plan
+            .iter()
+            .filter(|sl| sl.tree_cap > 0)
+            .filter_map(|sl| {
+                let r = &self.running[sl.idx];
+                r.spec.as_ref().filter(|sp| sp.external).map(|_| DraftJob {
+                    id: r.id,
+                    tokens: r.seq.clone(),
+                    budget: sl.tree_cap,
+                    max_depth: r.draft_depth(),
+                })
+            })
+            .collect();
+        PlannedStep {
+            slots: plan,
+            events,
+            jobs,
+        }
+    }
+
+    /// The second half of [`Scheduler::step`]: draft (in-process drafters; `trees` for the
+    /// planned jobs, by request id: a job without a tree verifies its root only), run the one
+    /// forward pass, verify, stream and stop.
+    pub fn finish_step<B: Backend>(
+        &mut self,
+        backend: &B,
+        planned: PlannedStep,
+        trees: Vec<(u64, TokenTree)>,
+    ) -> Result<Vec<StepEvent>> {
+        let PlannedStep {
+            slots: mut plan,
+            mut events,
+            jobs: _,
+        } = planned;
+        // Requests cancelled since the plan was made drop out; the others may have moved.
+        plan.retain_mut(|sl| match self.running.iter().position(|r| r.id == sl.id) {
+            Some(i) => {
+                sl.idx = i;
+                true
+            }
+            None => false,
+        });
         if plan.is_empty() {
             return Ok(events);
+        }
+        let vocab = self.model.config.vocab_size;
+        for (id, tree) in trees {
+            let Some(sl) = plan.iter_mut().find(|sl| sl.id == id && sl.tree_cap > 0) else {
+                continue;
+            };
+            let r = &self.running[sl.idx];
+            if tree.root_token() != r.root() || tree.validate(vocab).is_err() {
+                continue;
+            }
+            sl.proposal = Some(
+                tree.truncate_depth(r.draft_depth())
+                    .truncate_nodes(sl.tree_cap),
+            );
         }
         self.draft(&mut plan)?;
         // The batch, in running order.
@@ -640,6 +763,13 @@ impl<'a> Scheduler<'a> {
                     let emitted = o.emitted();
                     if let Some(p) = &sl.proposal {
                         sp.acceptance.record(p, &emitted);
+                    }
+                    if sp.external {
+                        self.commits.push(Commit {
+                            id: r.id,
+                            accepted: o.tokens.clone(),
+                            bonus: o.bonus,
+                        });
                     }
                     sp.metrics.record(tree, &o);
                     let mut broken = Vec::new();
@@ -739,7 +869,7 @@ impl<'a> Scheduler<'a> {
         for &i in &order {
             if self.running[i].phase() == Phase::Decode {
                 budget = budget.saturating_sub(1);
-                plan.push(Slot::decode(i));
+                plan.push(Slot::decode(i, self.running[i].id));
             }
         }
         for &i in &order {
@@ -756,6 +886,7 @@ impl<'a> Scheduler<'a> {
                 budget -= n;
                 plan.push(Slot {
                     idx: i,
+                    id: r.id,
                     prefill: n,
                     logits: logits_at_end && n == left,
                     tree_cap: 0,
@@ -778,13 +909,16 @@ impl<'a> Scheduler<'a> {
         let vocab = self.model.config.vocab_size;
         for sl in plan.iter_mut().filter(|sl| sl.tree_cap > 0) {
             let r = &mut self.running[sl.idx];
-            let mut max_depth = r.max_depth();
+            let max_depth = r.draft_depth();
             let Some(sp) = r.spec.as_mut() else {
                 continue;
             };
-            if sp.policy == SpecPolicy::Adaptive {
-                // Two depths past the last verified one: room to grow, one depth to learn from.
-                max_depth = max_depth.min(sp.last_depth.saturating_add(2));
+            if sp.external {
+                // Drafted outside: the tree came with `finish_step` (or the root alone).
+                if sl.proposal.is_none() {
+                    sl.proposal = Some(TokenTree::root_only(r.seq[r.seq.len() - 1]));
+                }
+                continue;
             }
             let mut ds: Vec<&mut dyn Drafter> = sp
                 .drafters

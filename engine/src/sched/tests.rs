@@ -276,6 +276,7 @@ fn ngram_spec<'a>(policy: SpecPolicy, budget: usize) -> RequestSpec<'a> {
         budget,
         policy,
         mode: None,
+        external: false,
     }
 }
 
@@ -444,4 +445,98 @@ fn panic_messages_are_read_from_the_payload() {
     assert_eq!(crate::spec::panic_message(&*p), "boom 7");
     let p = std::panic::catch_unwind(|| std::panic::panic_any("static")).expect_err("panics");
     assert_eq!(crate::spec::panic_message(&*p), "static");
+}
+
+/// Trees drafted outside the scheduler (`begin_step` jobs, `finish_step` trees, `take_commits`)
+/// give exactly what the same drafters give inside it: tokens and speculation counters, greedy
+/// and sampled with fixed trees; a job left without a tree verifies its root only.
+#[test]
+fn external_drafting_equals_in_process_drafting() {
+    let be = CpuBackend::new(2).unwrap();
+    let model = tiny_model(&spec("llama", GgmlType::Q8_0), 9).unwrap();
+    let vocab = model.config.vocab_size as u32;
+    let prompts: Vec<Vec<u32>> = (0..4u32)
+        .map(|i| repetitive(vocab, 24 + 7 * i as usize, i))
+        .collect();
+    let params = |i: usize, t: f32| GenerateParams {
+        max_tokens: 14 + i,
+        sampling: SamplingParams {
+            temperature: t,
+            seed: 5 + i as u64,
+            ..SamplingParams::default()
+        },
+        ..GenerateParams::default()
+    };
+    for temperature in [0.0f32, 0.8] {
+        let run = |external: bool, skip_every: usize| -> Vec<(Vec<u32>, usize, usize)> {
+            let pool = KvPool::new(&model.config, model.config.n_layers, 96);
+            let mut s = Scheduler::new(&model, None, pool, SchedConfig::default()).unwrap();
+            let mut outside: std::collections::HashMap<u64, crate::draft::NgramDrafter> =
+                Default::default();
+            for (i, p) in prompts.iter().enumerate() {
+                let mut sp = ngram_spec(SpecPolicy::Fixed, 8);
+                if external {
+                    sp.drafters.clear();
+                    sp.external = true;
+                }
+                let id = s
+                    .submit_spec(p.clone(), params(i, temperature), Some(sp))
+                    .unwrap();
+                outside.insert(id, crate::draft::NgramDrafter::default());
+            }
+            let mut done = Vec::new();
+            let mut step = 0;
+            while !s.is_idle() {
+                step += 1;
+                let planned = s.begin_step();
+                let mut trees = Vec::new();
+                for j in &planned.jobs {
+                    assert!(external, "jobs only for external requests");
+                    if skip_every > 0 && step % skip_every == 0 {
+                        continue;
+                    }
+                    let d = outside.get_mut(&j.id).unwrap();
+                    let mut ds: Vec<&mut dyn Drafter> = vec![d];
+                    let t = crate::spec::draft_tree(
+                        &mut ds,
+                        &j.tokens,
+                        j.budget,
+                        j.max_depth,
+                        vocab as usize,
+                    )
+                    .unwrap();
+                    trees.push((j.id, t));
+                }
+                for ev in s.finish_step(&be, planned, trees).unwrap() {
+                    if let Some(f) = ev.finish {
+                        done.push((ev.id, f));
+                    }
+                }
+                for c in s.take_commits() {
+                    outside.get_mut(&c.id).unwrap().accept(&c.accepted, c.bonus);
+                }
+            }
+            done.sort_by_key(|(id, _)| *id);
+            done.iter()
+                .map(|(_, f)| {
+                    let m = spec_metrics(f);
+                    (done_tokens(f).0.to_vec(), m.drafted, m.accepted)
+                })
+                .collect()
+        };
+        let inside = run(false, 0);
+        let outside = run(true, 0);
+        assert_eq!(inside, outside, "temperature {temperature}");
+        assert!(
+            inside.iter().map(|x| x.1).sum::<usize>() > 0,
+            "trees verified"
+        );
+        // Steps without trees still give the same tokens (greedy: any tree is lossless).
+        if temperature == 0.0 {
+            let sparse = run(true, 2);
+            for (a, b) in inside.iter().zip(&sparse) {
+                assert_eq!(a.0, b.0);
+            }
+        }
+    }
 }

@@ -257,6 +257,10 @@ enum BenchCmd {
         tokens: usize,
         #[arg(long, default_value_t = 5)]
         reps: usize,
+        /// Both sides speculate with prompt lookup (ngram): the drafter actors' path against
+        /// `generate --draft ngram`.
+        #[arg(long)]
+        ngram: bool,
     },
     /// Continuous batching: aggregate decode tok/s of N concurrent requests (one paged KV pool,
     /// one forward pass per step for all of them).
@@ -413,6 +417,7 @@ fn run(cli: Cli) -> Result<()> {
                 prompt,
                 tokens,
                 reps,
+                ngram,
             } => {
                 let path = fetch::resolve_model(&model.model)?;
                 let r = arbor_tools::serve_bench::serve_bench(
@@ -421,6 +426,7 @@ fn run(cli: Cli) -> Result<()> {
                     &prompt,
                     tokens,
                     reps.max(1),
+                    ngram,
                 )?;
                 let cpu = std::fs::read_to_string("/proc/cpuinfo")
                     .ok()
@@ -431,7 +437,10 @@ fn run(cli: Cli) -> Result<()> {
                             .map(|s| s.trim().to_string())
                     })
                     .unwrap_or_default();
-                println!("# {} on {cpu}, {tokens} tokens, greedy, ignore_eos", model.model);
+                println!(
+                    "# {} on {cpu}, {tokens} tokens, greedy, ignore_eos",
+                    model.model
+                );
                 println!("| rep | generate decode tok/s | TCP stream decode tok/s | ratio |");
                 println!("|--:|--:|--:|--:|");
                 for (i, x) in r.iter().enumerate() {
@@ -449,7 +458,10 @@ fn run(cli: Cli) -> Result<()> {
                 };
                 let g = med(r.iter().map(|x| x.generate_tok_s).collect());
                 let sv = med(r.iter().map(|x| x.server_tok_s).collect());
-                let ratio = med(r.iter().map(|x| x.server_tok_s / x.generate_tok_s).collect());
+                let ratio = med(r
+                    .iter()
+                    .map(|x| x.server_tok_s / x.generate_tok_s)
+                    .collect());
                 println!("| median | {g:.1} | {sv:.1} | {ratio:.3} |");
                 Ok(())
             }
