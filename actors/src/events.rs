@@ -131,6 +131,11 @@ pub struct EngineStats {
     /// Tokens generated per second over the last 10 seconds.
     pub tok_s: f64,
     pub drafter_failures: u64,
+    /// Mean milliseconds a drafting step waits for the drafters and the merger (the Verifier
+    /// idles meanwhile: the most that overlapping drafting with verification could win).
+    pub draft_wait_ms: f64,
+    /// Steps that drafted trees through the drafter actors.
+    pub drafted_steps: u64,
     /// Requests that ended: finished, cancelled, failed.
     pub completed: u64,
     pub cancelled: u64,

@@ -75,6 +75,9 @@ pub struct Intake {
     spec_steps: u64,
     spec_accepted: u64,
     drafter_failures: u64,
+    /// Time the Verifier waited for drafters and merger, over the steps that drafted.
+    draft_wait: Duration,
+    drafted_steps: u64,
     completed: u64,
     cancelled: u64,
     failed: u64,
@@ -108,6 +111,8 @@ impl Intake {
             spec_steps: 0,
             spec_accepted: 0,
             drafter_failures: 0,
+            draft_wait: Duration::ZERO,
+            drafted_steps: 0,
             completed: 0,
             cancelled: 0,
             failed: 0,
@@ -138,9 +143,12 @@ impl Intake {
         let merger = self.merger.clone();
         let chain = async move {
             let work = match verifier.send(PlanStep { step }).await? {
-                PlanReply::Ran(report) => return Ok((*report, Vec::new())),
+                PlanReply::Ran(report) => return Ok((*report, Vec::new(), None)),
                 PlanReply::Draft { work, .. } => work,
             };
+            // The Verifier idles from here until `Verify`: this is what overlapping the next
+            // step's drafting with verification could win at most.
+            let t_draft = Instant::now();
             let asks = drafters.iter().map(|d| {
                 tokio::time::timeout(
                     DRAFT_TIMEOUT,
@@ -176,18 +184,23 @@ impl Intake {
                     drafted: std::mem::take(&mut drafted),
                 })
                 .await?;
+            let waited = t_draft.elapsed();
             let report = verifier
                 .send(Verify {
                     step,
                     trees: merged.trees,
                 })
                 .await?;
-            Ok::<_, actix::MailboxError>((report, lost))
+            Ok::<_, actix::MailboxError>((report, lost, Some(waited)))
         };
         ctx.spawn(chain.into_actor(self).map(move |res, act, ctx| {
             act.step_in_flight = false;
             match res {
-                Ok((report, lost)) if report.step == step => {
+                Ok((report, lost, waited)) if report.step == step => {
+                    if let Some(w) = waited {
+                        act.draft_wait += w;
+                        act.drafted_steps += 1;
+                    }
                     for (i, why) in lost {
                         act.drafter_failures += 1;
                         tracing::warn!(
@@ -514,6 +527,12 @@ impl Intake {
                 0.0
             },
             drafter_failures: self.drafter_failures,
+            draft_wait_ms: if self.drafted_steps == 0 {
+                0.0
+            } else {
+                self.draft_wait.as_secs_f64() * 1e3 / self.drafted_steps as f64
+            },
+            drafted_steps: self.drafted_steps,
             completed: self.completed,
             cancelled: self.cancelled,
             failed: self.failed,

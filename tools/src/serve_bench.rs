@@ -117,6 +117,14 @@ pub fn serve_bench(
         }
     }
     drop(w);
+    if let Some(st) = engine.stats() {
+        if st.drafted_steps > 0 {
+            println!(
+                "# drafting steps: {}, mean wait for drafters + merger: {:.3} ms per step",
+                st.drafted_steps, st.draft_wait_ms
+            );
+        }
+    }
     let _ = stop_tx.send(());
     server_thread
         .join()

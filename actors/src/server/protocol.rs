@@ -399,6 +399,8 @@ pub fn stats_line(s: &EngineStats, connections: usize) -> String {
         "mean_accepted": s.mean_accepted,
         "tok_s": s.tok_s,
         "drafter_failures": s.drafter_failures,
+        "draft_wait_ms": s.draft_wait_ms,
+        "drafted_steps": s.drafted_steps,
         "completed": s.completed,
         "cancelled": s.cancelled,
         "failed": s.failed,
