@@ -63,6 +63,7 @@ impl Engine {
             depth: config.spec_depth,
         };
         let limits = config.limits.clone();
+        let interrupt = verifier.interrupt_flag();
         let slot = Arc::new(Mutex::new(Some(verifier)));
         let (tx, rx) = crossbeam_channel::bounded(1);
         let stopped = Arc::new(AtomicBool::new(false));
@@ -89,7 +90,8 @@ impl Engine {
                         })
                         .collect();
                     let merger = SyncArbiter::start(1, TreeMerger::default);
-                    let intake = Intake::new(verifier, drafters, merger, intake_limits).start();
+                    let intake =
+                        Intake::new(verifier, interrupt, drafters, merger, intake_limits).start();
                     let _ = tx.send(intake);
                 });
                 if let Err(e) = sys.run() {

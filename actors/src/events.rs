@@ -144,4 +144,9 @@ pub struct EngineStats {
     pub slow_readers: u64,
     /// Forward passes run.
     pub steps: u64,
+    /// Mean milliseconds per step (plan to report, drafting included).
+    pub step_ms: f64,
+    /// Mean milliseconds the Verifier idled between consecutive steps while requests ran: the
+    /// actors' own per-step overhead.
+    pub step_gap_ms: f64,
 }

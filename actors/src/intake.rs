@@ -1,6 +1,7 @@
 //! The Intake actor: queues validated requests, drives the Verifier one step at a time, streams each step's tokens to their requests' sinks, and owns cancellation, deadlines, overload limits and shutdown (continuous batching's request side, as in Orca / vLLM's engine core).
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -17,7 +18,8 @@ use crate::events::{
 use crate::merger::TreeMerger;
 use crate::messages::{
     Cancel, CancelRequest, CommitDrafts, Draft, Drafted, Enqueue, EventSink, Forget, GetStats,
-    Merge, PlanReply, PlanStep, Shutdown, SinkError, StepReport, Submit, VerifierState, Verify,
+    Merge, PlanReply, PlanStep, Shutdown, SinkError, StepDone, StepReport, Submit, VerifierState,
+    Verify,
 };
 use crate::verifier::Verifier;
 
@@ -62,6 +64,8 @@ struct ShutdownState {
 
 pub struct Intake {
     verifier: Addr<Verifier>,
+    /// Raised before a message to the Verifier, so it stops running steps back to back.
+    interrupt: Arc<AtomicBool>,
     drafters: Vec<Addr<DrafterActor>>,
     merger: Addr<TreeMerger>,
     limits: Limits,
@@ -93,12 +97,14 @@ const DRAFT_TIMEOUT: Duration = Duration::from_secs(2);
 impl Intake {
     pub fn new(
         verifier: Addr<Verifier>,
+        interrupt: Arc<AtomicBool>,
         drafters: Vec<Addr<DrafterActor>>,
         merger: Addr<TreeMerger>,
         limits: Limits,
     ) -> Intake {
         Intake {
             verifier,
+            interrupt,
             drafters,
             merger,
             limits,
@@ -122,7 +128,7 @@ impl Intake {
         }
     }
 
-    /// Send the next `RunStep` unless one is in flight or nothing can run.
+    /// Send the next `PlanStep` unless one is in flight or nothing can run.
     fn maybe_step(&mut self, ctx: &mut Context<Self>) {
         if self.step_in_flight {
             return;
@@ -141,10 +147,17 @@ impl Intake {
         let verifier = self.verifier.clone();
         let drafters = self.drafters.clone();
         let merger = self.merger.clone();
+        let report_to = ctx.address().recipient::<StepDone>();
         let chain = async move {
-            let work = match verifier.send(PlanStep { step }).await? {
-                PlanReply::Ran(report) => return Ok((*report, Vec::new(), None)),
-                PlanReply::Draft { work, .. } => work,
+            let (step, work) = match verifier
+                .send(PlanStep {
+                    step,
+                    report_to: report_to.clone(),
+                })
+                .await?
+            {
+                PlanReply::Looped { last_step } => return Ok((last_step, Vec::new(), None)),
+                PlanReply::Draft { step, work } => (step, work),
             };
             // The Verifier idles from here until `Verify`: this is what overlapping the next
             // step's drafting with verification could win at most.
@@ -185,18 +198,21 @@ impl Intake {
                 })
                 .await?;
             let waited = t_draft.elapsed();
-            let report = verifier
+            // The report comes as a `StepDone` message, in order with the others.
+            verifier
                 .send(Verify {
                     step,
                     trees: merged.trees,
+                    report_to,
                 })
                 .await?;
-            Ok::<_, actix::MailboxError>((report, lost, Some(waited)))
+            Ok::<_, actix::MailboxError>((step, lost, Some(waited)))
         };
         ctx.spawn(chain.into_actor(self).map(move |res, act, ctx| {
             act.step_in_flight = false;
             match res {
-                Ok((report, lost, waited)) if report.step == step => {
+                Ok((last_step, lost, waited)) => {
+                    act.step = act.step.max(last_step);
                     if let Some(w) = waited {
                         act.draft_wait += w;
                         act.drafted_steps += 1;
@@ -209,9 +225,7 @@ impl Intake {
                             "drafter failed; the step goes on without it"
                         );
                     }
-                    act.on_report(report, ctx)
                 }
-                Ok(_) => tracing::warn!(step, "stale step report dropped"),
                 Err(e) => {
                     tracing::error!(error = %e, "the verifier is gone");
                     let ids: Vec<RequestId> = act.entries.keys().copied().collect();
@@ -414,6 +428,7 @@ impl Intake {
             return; // the Enqueue reply sends the Cancel
         }
         e.cancel_sent = true;
+        self.interrupt.store(true, Ordering::Release);
         let fut = self.verifier.send(Cancel { id });
         ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| {
             if let Ok(state) = res {
@@ -538,6 +553,16 @@ impl Intake {
             failed: self.failed,
             slow_readers: self.slow_readers,
             steps: st.steps,
+            step_ms: if st.steps == 0 {
+                0.0
+            } else {
+                st.step_secs * 1e3 / st.steps as f64
+            },
+            step_gap_ms: if st.gaps == 0 {
+                0.0
+            } else {
+                st.gap_secs * 1e3 / st.gaps as f64
+            },
         }
     }
 }
@@ -606,6 +631,7 @@ impl Handler<Submit> for Intake {
                 text: String::new(),
             },
         );
+        self.interrupt.store(true, Ordering::Release);
         let fut = self.verifier.send(Enqueue { id, req });
         ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| {
             let res = res.unwrap_or_else(|e| Err(ServeError::internal(e.to_string())));
@@ -628,6 +654,18 @@ impl Handler<Submit> for Intake {
             act.maybe_step(ctx);
             act.maybe_finish_shutdown();
         }));
+    }
+}
+
+impl Handler<StepDone> for Intake {
+    type Result = ();
+
+    fn handle(&mut self, msg: StepDone, ctx: &mut Context<Self>) {
+        let report = *msg.0;
+        self.step = self.step.max(report.step);
+        self.on_report(report, ctx);
+        self.maybe_step(ctx);
+        self.maybe_finish_shutdown();
     }
 }
 

@@ -116,6 +116,11 @@ pub struct VerifierState {
     pub preempted: u64,
     pub steps: u64,
     pub pool: PoolStats,
+    /// Time in steps (plan to report), and idle time between a step and the next one while
+    /// requests were running (the actors' own overhead), with the count of such gaps.
+    pub step_secs: f64,
+    pub gap_secs: f64,
+    pub gaps: u64,
 }
 
 /// What one step did.
@@ -137,21 +142,31 @@ pub struct StepReport {
     pub idle: bool,
 }
 
-/// Intake → Verifier: plan one step. A step without trees to draft runs at once
-/// (`PlanReply::Ran`); otherwise the Verifier holds the plan until `Verify`.
+/// Intake → Verifier: run steps. Steps without trees to draft run at once, back to back;
+/// a step with trees to draft is held until `Verify`.
 #[derive(Message)]
 #[rtype(result = "PlanReply")]
 pub struct PlanStep {
     pub step: u64,
+    /// Where every step's report goes (in order).
+    pub report_to: actix::Recipient<StepDone>,
 }
 
 pub enum PlanReply {
-    Ran(Box<StepReport>),
+    /// Steps up to `last_step` ran (their reports were sent); the Verifier stopped because it
+    /// is idle or the Intake has messages waiting.
+    Looped { last_step: u64 },
+    /// This step waits for trees (`Verify`).
     Draft {
         step: u64,
         work: Arc<Vec<DraftWork>>,
     },
 }
+
+/// Verifier → Intake: a step's report.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct StepDone(pub Box<StepReport>);
 
 /// One request's tree to draft this step.
 #[derive(Clone, Debug)]
@@ -219,8 +234,9 @@ pub struct Merged {
 
 /// Intake (via TreeMerger's trees) → Verifier: run the planned step with these trees.
 #[derive(Message)]
-#[rtype(result = "StepReport")]
+#[rtype(result = "()")]
 pub struct Verify {
     pub step: u64,
     pub trees: Vec<(RequestId, arbor_engine::tree::TokenTree)>,
+    pub report_to: actix::Recipient<StepDone>,
 }

@@ -5,7 +5,9 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::Instant;
 
-use actix::{Actor, Handler, SyncContext};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use actix::{Actor, Handler, Recipient, SyncContext};
 use arbor_engine::sched::{PlannedStep, RequestSpec, Scheduler, SpecPolicy, StepCost};
 use arbor_engine::{CpuBackend, KvPool, Tokenizer};
 
@@ -13,7 +15,7 @@ use crate::config::EngineConfig;
 use crate::error::{codes, Result, ServeError};
 use crate::events::RequestId;
 use crate::messages::{
-    Cancel, DraftWork, Enqueue, PlanReply, PlanStep, StepReport, VerifierState, Verify,
+    Cancel, DraftWork, Enqueue, PlanReply, PlanStep, StepDone, StepReport, VerifierState, Verify,
 };
 use crate::request::Input;
 
@@ -32,6 +34,13 @@ pub struct Verifier {
     spec_info: HashMap<RequestId, (Vec<usize>, u64, usize)>,
     /// A step waiting for its trees: (step, plan, when it began).
     planned: Option<(u64, PlannedStep, Instant)>,
+    /// When the last step ended with requests still running.
+    last_end: Option<Instant>,
+    step_secs: f64,
+    gap_secs: f64,
+    gaps: u64,
+    /// Raised by the Intake before it sends a message: stop running steps back to back.
+    interrupt: Arc<AtomicBool>,
 }
 
 impl Actor for Verifier {
@@ -82,7 +91,17 @@ impl Verifier {
             seq: 0,
             spec_info: HashMap::new(),
             planned: None,
+            last_end: None,
+            step_secs: 0.0,
+            gap_secs: 0.0,
+            gaps: 0,
+            interrupt: Arc::new(AtomicBool::new(false)),
         })
+    }
+
+    /// The flag the Intake raises before it sends a message.
+    pub fn interrupt_flag(&self) -> Arc<AtomicBool> {
+        Arc::clone(&self.interrupt)
     }
 
     fn state(&mut self, found: bool) -> VerifierState {
@@ -96,6 +115,9 @@ impl Verifier {
             preempted: st.preemptions,
             steps: st.steps,
             pool: self.sched.pool().stats(),
+            step_secs: self.step_secs,
+            gap_secs: self.gap_secs,
+            gaps: self.gaps,
         }
     }
 
@@ -268,6 +290,9 @@ impl Verifier {
                 f
             })
             .collect();
+        let end = Instant::now();
+        self.step_secs += end.duration_since(started).as_secs_f64();
+        self.last_end = (!self.sched.is_idle()).then_some(end);
         StepReport {
             step,
             started,
@@ -282,11 +307,19 @@ impl Verifier {
     }
 }
 
-impl Handler<PlanStep> for Verifier {
-    type Result = actix::MessageResult<PlanStep>;
-
-    fn handle(&mut self, msg: PlanStep, _: &mut SyncContext<Self>) -> Self::Result {
+impl Verifier {
+    /// Plan one step: run it at once when nothing is drafted outside (`None`), or keep the plan
+    /// and return the draft work.
+    fn plan_one(
+        &mut self,
+        step: u64,
+        report_to: &Recipient<StepDone>,
+    ) -> Option<Arc<Vec<DraftWork>>> {
         let started = Instant::now();
+        if let Some(t) = self.last_end.take() {
+            self.gap_secs += started.duration_since(t).as_secs_f64();
+            self.gaps += 1;
+        }
         let planned = match catch_unwind(AssertUnwindSafe(|| self.sched.begin_step())) {
             Ok(p) => p,
             Err(p) => {
@@ -294,8 +327,8 @@ impl Handler<PlanStep> for Verifier {
                     "planning panicked: {}",
                     arbor_engine::spec::panic_message(&*p)
                 )));
-                return actix::MessageResult(PlanReply::Ran(Box::new(StepReport {
-                    step: msg.step,
+                let report = StepReport {
+                    step,
                     started,
                     running_ids: Vec::new(),
                     events: Vec::new(),
@@ -304,7 +337,9 @@ impl Handler<PlanStep> for Verifier {
                     commits: Vec::new(),
                     state: self.state(false),
                     idle: self.sched.is_idle(),
-                })));
+                };
+                report_to.do_send(StepDone(Box::new(report)));
+                return None;
             }
         };
         let work: Vec<DraftWork> = planned
@@ -325,21 +360,40 @@ impl Handler<PlanStep> for Verifier {
             })
             .collect();
         if work.is_empty() {
-            let report = self.finish(msg.step, planned, started, Vec::new());
-            return actix::MessageResult(PlanReply::Ran(Box::new(report)));
+            let report = self.finish(step, planned, started, Vec::new());
+            report_to.do_send(StepDone(Box::new(report)));
+            return None;
         }
-        self.planned = Some((msg.step, planned, started));
-        actix::MessageResult(PlanReply::Draft {
-            step: msg.step,
-            work: Arc::new(work),
-        })
+        self.planned = Some((step, planned, started));
+        Some(Arc::new(work))
+    }
+}
+
+impl Handler<PlanStep> for Verifier {
+    type Result = actix::MessageResult<PlanStep>;
+
+    /// Runs steps back to back (each report goes to `report_to` as it is done) until the
+    /// scheduler is idle, a step needs drafting, or the Intake has messages waiting (it raises
+    /// `interrupt` before sending them): no round trip between consecutive plain steps.
+    fn handle(&mut self, msg: PlanStep, _: &mut SyncContext<Self>) -> Self::Result {
+        let mut step = msg.step;
+        loop {
+            if let Some(work) = self.plan_one(step, &msg.report_to) {
+                return actix::MessageResult(PlanReply::Draft { step, work });
+            }
+            if self.sched.is_idle() || self.interrupt.swap(false, Ordering::AcqRel) {
+                return actix::MessageResult(PlanReply::Looped { last_step: step });
+            }
+            step += 1;
+        }
     }
 }
 
 impl Handler<Verify> for Verifier {
-    type Result = actix::MessageResult<Verify>;
+    type Result = ();
 
-    fn handle(&mut self, msg: Verify, _: &mut SyncContext<Self>) -> Self::Result {
+    fn handle(&mut self, msg: Verify, _: &mut SyncContext<Self>) {
+        let report_to = msg.report_to.clone();
         let report = match self.planned.take() {
             Some((step, planned, started)) if step == msg.step => {
                 self.finish(step, planned, started, msg.trees)
@@ -360,6 +414,6 @@ impl Handler<Verify> for Verifier {
                 }
             }
         };
-        actix::MessageResult(report)
+        report_to.do_send(StepDone(Box::new(report)));
     }
 }

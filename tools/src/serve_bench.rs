@@ -15,6 +15,8 @@ use serde_json::{json, Value};
 #[derive(Clone, Copy, Debug)]
 pub struct ServeRep {
     pub generate_tok_s: f64,
+    /// The same request through the in-process API (actors, no TCP).
+    pub api_tok_s: f64,
     pub server_tok_s: f64,
 }
 
@@ -81,6 +83,27 @@ pub fn serve_bench(
         } else {
             generate(&model, &backend, &tok, &ids, &params, |_| {})?
         };
+        let mut api_req = arbor_actors::Request::prompt(prompt);
+        api_req.max_tokens = tokens;
+        api_req.ignore_eos = true;
+        let h = engine.submit(api_req)?;
+        let mut first: Option<(Instant, usize)> = None;
+        let mut last = Instant::now();
+        let mut n = 0usize;
+        while let Some(ev) = h.recv() {
+            match ev {
+                arbor_actors::Event::Tokens { tokens, .. } => {
+                    let now = Instant::now();
+                    n += tokens.len();
+                    first.get_or_insert((now, n));
+                    last = now;
+                }
+                arbor_actors::Event::Done(_) => break,
+                arbor_actors::Event::Error { error, .. } => anyhow::bail!("engine error: {error}"),
+            }
+        }
+        let (t0, n0) = first.ok_or_else(|| anyhow::anyhow!("no tokens"))?;
+        let api_tok_s = (n - n0) as f64 / last.duration_since(t0).as_secs_f64();
         let req = json!({"id": rep, "prompt": prompt, "max_tokens": tokens, "ignore_eos": true});
         writeln!(w, "{req}")?;
         let mut first: Option<(Instant, usize)> = None;
@@ -112,12 +135,20 @@ pub fn serve_bench(
             // The first repetition warms both paths.
             out.push(ServeRep {
                 generate_tok_s: g.decode_tok_s(),
+                api_tok_s,
                 server_tok_s,
             });
         }
     }
     drop(w);
     if let Some(st) = engine.stats() {
+        println!(
+            "# engine: {} steps, {:.3} ms per step, {:.3} ms idle between consecutive steps ({:.2}% of a step)",
+            st.steps,
+            st.step_ms,
+            st.step_gap_ms,
+            100.0 * st.step_gap_ms / st.step_ms.max(1e-9)
+        );
         if st.drafted_steps > 0 {
             println!(
                 "# drafting steps: {}, mean wait for drafters + merger: {:.3} ms per step",

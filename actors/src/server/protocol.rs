@@ -406,6 +406,8 @@ pub fn stats_line(s: &EngineStats, connections: usize) -> String {
         "failed": s.failed,
         "slow_readers": s.slow_readers,
         "steps": s.steps,
+        "step_ms": s.step_ms,
+        "step_gap_ms": s.step_gap_ms,
         "connections": connections,
     }})
     .to_string()

@@ -441,14 +441,18 @@ fn run(cli: Cli) -> Result<()> {
                     "# {} on {cpu}, {tokens} tokens, greedy, ignore_eos",
                     model.model
                 );
-                println!("| rep | generate decode tok/s | TCP stream decode tok/s | ratio |");
-                println!("|--:|--:|--:|--:|");
+                println!(
+                    "| rep | generate decode tok/s | in-process API tok/s | TCP stream decode tok/s | API / generate | TCP / generate |"
+                );
+                println!("|--:|--:|--:|--:|--:|--:|");
                 for (i, x) in r.iter().enumerate() {
                     println!(
-                        "| {} | {:.1} | {:.1} | {:.3} |",
+                        "| {} | {:.1} | {:.1} | {:.1} | {:.3} | {:.3} |",
                         i + 1,
                         x.generate_tok_s,
+                        x.api_tok_s,
                         x.server_tok_s,
+                        x.api_tok_s / x.generate_tok_s,
                         x.server_tok_s / x.generate_tok_s
                     );
                 }
@@ -457,12 +461,14 @@ fn run(cli: Cli) -> Result<()> {
                     v[v.len() / 2]
                 };
                 let g = med(r.iter().map(|x| x.generate_tok_s).collect());
+                let api = med(r.iter().map(|x| x.api_tok_s).collect());
                 let sv = med(r.iter().map(|x| x.server_tok_s).collect());
+                let ra = med(r.iter().map(|x| x.api_tok_s / x.generate_tok_s).collect());
                 let ratio = med(r
                     .iter()
                     .map(|x| x.server_tok_s / x.generate_tok_s)
                     .collect());
-                println!("| median | {g:.1} | {sv:.1} | {ratio:.3} |");
+                println!("| median | {g:.1} | {api:.1} | {sv:.1} | {ra:.3} | {ratio:.3} |");
                 Ok(())
             }
             BenchCmd::Decode {
