@@ -1,10 +1,12 @@
-//! Paged KV block allocation with reference counts, a FIFO free queue and hash-chained prefix caching (the vLLM v1 `BlockPool` metadata of PagedAttention, Kwon et al. 2023); no K/V storage here.
+//! Paged KV block allocation with reference counts, a LIFO free list and hash-chained prefix caching (the vLLM v1 `BlockPool` metadata of PagedAttention, Kwon et al. 2023); no K/V storage here.
 //!
 //! Every block is in exactly one of three states:
 //! - *used*: refcount > 0 (held by one or more sequences; forks share blocks);
 //! - *cached*: refcount 0 but still registered under a prefix hash, kept in an LRU list
 //!   (least recently released first) so a later request with the same prefix can revive it;
-//! - *free*: refcount 0 and no hash, kept in a FIFO queue.
+//! - *free*: refcount 0 and no hash, most recently freed first (its memory pages are resident
+//!   already, so a pool's resident size follows the live K/V instead of creeping up to the pool's
+//!   size; never-used blocks come last).
 //!
 //! `allocate` takes from the free queue first and only then evicts the least recently released
 //! cached block, dropping its hash. Every operation is O(1) amortized: the LRU is an intrusive
@@ -112,7 +114,7 @@ impl BlockAllocator {
         self.free.len() + self.cached
     }
 
-    /// A block with refcount 1: from the free queue first (FIFO), else evicts the least recently
+    /// A block with refcount 1: the most recently freed block first, else evicts the least recently
     /// released cached block (dropping its hash from the prefix map). None when nothing is available.
     pub fn allocate(&mut self) -> Option<BlockId> {
         let b = match self.free.pop_front() {
@@ -168,7 +170,7 @@ impl BlockAllocator {
             if self.hashes[i].is_some() {
                 self.lru_push_back(b);
             } else {
-                self.free.push_back(b);
+                self.free.push_front(b);
             }
         }
         Ok(())
@@ -195,7 +197,7 @@ impl BlockAllocator {
     }
 
     /// Forget `b`'s hash (before it is modified in place). No-op when it has none (or `b` is out
-    /// of range). A cached block so unregistered becomes free (back of the free queue).
+    /// of range). A cached block so unregistered becomes free (first in line).
     pub fn unregister(&mut self, b: BlockId) {
         let i = b as usize;
         let Some(h) = self.hashes.get_mut(i).and_then(Option::take) else {
@@ -204,7 +206,7 @@ impl BlockAllocator {
         self.prefix.remove(&h);
         if self.refs[i] == 0 {
             self.lru_unlink(b);
-            self.free.push_back(b);
+            self.free.push_front(b);
         }
     }
 
@@ -359,13 +361,14 @@ mod tests {
     }
 
     #[test]
-    fn release_order_is_reuse_order() {
-        let mut pool = BlockAllocator::new(4);
+    fn the_most_recently_freed_block_is_reused_first() {
+        let mut pool = BlockAllocator::new(6);
         let got: Vec<_> = (0..4).filter_map(|_| pool.allocate()).collect();
         assert_eq!(got, vec![0, 1, 2, 3]);
         release_all(&mut pool, &[2, 0, 3, 1]);
-        let again: Vec<_> = (0..4).filter_map(|_| pool.allocate()).collect();
-        assert_eq!(again, vec![2, 0, 3, 1]);
+        // Freed blocks in reverse order of release, then the never-used ones.
+        let again: Vec<_> = (0..6).filter_map(|_| pool.allocate()).collect();
+        assert_eq!(again, vec![1, 3, 0, 2, 4, 5]);
     }
 
     #[test]
@@ -374,9 +377,9 @@ mod tests {
         let (a, b) = (pool.allocate().unwrap(), pool.allocate().unwrap());
         pool.register(a, 7);
         release_all(&mut pool, &[a, b]);
-        // Block 2 (never used) and then `b` (free) come before the cached `a`.
-        assert_eq!(pool.allocate(), Some(2));
+        // `b` (freed) and then block 2 (never used) come before the cached `a`.
         assert_eq!(pool.allocate(), Some(b));
+        assert_eq!(pool.allocate(), Some(2));
         assert_eq!(pool.hash_of(a), Some(7));
         assert_eq!(pool.allocate(), Some(a));
         assert_eq!(pool.hash_of(a), None);
@@ -659,7 +662,7 @@ mod tests {
                 if self.hash[b as usize].is_some() {
                     self.lru.push(b);
                 } else {
-                    self.free.push_back(b);
+                    self.free.push_front(b);
                 }
             }
         }
@@ -693,7 +696,7 @@ mod tests {
             self.map.remove(&h);
             if self.count(b) == 0 {
                 self.lru.retain(|&x| x != b);
-                self.free.push_back(b);
+                self.free.push_front(b);
             }
         }
 
