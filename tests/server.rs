@@ -307,6 +307,13 @@ fn hostile_lines() -> Vec<(Vec<u8>, &'static str)> {
             l(r#"{"id": "d2", "prompt": "hi", "max_tokens": 5000}"#),
             "invalid_argument",
         ),
+        (
+            l(&format!(
+                r#"{{"id": "d3", "prompt": "{}"}}"#,
+                "word ".repeat(150)
+            )),
+            "prompt_too_long",
+        ),
     ]
 }
 
@@ -314,6 +321,7 @@ fn hostile_lines() -> Vec<(Vec<u8>, &'static str)> {
 fn hostile_inputs_get_their_codes_while_a_good_request_completes() {
     let mut cfg = engine_config(vec![DrafterFactory::ngram(3).expect("ngram")]);
     cfg.limits.max_tokens = 4096;
+    cfg.limits.max_prompt_tokens = 100;
     let server = TestServer::start(
         cfg,
         ServerConfig {
