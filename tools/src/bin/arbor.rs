@@ -518,19 +518,11 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 /// "2GiB", "512MiB", "1.5GB", "1000000" (bytes), or "auto": a quarter of the memory the
-/// system reports available (at most 4 GiB; 1 GiB when it reports nothing).
+/// system reports available (256 MiB to 4 GiB; 1 GiB when it reports nothing).
 fn parse_bytes(s: &str) -> Result<usize> {
     let t = s.trim();
     if t == "auto" {
-        const GIB: usize = 1 << 30;
-        let avail = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
-            m.lines()
-                .find(|l| l.starts_with("MemAvailable:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<usize>().ok())
-                .map(|kb| kb * 1024)
-        });
-        return Ok(avail.map_or(GIB, |b| (b / 4).clamp(GIB / 4, 4 * GIB)));
+        return Ok(arbor_actors::config::default_kv_memory());
     }
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
