@@ -44,7 +44,7 @@ pub struct Engine {
 impl Engine {
     /// Load the pool and the scheduler, start the actors, and return once they take requests.
     pub fn start(config: EngineConfig) -> Result<Engine> {
-        let verifier = Verifier::new(&config)?;
+        let mut verifier = Verifier::new(&config)?;
         let info = EngineInfo {
             model: config
                 .model
@@ -64,6 +64,7 @@ impl Engine {
         };
         let limits = config.limits.clone();
         let interrupt = verifier.interrupt_flag();
+        let first_state = verifier.state();
         let slot = Arc::new(Mutex::new(Some(verifier)));
         let (tx, rx) = crossbeam_channel::bounded(1);
         let stopped = Arc::new(AtomicBool::new(false));
@@ -90,8 +91,15 @@ impl Engine {
                         })
                         .collect();
                     let merger = SyncArbiter::start(1, TreeMerger::default);
-                    let intake =
-                        Intake::new(verifier, interrupt, drafters, merger, intake_limits).start();
+                    let intake = Intake::new(
+                        verifier,
+                        interrupt,
+                        drafters,
+                        merger,
+                        intake_limits,
+                        first_state,
+                    )
+                    .start();
                     let _ = tx.send(intake);
                 });
                 if let Err(e) = sys.run() {

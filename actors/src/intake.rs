@@ -5,8 +5,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use actix::{Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, SpawnHandle, WrapFuture};
-use arbor_engine::sched::Finish;
+use actix::{Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, WrapFuture};
+use arbor_engine::sched::{Commit, Finish};
 use arbor_engine::FinishReason as EngineFinish;
 
 use crate::config::Limits;
@@ -87,7 +87,6 @@ pub struct Intake {
     failed: u64,
     slow_readers: u64,
     shutdown: Option<ShutdownState>,
-    ticker: Option<SpawnHandle>,
 }
 
 const WINDOW: Duration = Duration::from_secs(10);
@@ -101,6 +100,7 @@ impl Intake {
         drafters: Vec<Addr<DrafterActor>>,
         merger: Addr<TreeMerger>,
         limits: Limits,
+        state: VerifierState,
     ) -> Intake {
         Intake {
             verifier,
@@ -111,7 +111,7 @@ impl Intake {
             entries: HashMap::new(),
             step: 0,
             step_in_flight: false,
-            state: VerifierState::default(),
+            state,
             started: Instant::now(),
             window: VecDeque::new(),
             spec_steps: 0,
@@ -124,7 +124,6 @@ impl Intake {
             failed: 0,
             slow_readers: 0,
             shutdown: None,
-            ticker: None,
         }
     }
 
@@ -240,11 +239,11 @@ impl Intake {
     }
 
     /// Tell the drafters what was accepted, and which requests ended.
-    fn follow_drafters(&mut self, report: &StepReport, ended: Vec<RequestId>) {
+    fn follow_drafters(&mut self, commits: Vec<Commit>, ended: Vec<RequestId>) {
         if self.drafters.is_empty() {
             return;
         }
-        let commits = Arc::new(report.commits.clone());
+        let commits = Arc::new(commits);
         for d in &self.drafters {
             if !commits.is_empty() {
                 d.do_send(CommitDrafts {
@@ -272,15 +271,14 @@ impl Intake {
 
     fn on_report(&mut self, mut report: StepReport, ctx: &mut Context<Self>) {
         self.set_state(report.state);
+        // Failed requests are forgotten by `fail`.
         let ended: Vec<RequestId> = report
             .events
             .iter()
             .filter(|e| e.finish.is_some())
             .map(|e| e.id)
-            .chain(report.failed.iter().map(|(id, _)| *id))
             .collect();
-        self.follow_drafters(&report, ended);
-        report.commits.clear();
+        self.follow_drafters(std::mem::take(&mut report.commits), ended);
         for id in &report.running_ids {
             if let Some(e) = self.entries.get_mut(id) {
                 e.admitted.get_or_insert(report.started);
@@ -572,18 +570,10 @@ impl Actor for Intake {
 
     fn started(&mut self, ctx: &mut Context<Self>) {
         // Deadlines and the shutdown grace period are checked between steps too.
-        let h = ctx.run_interval(Duration::from_millis(20), |act, ctx| {
+        ctx.run_interval(Duration::from_millis(20), |act, ctx| {
             act.check_deadlines(ctx);
             act.maybe_finish_shutdown();
         });
-        self.ticker = Some(h);
-        // The first VerifierState (pool size) before any request.
-        let fut = self.verifier.send(Cancel { id: u64::MAX });
-        ctx.spawn(fut.into_actor(self).map(|res, act, _| {
-            if let Ok(s) = res {
-                act.set_state(s);
-            }
-        }));
     }
 }
 

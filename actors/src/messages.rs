@@ -98,7 +98,7 @@ pub struct Enqueue {
     pub req: ValidRequest,
 }
 
-/// Intake → Verifier: drop a request; replies whether it was known, and the pool after.
+/// Intake → Verifier: drop a request (if it still runs); replies with the pool after.
 #[derive(Message)]
 #[rtype(result = "VerifierState")]
 pub struct Cancel {
@@ -110,7 +110,6 @@ pub struct Cancel {
 pub struct VerifierState {
     /// Order of the Verifier's replies (replies may be read out of order: keep the newest).
     pub seq: u64,
-    pub found: bool,
     pub running: usize,
     pub waiting: usize,
     pub preempted: u64,
@@ -138,8 +137,6 @@ pub struct StepReport {
     /// What verification accepted for externally drafted requests.
     pub commits: Vec<arbor_engine::sched::Commit>,
     pub state: VerifierState,
-    /// No request left in the scheduler.
-    pub idle: bool,
 }
 
 /// Intake → Verifier: run steps. Steps without trees to draft run at once, back to back;

@@ -207,26 +207,8 @@ fn resolve_speculation(
             out
         }
     };
-    let budget = match s.budget {
-        Some(b) if b > spec.budget => {
-            return Err(ServeError::invalid(format!(
-                "speculation budget must be at most {}",
-                spec.budget
-            )))
-        }
-        Some(b) => b,
-        None => spec.budget,
-    };
-    let depth = match s.depth {
-        Some(d) if d > spec.depth => {
-            return Err(ServeError::invalid(format!(
-                "speculation tree depth must be at most {}",
-                spec.depth
-            )))
-        }
-        Some(d) => d,
-        None => spec.depth,
-    };
+    let budget = capped("speculation budget", s.budget, spec.budget)?;
+    let depth = capped("speculation tree depth", s.depth, spec.depth)?;
     if let Some(VerifyMode::Greedy) = s.verify {
         if !sampling.is_greedy() {
             return Err(ServeError::invalid(
@@ -244,6 +226,15 @@ fn resolve_speculation(
         adaptive: s.adaptive.unwrap_or(sampling.is_greedy()),
         verify: s.verify,
     }))
+}
+
+/// A requested value, at most the engine's (its default).
+fn capped(what: &str, asked: Option<usize>, max: usize) -> Result<usize> {
+    match asked {
+        Some(v) if v > max => Err(ServeError::invalid(format!("{what} must be at most {max}"))),
+        Some(v) => Ok(v),
+        None => Ok(max),
+    }
 }
 
 /// At most 64 characters of client text in an error message.

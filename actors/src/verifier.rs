@@ -1,11 +1,10 @@
-//! The Verifier actor: owns the LLM, the KV pool and the scheduler on a `SyncArbiter` thread; each `RunStep` runs one batched forward pass (prefill chunks, decode tokens, draft trees) with verification and commit (SpecInfer tree verification inside continuous batching).
+//! The Verifier actor: owns the LLM, the KV pool and the scheduler on a `SyncArbiter` thread; each step is one batched forward pass (prefill chunks, decode tokens, draft trees) with verification and commit (SpecInfer tree verification inside continuous batching).
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
-
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use actix::{Actor, Handler, Recipient, SyncContext};
 use arbor_engine::sched::{PlannedStep, RequestSpec, Scheduler, SpecPolicy, StepCost};
@@ -25,13 +24,11 @@ pub struct Verifier {
     tokenizer: Arc<Tokenizer>,
     n_drafters: usize,
     max_prompt_tokens: usize,
-    /// Scheduler id → request id, and back.
+    /// Request id → its scheduler id and speculation; scheduler id → request id.
+    requests: HashMap<RequestId, Tracked>,
     to_req: HashMap<u64, RequestId>,
-    to_sched: HashMap<RequestId, u64>,
     /// Replies so far (orders the states the Intake receives).
     seq: u64,
-    /// Speculating requests: their drafters (engine indices), seed and depth cap.
-    spec_info: HashMap<RequestId, (Vec<usize>, u64, usize)>,
     /// A step waiting for its trees: (step, plan, when it began).
     planned: Option<(u64, PlannedStep, Instant)>,
     /// When the last step ended with requests still running.
@@ -41,6 +38,13 @@ pub struct Verifier {
     gaps: u64,
     /// Raised by the Intake before it sends a message: stop running steps back to back.
     interrupt: Arc<AtomicBool>,
+}
+
+/// A request the scheduler holds.
+struct Tracked {
+    sid: u64,
+    /// Its drafters (engine indices), seed and depth cap, when it speculates.
+    spec: Option<(Vec<usize>, u64, usize)>,
 }
 
 impl Actor for Verifier {
@@ -86,10 +90,9 @@ impl Verifier {
             tokenizer: Arc::clone(&config.tokenizer),
             n_drafters: config.drafters.len(),
             max_prompt_tokens,
+            requests: HashMap::new(),
             to_req: HashMap::new(),
-            to_sched: HashMap::new(),
             seq: 0,
-            spec_info: HashMap::new(),
             planned: None,
             last_end: None,
             step_secs: 0.0,
@@ -104,12 +107,12 @@ impl Verifier {
         Arc::clone(&self.interrupt)
     }
 
-    fn state(&mut self, found: bool) -> VerifierState {
+    /// The scheduler and pool now (each call numbered: the Intake keeps the newest).
+    pub fn state(&mut self) -> VerifierState {
         let st = self.sched.stats();
         self.seq += 1;
         VerifierState {
             seq: self.seq,
-            found,
             running: self.sched.n_running(),
             waiting: self.sched.n_waiting(),
             preempted: st.preemptions,
@@ -165,15 +168,17 @@ impl Verifier {
             None => None,
         };
         let n = prompt.len();
-        let req_spec = req.speculation.clone();
-        let req_seed = req.params.sampling.seed;
+        let seed = req.params.sampling.seed;
+        let tracked_spec = req.speculation.map(|sp| (sp.drafters, seed, sp.depth));
         let sid = self.sched.submit_spec(prompt, req.params, spec)?;
         self.to_req.insert(sid, msg.id);
-        self.to_sched.insert(msg.id, sid);
-        if let Some(sp) = &req_spec {
-            self.spec_info
-                .insert(msg.id, (sp.drafters.clone(), req_seed, sp.depth));
-        }
+        self.requests.insert(
+            msg.id,
+            Tracked {
+                sid,
+                spec: tracked_spec,
+            },
+        );
         Ok(n)
     }
 
@@ -182,13 +187,37 @@ impl Verifier {
         let mut out = Vec::new();
         for sid in self.sched.request_ids() {
             self.sched.cancel(sid);
-            if let Some(id) = self.to_req.remove(&sid) {
-                self.to_sched.remove(&id);
-                self.spec_info.remove(&id);
+            if let Some(id) = self.forget_sched(sid) {
                 out.push((id, error.clone()));
             }
         }
         out
+    }
+
+    /// Stop tracking the request the scheduler calls `sid`; its request id.
+    fn forget_sched(&mut self, sid: u64) -> Option<RequestId> {
+        let id = self.to_req.remove(&sid)?;
+        self.requests.remove(&id);
+        Some(id)
+    }
+
+    /// A report of a step that ran nothing (planning failed, or a stale `Verify`).
+    fn empty_report(
+        &mut self,
+        step: u64,
+        started: Instant,
+        failed: Vec<(RequestId, ServeError)>,
+    ) -> StepReport {
+        StepReport {
+            step,
+            started,
+            running_ids: Vec::new(),
+            events: Vec::new(),
+            failed,
+            drafter_failures: Vec::new(),
+            commits: Vec::new(),
+            state: self.state(),
+        }
     }
 }
 
@@ -210,15 +239,11 @@ impl Handler<Cancel> for Verifier {
     type Result = actix::MessageResult<Cancel>;
 
     fn handle(&mut self, msg: Cancel, _: &mut SyncContext<Self>) -> Self::Result {
-        self.spec_info.remove(&msg.id);
-        let found = match self.to_sched.remove(&msg.id) {
-            Some(sid) => {
-                self.to_req.remove(&sid);
-                self.sched.cancel(sid)
-            }
-            None => false,
-        };
-        actix::MessageResult(self.state(found))
+        if let Some(t) = self.requests.remove(&msg.id) {
+            self.to_req.remove(&t.sid);
+            self.sched.cancel(t.sid);
+        }
+        actix::MessageResult(self.state())
     }
 }
 
@@ -233,7 +258,7 @@ impl Verifier {
     ) -> StepReport {
         let trees: Vec<(u64, arbor_engine::tree::TokenTree)> = trees
             .into_iter()
-            .filter_map(|(id, t)| self.to_sched.get(&id).map(|&sid| (sid, t)))
+            .filter_map(|(id, t)| self.requests.get(&id).map(|r| (r.sid, t)))
             .collect();
         let mut failed = Vec::new();
         let stepped = catch_unwind(AssertUnwindSafe(|| {
@@ -268,28 +293,28 @@ impl Verifier {
                 Some(c)
             })
             .collect();
-        events.retain_mut(|ev| match self.to_req.get(&ev.id) {
-            Some(&id) => {
-                if ev.finish.is_some() {
-                    self.to_req.remove(&ev.id);
-                    self.to_sched.remove(&id);
-                    self.spec_info.remove(&id);
-                }
-                ev.id = id;
-                running_ids.push(id);
-                true
-            }
-            None => false,
-        });
+        // Failures name request ids before finished requests are forgotten.
         let drafter_failures = self
             .sched
             .take_drafter_failures()
             .into_iter()
-            .map(|mut f| {
-                f.id = self.to_req.get(&f.id).copied().unwrap_or(f.id);
-                f
+            .filter_map(|mut f| {
+                f.id = *self.to_req.get(&f.id)?;
+                Some(f)
             })
             .collect();
+        events.retain_mut(|ev| {
+            let sid = ev.id;
+            let Some(&id) = self.to_req.get(&sid) else {
+                return false;
+            };
+            if ev.finish.is_some() {
+                self.forget_sched(sid);
+            }
+            ev.id = id;
+            running_ids.push(id);
+            true
+        });
         let end = Instant::now();
         self.step_secs += end.duration_since(started).as_secs_f64();
         self.last_end = (!self.sched.is_idle()).then_some(end);
@@ -301,8 +326,7 @@ impl Verifier {
             failed,
             drafter_failures,
             commits,
-            state: self.state(false),
-            idle: self.sched.is_idle(),
+            state: self.state(),
         }
     }
 }
@@ -320,37 +344,26 @@ impl Verifier {
             self.gap_secs += started.duration_since(t).as_secs_f64();
             self.gaps += 1;
         }
-        let planned = match catch_unwind(AssertUnwindSafe(|| self.sched.begin_step())) {
+        let mut planned = match catch_unwind(AssertUnwindSafe(|| self.sched.begin_step())) {
             Ok(p) => p,
             Err(p) => {
                 let failed = self.fail_all(ServeError::internal(format!(
                     "planning panicked: {}",
                     arbor_engine::spec::panic_message(&*p)
                 )));
-                let report = StepReport {
-                    step,
-                    started,
-                    running_ids: Vec::new(),
-                    events: Vec::new(),
-                    failed,
-                    drafter_failures: Vec::new(),
-                    commits: Vec::new(),
-                    state: self.state(false),
-                    idle: self.sched.is_idle(),
-                };
+                let report = self.empty_report(step, started, failed);
                 report_to.do_send(StepDone(Box::new(report)));
                 return None;
             }
         };
-        let work: Vec<DraftWork> = planned
-            .jobs
-            .iter()
+        let work: Vec<DraftWork> = std::mem::take(&mut planned.jobs)
+            .into_iter()
             .filter_map(|j| {
                 let id = *self.to_req.get(&j.id)?;
-                let (drafters, seed, depth) = self.spec_info.get(&id)?.clone();
+                let (drafters, seed, depth) = self.requests.get(&id)?.spec.clone()?;
                 Some(DraftWork {
                     id,
-                    tokens: j.tokens.clone(),
+                    tokens: j.tokens,
                     budget: j.budget,
                     max_depth: j.max_depth,
                     drafters,
@@ -401,17 +414,7 @@ impl Handler<Verify> for Verifier {
             other => {
                 // No plan for this step (stale): keep any other plan, report nothing.
                 self.planned = other;
-                StepReport {
-                    step: msg.step,
-                    started: Instant::now(),
-                    running_ids: Vec::new(),
-                    events: Vec::new(),
-                    failed: Vec::new(),
-                    drafter_failures: Vec::new(),
-                    commits: Vec::new(),
-                    state: self.state(false),
-                    idle: self.sched.is_idle(),
-                }
+                self.empty_report(msg.step, Instant::now(), Vec::new())
             }
         };
         report_to.do_send(StepDone(Box::new(report)));

@@ -215,15 +215,7 @@ pub fn draft_tree(
     max_depth: usize,
     vocab: usize,
 ) -> Result<TokenTree> {
-    let root = draft_root(tokens)?;
-    let n = drafters.len().max(1);
-    let mut trees = Vec::with_capacity(drafters.len() + 1);
-    trees.push(TokenTree::root_only(root));
-    for (i, d) in drafters.iter_mut().enumerate() {
-        let t = propose_checked(&mut **d, i, n, tokens, budget, max_depth, vocab)?;
-        trees.push(t);
-    }
-    TokenTree::merge(&trees)
+    draft_tree_with(drafters, tokens, budget, max_depth, vocab, None)
 }
 
 /// [`draft_tree`] that survives its drafters: a drafter that errors, panics or proposes an
@@ -237,19 +229,36 @@ pub fn draft_tree_tolerant(
     vocab: usize,
     failures: &mut Vec<(usize, String)>,
 ) -> Result<TokenTree> {
+    draft_tree_with(drafters, tokens, budget, max_depth, vocab, Some(failures))
+}
+
+/// The drafting loop: a drafter's failure is the result (`failures: None`) or is recorded and
+/// skipped, panics included.
+fn draft_tree_with(
+    drafters: &mut [&mut dyn Drafter],
+    tokens: &[u32],
+    budget: usize,
+    max_depth: usize,
+    vocab: usize,
+    mut failures: Option<&mut Vec<(usize, String)>>,
+) -> Result<TokenTree> {
     let root = draft_root(tokens)?;
     let n = drafters.len().max(1);
     let mut trees = Vec::with_capacity(drafters.len() + 1);
     trees.push(TokenTree::root_only(root));
     for (i, d) in drafters.iter_mut().enumerate() {
         let d: &mut dyn Drafter = &mut **d;
+        let Some(failed) = failures.as_deref_mut() else {
+            trees.push(propose_checked(d, i, n, tokens, budget, max_depth, vocab)?);
+            continue;
+        };
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             propose_checked(d, i, n, tokens, budget, max_depth, vocab)
         }));
         match r {
             Ok(Ok(t)) => trees.push(t),
-            Ok(Err(e)) => failures.push((i, e.to_string())),
-            Err(panic) => failures.push((i, format!("panicked: {}", panic_message(&*panic)))),
+            Ok(Err(e)) => failed.push((i, e.to_string())),
+            Err(panic) => failed.push((i, format!("panicked: {}", panic_message(&*panic)))),
         }
     }
     TokenTree::merge(&trees)

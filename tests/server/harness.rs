@@ -6,7 +6,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use arbor_actors::server::{self, ServerConfig};
+use arbor_actors::server::{BackgroundServer, ServerConfig};
 use arbor_actors::{DrafterFactory, Engine, EngineConfig};
 use serde_json::{json, Value};
 
@@ -15,8 +15,7 @@ use crate::common;
 pub struct TestServer {
     pub addr: SocketAddr,
     pub engine: Arc<Engine>,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    server: BackgroundServer,
 }
 
 /// smollm2 with a small pool; `drafters`: engine drafters (calibrates the step cost).
@@ -32,32 +31,12 @@ pub fn engine_config(drafters: Vec<DrafterFactory>) -> EngineConfig {
 impl TestServer {
     pub fn start(config: EngineConfig, server_config: ServerConfig) -> TestServer {
         let engine = Arc::new(Engine::start(config).expect("engine starts"));
-        let (addr_tx, addr_rx) = std::sync::mpsc::channel();
-        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let e = Arc::clone(&engine);
-        let thread = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async move {
-                let l = server::bind("127.0.0.1:0").await.expect("bind");
-                addr_tx
-                    .send(l.local_addr().expect("addr"))
-                    .expect("send addr");
-                server::serve(e, l, server_config, async {
-                    let _ = stop_rx.await;
-                })
-                .await
-                .expect("serve");
-            });
-        });
-        let addr = addr_rx.recv().expect("server address");
+        let server = BackgroundServer::start(Arc::clone(&engine), "127.0.0.1:0", server_config)
+            .expect("server starts");
         TestServer {
-            addr,
+            addr: server.addr,
             engine,
-            stop: Some(stop_tx),
-            thread: Some(thread),
+            server,
         }
     }
 
@@ -71,19 +50,12 @@ impl TestServer {
 
     /// Signal shutdown (as SIGTERM does) and wait until the server has stopped.
     pub fn shutdown(&mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        if let Some(t) = self.thread.take() {
-            t.join().expect("server thread");
-        }
+        self.server.shutdown().expect("server stops cleanly");
     }
 
     /// Signal shutdown without waiting.
     pub fn signal_shutdown(&mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
+        self.server.signal_shutdown();
     }
 
     /// Poll `stats` until `pred` holds (or panic after 30 s).
@@ -98,12 +70,6 @@ impl TestServer {
             assert!(t0.elapsed() < Duration::from_secs(30), "{what}: stats {s}");
             std::thread::sleep(Duration::from_millis(20));
         }
-    }
-}
-
-impl Drop for TestServer {
-    fn drop(&mut self) {
-        self.shutdown();
     }
 }
 

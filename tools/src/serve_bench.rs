@@ -4,7 +4,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::sync::Arc;
 use std::time::Instant;
 
-use arbor_actors::server::{self, ServerConfig};
+use arbor_actors::server::{BackgroundServer, ServerConfig};
 use arbor_actors::{Engine, EngineConfig};
 use arbor_engine::draft::{Drafter, NgramDrafter};
 use arbor_engine::spec::{self, SpecParams};
@@ -39,24 +39,9 @@ pub fn serve_bench(
         config.drafters = vec![arbor_actors::DrafterFactory::ngram(3)?];
     }
     let engine = Arc::new(Engine::start(config)?);
-    let (addr_tx, addr_rx) = std::sync::mpsc::channel();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let e = Arc::clone(&engine);
-    let server_thread = std::thread::spawn(move || -> anyhow::Result<()> {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()?;
-        rt.block_on(async move {
-            let l = server::bind("127.0.0.1:0").await?;
-            addr_tx.send(l.local_addr()?)?;
-            server::serve(e, l, ServerConfig::default(), async {
-                let _ = stop_rx.await;
-            })
-            .await?;
-            Ok(())
-        })
-    });
-    let addr = addr_rx.recv()?;
+    let mut server =
+        BackgroundServer::start(Arc::clone(&engine), "127.0.0.1:0", ServerConfig::default())?;
+    let addr = server.addr;
     let ids = tok.encode_prompt(prompt)?;
     let params = GenerateParams {
         max_tokens: tokens,
@@ -156,9 +141,6 @@ pub fn serve_bench(
             );
         }
     }
-    let _ = stop_tx.send(());
-    server_thread
-        .join()
-        .map_err(|_| anyhow::anyhow!("server thread panicked"))??;
+    server.shutdown()?;
     Ok(out)
 }

@@ -130,6 +130,64 @@ pub async fn serve(
     Ok(())
 }
 
+/// A server on its own thread and tokio runtime (tests, benchmarks, programs that embed it).
+pub struct BackgroundServer {
+    pub addr: SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<std::io::Result<()>>>,
+}
+
+impl BackgroundServer {
+    /// Bind `addr` (`127.0.0.1:0` for any free port) and serve `engine` until shut down.
+    pub fn start(
+        engine: Arc<Engine>,
+        addr: &str,
+        config: ServerConfig,
+    ) -> std::io::Result<BackgroundServer> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let listener = rt.block_on(TcpListener::bind(addr))?;
+        let addr = listener.local_addr()?;
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("arbor-server".into())
+            .spawn(move || {
+                rt.block_on(serve(engine, listener, config, async {
+                    let _ = stopped.await;
+                }))
+            })?;
+        Ok(BackgroundServer {
+            addr,
+            stop: Some(stop),
+            thread: Some(thread),
+        })
+    }
+
+    /// Begin the graceful shutdown (as SIGTERM does) without waiting for it.
+    pub fn signal_shutdown(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+    }
+
+    /// Shut down and wait until the server has stopped.
+    pub fn shutdown(&mut self) -> std::io::Result<()> {
+        self.signal_shutdown();
+        match self.thread.take().map(std::thread::JoinHandle::join) {
+            Some(Ok(r)) => r,
+            Some(Err(_)) => Err(std::io::Error::other("the server thread panicked")),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for BackgroundServer {
+    fn drop(&mut self) {
+        let _ = self.shutdown();
+    }
+}
+
 /// Bind `addr` (e.g. `127.0.0.1:7070`).
 pub async fn bind(addr: &str) -> std::io::Result<TcpListener> {
     TcpListener::bind(addr).await

@@ -224,6 +224,26 @@ struct StepInput {
     logit_rows: Vec<usize>,
 }
 
+/// Drop the drafters that failed (`(index, message)`, indices ascending): a failed drafter may
+/// be left in any state, so the request goes on without it.
+fn drop_drafters(
+    id: u64,
+    sp: &mut SpecState<'_>,
+    failures: Vec<(usize, String)>,
+    stats: &mut SchedStats,
+    out: &mut Vec<DrafterFailure>,
+) {
+    for (i, message) in failures.into_iter().rev() {
+        let d = sp.drafters.remove(i);
+        stats.drafter_failures += 1;
+        out.push(DrafterFailure {
+            id,
+            drafter: d.name().to_string(),
+            message,
+        });
+    }
+}
+
 fn failed(id: u64, e: EngineError) -> StepEvent {
     StepEvent {
         id,
@@ -688,13 +708,20 @@ impl<'a> Scheduler<'a> {
             mut events,
             jobs: _,
         } = planned;
-        // Requests cancelled since the plan was made drop out; the others may have moved.
-        plan.retain_mut(|sl| match self.running.iter().position(|r| r.id == sl.id) {
-            Some(i) => {
-                sl.idx = i;
-                true
+        // Requests cancelled since the plan was made drop out; the others may have moved (a
+        // step finished at once, as `step` does, finds every slot where it was).
+        let running = &self.running;
+        plan.retain_mut(|sl| {
+            if running.get(sl.idx).is_some_and(|r| r.id == sl.id) {
+                return true;
             }
-            None => false,
+            match running.iter().position(|r| r.id == sl.id) {
+                Some(i) => {
+                    sl.idx = i;
+                    true
+                }
+                None => false,
+            }
         });
         if plan.is_empty() {
             return Ok(events);
@@ -779,18 +806,16 @@ impl<'a> Scheduler<'a> {
                             d.accept(&o.tokens, o.bonus);
                         }));
                         if let Err(p) = r {
-                            broken.push((i, crate::spec::panic_message(&*p)));
+                            broken.push((i, format!("accept {}", crate::spec::panic_message(&*p))));
                         }
                     }
-                    for (i, message) in broken.into_iter().rev() {
-                        let d = sp.drafters.remove(i);
-                        self.stats.drafter_failures += 1;
-                        self.drafter_failures.push(DrafterFailure {
-                            id: r.id,
-                            drafter: d.name().to_string(),
-                            message: format!("accept {message}"),
-                        });
-                    }
+                    drop_drafters(
+                        r.id,
+                        sp,
+                        broken,
+                        &mut self.stats,
+                        &mut self.drafter_failures,
+                    );
                     emitted
                 }
                 _ if lg.is_empty() => Vec::new(),
@@ -934,16 +959,13 @@ impl<'a> Scheduler<'a> {
                 vocab,
                 &mut failures,
             )?;
-            // A failed drafter may be left in any state: the request goes on without it.
-            for &(i, ref message) in failures.iter().rev() {
-                let d = sp.drafters.remove(i);
-                self.stats.drafter_failures += 1;
-                self.drafter_failures.push(DrafterFailure {
-                    id: r.id,
-                    drafter: d.name().to_string(),
-                    message: message.clone(),
-                });
-            }
+            drop_drafters(
+                r.id,
+                sp,
+                failures,
+                &mut self.stats,
+                &mut self.drafter_failures,
+            );
             sl.proposal = Some(proposal);
         }
         // Fixed requests verify the whole proposal; adaptive ones what the policy picks.

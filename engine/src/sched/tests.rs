@@ -540,3 +540,74 @@ fn external_drafting_equals_in_process_drafting() {
         }
     }
 }
+
+/// A drafter that proposes a chain of its root twice, then errors or panics every time it is
+/// asked; `calls` counts its proposals.
+struct Breaking {
+    calls: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    panic: bool,
+}
+
+impl Drafter for Breaking {
+    fn name(&self) -> &str {
+        "breaking"
+    }
+
+    fn propose(&mut self, req: &crate::draft::DraftRequest<'_>) -> Result<TokenTree> {
+        let n = self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if n >= 2 {
+            if self.panic {
+                panic!("drafter bug (test)");
+            }
+            return Err(EngineError::InvalidArgument(
+                "drafter failure (test)".into(),
+            ));
+        }
+        let k = req.budget.min(req.max_depth).min(2);
+        Ok(TokenTree::chain(
+            req.root(),
+            &vec![req.root(); k],
+            req.drafter,
+        ))
+    }
+}
+
+/// In-process drafters that error or panic are dropped from their request after their first
+/// failure, counted and reported; the request keeps its incremental greedy tokens.
+#[test]
+fn failing_in_process_drafters_are_dropped_and_change_nothing() {
+    let be = CpuBackend::new(2).unwrap();
+    let model = tiny_model(&spec("llama", GgmlType::Q8_0), 9).unwrap();
+    let vocab = model.config.vocab_size as u32;
+    let prompt = repetitive(vocab, 30, 1);
+    let params = GenerateParams {
+        max_tokens: 16,
+        sampling: SamplingParams::greedy(),
+        ..GenerateParams::default()
+    };
+    let want = alone(&model, &be, &prompt, &params);
+    let calls: Vec<_> = (0..2)
+        .map(|_| std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0)))
+        .collect();
+    let pool = KvPool::new(&model.config, model.config.n_layers, 64);
+    let mut s = Scheduler::new(&model, None, pool.clone(), SchedConfig::default()).unwrap();
+    let mut sp = ngram_spec(SpecPolicy::Fixed, 8);
+    for (c, panic) in calls.iter().zip([true, false]) {
+        sp.drafters.push(Box::new(Breaking {
+            calls: std::sync::Arc::clone(c),
+            panic,
+        }));
+    }
+    s.submit_spec(prompt, params, Some(sp)).unwrap();
+    let done = s.run_to_completion(&be).unwrap();
+    assert_eq!(done_tokens(&done[0].1).0, &want[..]);
+    assert_eq!(s.stats().drafter_failures, 2);
+    let failures = s.take_drafter_failures();
+    assert_eq!(failures.len(), 2);
+    assert!(failures.iter().all(|f| f.drafter == "breaking"));
+    // Each was asked once more after its two good trees, then never again.
+    for c in &calls {
+        assert_eq!(c.load(std::sync::atomic::Ordering::SeqCst), 3);
+    }
+    assert_eq!(pool.stats().used, 0);
+}
