@@ -145,7 +145,9 @@ pub fn batch_bench(
         Vec::new()
     };
     let mut results = Vec::new();
+    let bar = crate::progress::steps(concurrency.len() as u64, "bench batch: concurrency levels");
     for &c in concurrency {
+        bar.inc(1);
         let run = |mode| {
             run_mode(
                 model,
@@ -169,6 +171,7 @@ pub fn batch_bench(
             adaptive: want("adaptive").then(|| run(Mode::Adaptive)).transpose()?,
         });
     }
+    bar.finish_and_clear();
     Ok(BatchBench {
         model: model_name.to_string(),
         cpu: cpu_name(),

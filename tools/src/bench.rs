@@ -110,8 +110,10 @@ pub fn decode_bench(
         .collect();
     // times[size][0: all rows, 1: last row]
     let mut times = vec![[Vec::with_capacity(reps), Vec::with_capacity(reps)]; SIZES.len()];
+    let bar = crate::progress::steps((reps * runs.len()) as u64, "bench decode: forward passes");
     for _ in 0..reps {
         for ((toks, pos, chain, all), t_n) in runs.iter().zip(times.iter_mut()) {
+            bar.inc(1);
             let last = &all[all.len() - 1..];
             for (rows, t_rows) in [&all[..], last].into_iter().zip(t_n.iter_mut()) {
                 cache.truncate(context);
@@ -121,6 +123,7 @@ pub fn decode_bench(
             }
         }
     }
+    bar.finish_and_clear();
     let median = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]

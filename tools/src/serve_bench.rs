@@ -53,7 +53,9 @@ pub fn serve_bench(
     let mut w = stream.try_clone()?;
     let mut r = BufReader::new(stream);
     let mut out = Vec::new();
+    let bar = crate::progress::steps(reps as u64 + 1, "bench serve: repetitions");
     for rep in 0..reps + 1 {
+        bar.inc(1);
         let g = if ngram {
             // What `arbor generate --draft ngram` runs (adaptive under greedy decoding).
             let d = NgramDrafter::default();
@@ -125,6 +127,7 @@ pub fn serve_bench(
             });
         }
     }
+    bar.finish_and_clear();
     drop(w);
     if let Some(st) = engine.stats() {
         println!(

@@ -108,7 +108,9 @@ pub fn spec_bench(
     )?;
 
     let mut rows = Vec::with_capacity(sizes.len());
+    let bar = crate::progress::steps(sizes.len() as u64, "bench spec: tree sizes");
     for &n in sizes {
+        bar.inc(1);
         let shape = shape_for(n, depth)?;
         let mut d: Box<dyn Drafter> = match drafter {
             "oracle" => Box::new(OracleDrafter::new(truth.clone(), shape.clone(), n as u64)),
@@ -142,6 +144,7 @@ pub fn spec_bench(
             speedup: incremental_ms_per_token / ms_per_token,
         });
     }
+    bar.finish_and_clear();
     Ok(SpecBench {
         model: model_name.to_string(),
         threads: backend.threads(),
@@ -465,7 +468,12 @@ pub fn suite_bench(
         .map(|(_, t)| tok.encode_prompt(t))
         .collect::<Result<_>>()?;
     let mut rows = Vec::new();
+    let bar = crate::progress::steps(
+        (temperatures.len() * (configs.len() + 1)) as u64,
+        "bench spec --suite: configurations",
+    );
     for &temp in temperatures {
+        bar.inc(1);
         let params = GenerateParams {
             max_tokens: tokens,
             ignore_eos: true,
@@ -502,6 +510,7 @@ pub fn suite_bench(
             drafter_contract_failures: 0,
         });
         for (name, specs, shape, budget) in &configs {
+            bar.inc(1);
             let ssm_models: Vec<&Model> = ssm.iter().map(|s| s.1).collect();
             let (mut secs, mut toks, mut acc, mut steps, mut equal, mut code) =
                 (0.0, 0usize, 0usize, 0usize, true, 0.0);
@@ -562,6 +571,7 @@ pub fn suite_bench(
             });
         }
     }
+    bar.finish_and_clear();
     Ok(SuiteBench {
         model: model_name.to_string(),
         draft_model: ssm_name.unwrap_or_else(|| "-".into()),

@@ -37,6 +37,8 @@ enum Cmd {
     },
     /// Serve the model over TCP (line-delimited JSON, docs/protocol.md) until SIGINT/SIGTERM.
     Serve(ServeArgs),
+    /// Load-test a server (arbor:// or openai://): TTFT, TPOT, ITL, E2E, throughput, goodput.
+    Load(arbor_tools::load::cli::LoadCommand),
     /// Benchmarks that print figures.
     Bench {
         #[command(subcommand)]
@@ -246,6 +248,18 @@ enum ModelsCmd {
 
 #[derive(Subcommand)]
 enum BenchCmd {
+    /// The load generator's own ceiling: `arbor load` (closed loop) against an instant server
+    /// that answers every request at once (no model).
+    LoadTool {
+        /// Clients (comma-separated).
+        #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
+        concurrency: Vec<usize>,
+        #[arg(long, default_value_t = 5000)]
+        requests: usize,
+        /// Tokens per request (one per event).
+        #[arg(long, default_value_t = 16)]
+        tokens: usize,
+    },
     /// The server's own overhead: one streamed greedy request over loopback TCP against
     /// `generate` in-process (decode tok/s, alternated in one run).
     Serve {
@@ -353,7 +367,8 @@ fn main() {
     // to handle, not a reason to exit. The match lists every command so a new one decides.)
     let filter = match cli.cmd {
         Cmd::Generate(_) | Cmd::Models { .. } | Cmd::Bench { .. } => true,
-        Cmd::Serve(_) => false,
+        // Load also writes to sockets, where a closed peer must be an error, not a signal.
+        Cmd::Serve(_) | Cmd::Load(_) => false,
     };
     #[cfg(unix)]
     if filter {
@@ -375,6 +390,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Generate(a) => cmd_generate(a),
         Cmd::Models { cmd } => cmd_models(cmd),
         Cmd::Serve(a) => cmd_serve(a),
+        Cmd::Load(a) => arbor_tools::load::cli::main(a),
         Cmd::Bench { cmd } => match cmd {
             BenchCmd::Batch {
                 model,
@@ -412,6 +428,11 @@ fn run(cli: Cli) -> Result<()> {
                 }
                 Ok(())
             }
+            BenchCmd::LoadTool {
+                concurrency,
+                requests,
+                tokens,
+            } => arbor_tools::load::cli::bench_load_tool(&concurrency, requests, tokens),
             BenchCmd::Serve {
                 model,
                 prompt,

@@ -1,0 +1,364 @@
+//! The `arbor load` command line: one run, `sweep` over rates, `compare` two results files, and `bench load-tool` (the generator's own ceiling against the instant server).
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Subcommand};
+use serde_json::Value;
+
+use super::prompts::PromptSource;
+use super::run::{Arrivals, LoadOptions};
+use super::{plot, report, resolve_slo, sweep, ResultsFile, SloSpec};
+
+/// `arbor load [OPTIONS]` or `arbor load sweep|compare ...`.
+#[derive(Args)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct LoadCommand {
+    #[command(subcommand)]
+    pub cmd: Option<LoadSubcommand>,
+    #[command(flatten)]
+    pub args: LoadArgs,
+}
+
+#[derive(Subcommand)]
+pub enum LoadSubcommand {
+    /// Open-loop runs at several request rates, one after another, with one SLO.
+    Sweep {
+        /// Request rates in req/s (comma-separated).
+        #[arg(long, value_delimiter = ',', required = true)]
+        rates: Vec<f64>,
+        /// Seconds to pause between rates.
+        #[arg(long, default_value_t = 2.0)]
+        cooldown: f64,
+        #[command(flatten)]
+        args: Box<LoadArgs>,
+    },
+    /// Charts of several results files together: latency CDFs of runs, throughput and goodput
+    /// by rate of sweeps (each file's label names its line).
+    Plot {
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+        /// Folder for the PNGs.
+        #[arg(long, default_value = "plots")]
+        dir: PathBuf,
+    },
+    /// Two results files side by side (two runs or two sweeps), with B/A ratios.
+    Compare {
+        a: PathBuf,
+        b: PathBuf,
+        /// Re-score both under this SLO (e.g. ttft=2s,tpot=80ms) so their goodput compares.
+        #[arg(long)]
+        slo: Option<String>,
+        /// Also write the two runs' latency CDFs (or the sweeps' charts) as PNGs here.
+        #[arg(long)]
+        plot: Option<PathBuf>,
+    },
+}
+
+/// The options of a run.
+#[derive(Args, Clone)]
+pub struct LoadArgs {
+    /// arbor://HOST:PORT (`arbor serve`) or openai://HOST:PORT (e.g. llama.cpp's llama-server).
+    #[arg(long, default_value = "arbor://127.0.0.1:7070")]
+    pub target: String,
+    /// Open loop: mean arrivals per second.
+    #[arg(long, conflicts_with = "concurrency")]
+    pub rate: Option<f64>,
+    /// Gamma shape of the gaps between arrivals: 1 = Poisson, below 1 burstier, above 1 more even.
+    #[arg(long, default_value_t = 1.0)]
+    pub burstiness: f64,
+    /// Closed loop: this many clients, each sending its next request when the last ends.
+    #[arg(long)]
+    pub concurrency: Option<usize>,
+    /// Requests to send (default 100 when --duration is not given).
+    #[arg(long)]
+    pub requests: Option<usize>,
+    /// Seconds to send for.
+    #[arg(long)]
+    pub duration: Option<f64>,
+    /// Requests sent during the first S seconds are accounted for but not measured.
+    #[arg(long, default_value_t = 0.0)]
+    pub warmup: f64,
+    /// Seconds in-flight requests may run after sending stops; then they are cancelled.
+    #[arg(long, default_value_t = 120.0)]
+    pub drain: f64,
+    /// Seed of the arrival times and of the prompt and length choices.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Prompt set: code, chat, summarize (long context), or a .jsonl file of
+    /// {"prompt"|"messages", "max_tokens"} lines.
+    #[arg(long, default_value = "code")]
+    pub prompts: String,
+    /// Pad every prompt with context to about this many tokens (summarize: document length).
+    #[arg(long)]
+    pub input_len: Option<usize>,
+    /// Output tokens per request (a file's max_tokens wins).
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: usize,
+    /// Draw output lengths uniformly from max_tokens x [1 - R, 1 + R].
+    #[arg(long, default_value_t = 0.0)]
+    pub output_range: f64,
+    /// Generate exactly max_tokens tokens (end-of-generation tokens do not stop a request).
+    #[arg(long)]
+    pub ignore_eos: bool,
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f64,
+    /// Arbor's per-request `speculation` object, as JSON (e.g. '{"draft":"ngram","adaptive":false}').
+    #[arg(long, conflicts_with = "no_speculation")]
+    pub speculation: Option<String>,
+    /// Send `"speculation": {"draft": "none"}` (plain decoding on an Arbor server).
+    #[arg(long)]
+    pub no_speculation: bool,
+    /// Goodput SLOs: ttft=2s,tpot=150ms,e2e=10s, or auto (TTFT 2 s, TPOT twice the
+    /// single-stream TPOT of plain decoding, measured first).
+    #[arg(long)]
+    pub slo: Option<String>,
+    /// Token for `arbor serve --auth-token` (or ARBOR_AUTH_TOKEN), or an OpenAI bearer token.
+    #[arg(long, env = "ARBOR_AUTH_TOKEN", hide_env_values = true)]
+    pub auth_token: Option<String>,
+    /// The `model` field sent to OpenAI targets.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// A name for this run in reports and plots.
+    #[arg(long)]
+    pub label: Option<String>,
+    /// Write the results (every request's timings included) as JSON.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Write PNG charts here (latency CDFs; a sweep adds throughput and goodput by rate).
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+impl LoadArgs {
+    /// Checked options for the driver.
+    pub fn options(&self) -> Result<LoadOptions> {
+        let mut o = LoadOptions::new(&self.target);
+        super::target::Target::parse(&self.target)?;
+        o.arrivals = match (self.concurrency, self.rate) {
+            (Some(c), _) => Arrivals::Closed { concurrency: c },
+            (None, r) => Arrivals::Open {
+                rate: r.unwrap_or(1.0),
+                burstiness: self.burstiness,
+            },
+        };
+        o.requests = match (self.requests, self.duration) {
+            (None, None) => Some(100),
+            (r, _) => r,
+        };
+        o.duration_s = self.duration;
+        o.warmup_s = self.warmup;
+        o.drain_s = self.drain;
+        o.seed = self.seed;
+        o.prompts = PromptSource::parse(&self.prompts)?;
+        o.input_len = self.input_len;
+        o.max_tokens = self.max_tokens;
+        o.output_range = self.output_range;
+        o.ignore_eos = self.ignore_eos;
+        o.temperature = self.temperature;
+        o.speculation = match (&self.speculation, self.no_speculation) {
+            (Some(s), _) => {
+                let v: Value = serde_json::from_str(s).context("--speculation is not JSON")?;
+                if !v.is_object() {
+                    bail!("--speculation must be a JSON object");
+                }
+                Some(v)
+            }
+            (None, true) => Some(serde_json::json!({ "draft": "none" })),
+            (None, false) => None,
+        };
+        o.auth_token = self.auth_token.clone();
+        o.model = self.model.clone();
+        o.label = self.label.clone();
+        o.progress = !self.quiet;
+        Ok(o)
+    }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?)
+}
+
+/// `arbor load ...`
+pub fn main(cmd: LoadCommand) -> Result<()> {
+    match cmd.cmd {
+        None => one_run(&cmd.args),
+        Some(LoadSubcommand::Sweep {
+            rates,
+            cooldown,
+            args,
+        }) => one_sweep(&args, &rates, cooldown),
+        Some(LoadSubcommand::Plot { files, dir }) => {
+            let read: Vec<ResultsFile> = files
+                .iter()
+                .map(|f| ResultsFile::read(f))
+                .collect::<Result<_, _>>()?;
+            let mut runs = Vec::new();
+            let mut sweeps = Vec::new();
+            for f in &read {
+                match f {
+                    ResultsFile::Run(r) => runs.push((r.label(), r.as_ref())),
+                    ResultsFile::Sweep(s) => sweeps.push((s.label(), s)),
+                }
+            }
+            let mut written = Vec::new();
+            if !runs.is_empty() {
+                let v: Vec<(&str, &super::RunResult)> =
+                    runs.iter().map(|(l, r)| (l.as_str(), *r)).collect();
+                written.extend(plot::cdfs(&v, &dir)?);
+            }
+            if !sweeps.is_empty() {
+                let v: Vec<(&str, &super::SweepResult)> =
+                    sweeps.iter().map(|(l, s)| (l.as_str(), *s)).collect();
+                written.extend(plot::sweeps(&v, &dir)?);
+            }
+            for f in written {
+                println!("{}", f.display());
+            }
+            Ok(())
+        }
+        Some(LoadSubcommand::Compare { a, b, slo, plot }) => {
+            let mut fa = ResultsFile::read(&a)?;
+            let mut fb = ResultsFile::read(&b)?;
+            if let Some(s) = slo {
+                let slo = Some(super::Slo::parse(&s)?);
+                for f in [&mut fa, &mut fb] {
+                    match f {
+                        ResultsFile::Run(r) => r.resummarize(slo),
+                        ResultsFile::Sweep(s) => {
+                            s.slo = slo;
+                            s.runs.iter_mut().for_each(|r| r.resummarize(slo));
+                        }
+                    }
+                }
+            }
+            print!("{}", report::compare(&fa, &fb)?);
+            if let Some(dir) = plot {
+                let files = match (&fa, &fb) {
+                    (ResultsFile::Run(x), ResultsFile::Run(y)) => {
+                        let (lx, ly) = (x.label(), y.label());
+                        plot::cdfs(&[(lx.as_str(), x), (ly.as_str(), y)], &dir)?
+                    }
+                    (ResultsFile::Sweep(x), ResultsFile::Sweep(y)) => {
+                        let (lx, ly) = (x.label(), y.label());
+                        plot::sweeps(&[(lx.as_str(), x), (ly.as_str(), y)], &dir)?
+                    }
+                    _ => Vec::new(),
+                };
+                for f in files {
+                    eprintln!("wrote {}", f.display());
+                }
+            }
+            Ok(())
+        }
+    }
+}
+
+fn one_run(args: &LoadArgs) -> Result<()> {
+    let opts = args.options()?;
+    let spec = SloSpec::parse(args.slo.as_deref())?;
+    let rt = runtime()?;
+    let result = rt.block_on(async {
+        let slo = resolve_slo(&spec, &opts).await?;
+        if let (SloSpec::Auto, Some(s)) = (&spec, &slo) {
+            eprintln!("slo auto: {}", s.describe());
+        }
+        super::run(&opts, slo).await
+    })?;
+    print!("{}", report::summary(&result));
+    if let Some(dir) = &args.plot {
+        let l = result.label();
+        for f in plot::cdfs(&[(l.as_str(), &result)], dir)? {
+            eprintln!("wrote {}", f.display());
+        }
+    }
+    if let Some(out) = &args.out {
+        ResultsFile::Run(Box::new(result)).write(out)?;
+        eprintln!("wrote {}", out.display());
+    }
+    Ok(())
+}
+
+fn one_sweep(args: &LoadArgs, rates: &[f64], cooldown: f64) -> Result<()> {
+    if args.concurrency.is_some() || args.rate.is_some() {
+        bail!("sweep takes --rates, not --rate or --concurrency");
+    }
+    let opts = args.options()?;
+    let spec = SloSpec::parse(args.slo.as_deref())?;
+    let rt = runtime()?;
+    let result = rt.block_on(async {
+        let slo = resolve_slo(&spec, &opts).await?;
+        if let (SloSpec::Auto, Some(s)) = (&spec, &slo) {
+            eprintln!("slo auto: {}", s.describe());
+        }
+        sweep(&opts, rates, slo, cooldown, |r| {
+            eprintln!(
+                "rate {:?}: completed {}/{}, {:.1} tok/s, goodput {:.3} req/s",
+                r.options.arrivals,
+                r.counts.completed,
+                r.counts.sent,
+                r.summary.output_token_throughput,
+                r.summary.goodput
+            );
+        })
+        .await
+    })?;
+    print!("{}", report::sweep_table(&result));
+    if let Some(dir) = &args.plot {
+        let l = result.label();
+        let mut files = plot::sweeps(&[(l.as_str(), &result)], dir)?;
+        let labels: Vec<String> = result
+            .runs
+            .iter()
+            .map(|r| match r.options.arrivals {
+                Arrivals::Open { rate, .. } => format!("{rate} req/s"),
+                Arrivals::Closed { concurrency } => format!("x{concurrency}"),
+            })
+            .collect();
+        let runs: Vec<(&str, &super::RunResult)> = labels
+            .iter()
+            .map(String::as_str)
+            .zip(result.runs.iter())
+            .collect();
+        files.extend(plot::cdfs(&runs, dir)?);
+        for f in files {
+            eprintln!("wrote {}", f.display());
+        }
+    }
+    if let Some(out) = &args.out {
+        ResultsFile::Sweep(result).write(out)?;
+        eprintln!("wrote {}", out.display());
+    }
+    Ok(())
+}
+
+/// `arbor bench load-tool`: the generator against the instant server (no model), closed loop.
+pub fn bench_load_tool(concurrency: &[usize], requests: usize, tokens: usize) -> Result<()> {
+    let server = super::instant::InstantServer::start(1)?;
+    let rt = runtime()?;
+    println!("# arbor load against the instant server (loopback, {tokens} tokens per request, one token per event)");
+    println!("| concurrency | requests | completed | req/s | token events/s | TTFT p50 ms | ITL p99 ms |");
+    println!("|--:|--:|--:|--:|--:|--:|--:|");
+    for &c in concurrency {
+        let mut o = LoadOptions::new(&format!("arbor://{}", server.addr));
+        o.arrivals = Arrivals::Closed { concurrency: c };
+        o.requests = Some(requests);
+        o.max_tokens = tokens;
+        let r = rt.block_on(super::run(&o, None))?;
+        println!(
+            "| {c} | {} | {} | {:.0} | {:.0} | {:.3} | {:.3} |",
+            r.counts.sent,
+            r.counts.completed,
+            r.summary.request_throughput,
+            r.summary.output_token_throughput,
+            r.summary.ttft_ms.p50,
+            r.summary.itl_token_ms.p99
+        );
+    }
+    Ok(())
+}

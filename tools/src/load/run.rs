@@ -1,0 +1,418 @@
+//! The load driver: open loop (seeded gamma arrivals at `--rate`) or closed loop (`--concurrency` clients), bounded by requests and/or duration, with warm-up, a drain period, a live progress bar and complete request accounting.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+use super::metrics::{summarize, Counts, RequestRecord, Slo, Summary};
+use super::prompts::{self, LoadPrompt, PromptSource};
+use super::schedule::{choice_rng, uniform, ArrivalSchedule};
+use super::target::{Client, Outgoing, Target};
+use super::LoadError;
+
+/// How requests arrive.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum Arrivals {
+    /// Open loop: `rate` requests per second with gamma gaps of shape `burstiness`.
+    Open { rate: f64, burstiness: f64 },
+    /// Closed loop: `concurrency` clients, each sending its next request when the last ends.
+    Closed { concurrency: usize },
+}
+
+/// Everything that defines a run (echoed into the results file).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct LoadOptions {
+    pub target: String,
+    pub arrivals: Arrivals,
+    pub requests: Option<usize>,
+    pub duration_s: Option<f64>,
+    pub warmup_s: f64,
+    /// After sending stops, how long in-flight requests may run before they are cancelled.
+    pub drain_s: f64,
+    pub seed: u64,
+    pub prompts: PromptSource,
+    pub input_len: Option<usize>,
+    pub max_tokens: usize,
+    /// Output lengths drawn uniformly from max_tokens × [1 - r, 1 + r].
+    pub output_range: f64,
+    pub ignore_eos: bool,
+    pub temperature: f64,
+    /// Arbor's per-request `speculation` object.
+    pub speculation: Option<Value>,
+    #[serde(skip)]
+    pub auth_token: Option<String>,
+    /// The `model` field for OpenAI targets.
+    pub model: Option<String>,
+    /// Draw the progress bar (it is hidden anyway when stderr is not a terminal).
+    #[serde(skip)]
+    pub progress: bool,
+    /// A label for reports (`compare`, plots).
+    pub label: Option<String>,
+}
+
+impl LoadOptions {
+    /// Defaults: open loop at 1 req/s, code prompts, 128 tokens, 100 requests.
+    pub fn new(target: &str) -> LoadOptions {
+        LoadOptions {
+            target: target.into(),
+            arrivals: Arrivals::Open {
+                rate: 1.0,
+                burstiness: 1.0,
+            },
+            requests: Some(100),
+            duration_s: None,
+            warmup_s: 0.0,
+            drain_s: 60.0,
+            seed: 0,
+            prompts: PromptSource::Code,
+            input_len: None,
+            max_tokens: 128,
+            output_range: 0.0,
+            ignore_eos: false,
+            temperature: 0.0,
+            speculation: None,
+            auth_token: None,
+            model: None,
+            progress: false,
+            label: None,
+        }
+    }
+
+    fn check(&self) -> Result<(), LoadError> {
+        if self.requests.is_none() && self.duration_s.is_none() {
+            return Err(LoadError::Invalid(
+                "bound the run with --requests N and/or --duration S".into(),
+            ));
+        }
+        if self.requests == Some(0) {
+            return Err(LoadError::Invalid("--requests must be at least 1".into()));
+        }
+        if let Some(d) = self.duration_s {
+            if !(d.is_finite() && d > 0.0) {
+                return Err(LoadError::Invalid("--duration must be positive".into()));
+            }
+        }
+        if let Arrivals::Closed { concurrency: 0 } = self.arrivals {
+            return Err(LoadError::Invalid(
+                "--concurrency must be at least 1".into(),
+            ));
+        }
+        if self.max_tokens == 0 {
+            return Err(LoadError::Invalid("--max-tokens must be at least 1".into()));
+        }
+        if !(0.0..1.0).contains(&self.output_range) {
+            return Err(LoadError::Invalid(
+                "--output-range must be in [0, 1)".into(),
+            ));
+        }
+        if !(self.warmup_s >= 0.0 && self.drain_s >= 0.0) {
+            return Err(LoadError::Invalid(
+                "--warmup and --drain must not be negative".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// One run's results (what `--out` writes and `compare` reads).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RunResult {
+    pub tool: String,
+    pub options: LoadOptions,
+    pub slo: Option<Slo>,
+    pub counts: Counts,
+    pub summary: Summary,
+    pub requests: Vec<RequestRecord>,
+}
+
+impl RunResult {
+    pub fn label(&self) -> String {
+        self.options
+            .label
+            .clone()
+            .unwrap_or_else(|| match self.options.arrivals {
+                Arrivals::Open { rate, .. } => format!("{} @ {rate} req/s", self.options.target),
+                Arrivals::Closed { concurrency } => {
+                    format!("{} x{concurrency}", self.options.target)
+                }
+            })
+    }
+
+    /// Re-derive counts and figures under other SLOs (e.g. to compare runs under one SLO).
+    pub fn resummarize(&mut self, slo: Option<Slo>) {
+        let (c, s) = summarize(
+            &self.requests,
+            &slo.unwrap_or_default(),
+            self.counts.stray_lines,
+        );
+        self.counts = c;
+        self.summary = s;
+        self.slo = slo;
+    }
+}
+
+/// Request `i`'s prompt and length, the same for every run with the same seed.
+fn plan(opts: &LoadOptions, prompts: &[LoadPrompt], n: usize) -> Vec<(usize, Outgoing)> {
+    let mut rng = choice_rng(opts.seed);
+    (0..n)
+        .map(|i| {
+            let p = prompts::pick(&mut rng, prompts.len());
+            let base = prompts[p].max_tokens.unwrap_or(opts.max_tokens);
+            let lo = ((base as f64) * (1.0 - opts.output_range)).round().max(1.0) as usize;
+            let hi = ((base as f64) * (1.0 + opts.output_range)).round() as usize;
+            let max_tokens = uniform(&mut rng, lo, hi.max(lo));
+            (
+                p,
+                Outgoing {
+                    input: prompts[p].input.clone(),
+                    max_tokens,
+                    ignore_eos: opts.ignore_eos,
+                    temperature: opts.temperature,
+                    seed: opts.seed.wrapping_add(i as u64),
+                    speculation: opts.speculation.clone(),
+                },
+            )
+        })
+        .collect()
+}
+
+#[derive(Default)]
+struct Live {
+    done: AtomicUsize,
+    failed: AtomicUsize,
+    in_flight: AtomicUsize,
+    tokens: AtomicU64,
+}
+
+/// Run the load against the target; Ctrl-C ends sending and cancels what is in flight.
+pub async fn run(opts: &LoadOptions, slo: Option<Slo>) -> Result<RunResult, LoadError> {
+    opts.check()?;
+    let target = Target::parse(&opts.target)?;
+    let prompts = prompts::load(&opts.prompts, opts.input_len)?;
+    let client = Arc::new(Client::new(
+        &target,
+        opts.auth_token.clone(),
+        opts.model.clone(),
+    ));
+    // Plan far enough ahead for any duration bound (plans are cheap; requests bound it exactly).
+    let cap = opts.requests.unwrap_or(match opts.arrivals {
+        Arrivals::Open { rate, .. } => {
+            (rate * opts.duration_s.unwrap_or(0.0) * 3.0 + 1000.0).min(10_000_000.0) as usize
+        }
+        Arrivals::Closed { .. } => 1_000_000,
+    });
+    let planned = Arc::new(plan(opts, &prompts, cap.max(1)));
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let live = Arc::new(Live::default());
+    let (bar, by_time) = progress_bar(opts);
+    let start = Instant::now();
+    let deadline = opts.duration_s.map(|d| start + Duration::from_secs_f64(d));
+    let mut tasks: JoinSet<RequestRecord> = JoinSet::new();
+    let spawn = |tasks: &mut JoinSet<RequestRecord>, i: usize| {
+        let client = Arc::clone(&client);
+        let planned = Arc::clone(&planned);
+        let live = Arc::clone(&live);
+        let stop = stop_rx.clone();
+        let warmup = opts.warmup_s;
+        tasks.spawn(async move {
+            let (p, req) = &planned[i];
+            let sent = Instant::now();
+            live.in_flight.fetch_add(1, Ordering::Relaxed);
+            let reply = client.send(req, stop).await;
+            live.in_flight.fetch_sub(1, Ordering::Relaxed);
+            let rec = record(i, *p, req.max_tokens, start, sent, warmup, reply);
+            live.done.fetch_add(1, Ordering::Relaxed);
+            if !rec.completed() {
+                live.failed.fetch_add(1, Ordering::Relaxed);
+            }
+            live.tokens.fetch_add(rec.tokens(), Ordering::Relaxed);
+            rec
+        });
+    };
+    let mut records = Vec::new();
+    let ctrl_c = tokio::signal::ctrl_c();
+    tokio::pin!(ctrl_c);
+    let mut interrupted = false;
+    let ticker_bar = bar.clone();
+    let ticker_live = Arc::clone(&live);
+    let ticker = tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            refresh(&ticker_bar, &ticker_live, start, by_time);
+        }
+    });
+    let _ticker = AbortOnDrop(ticker);
+    match opts.arrivals {
+        Arrivals::Open { rate, burstiness } => {
+            let mut schedule = ArrivalSchedule::new(rate, burstiness, opts.seed)?;
+            let mut at = 0.0;
+            for i in 0..cap {
+                if i > 0 {
+                    at = schedule.next_arrival();
+                }
+                let when = start + Duration::from_secs_f64(at);
+                if deadline.is_some_and(|d| when >= d) {
+                    break;
+                }
+                // Collect finished requests while waiting for the next arrival.
+                loop {
+                    tokio::select! {
+                        _ = tokio::time::sleep_until(when.into()) => break,
+                        Some(r) = tasks.join_next(), if !tasks.is_empty() => {
+                            if let Ok(r) = r { records.push(r); }
+                        }
+                        _ = &mut ctrl_c, if !interrupted => { interrupted = true; break; }
+                    }
+                }
+                if interrupted {
+                    break;
+                }
+                spawn(&mut tasks, i);
+            }
+        }
+        Arrivals::Closed { concurrency } => {
+            let next = Arc::new(AtomicUsize::new(0));
+            let mut running = 0usize;
+            let launch = |tasks: &mut JoinSet<RequestRecord>, running: &mut usize| -> bool {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= cap || deadline.is_some_and(|d| Instant::now() >= d) {
+                    return false;
+                }
+                spawn(tasks, i);
+                *running += 1;
+                true
+            };
+            for _ in 0..concurrency {
+                if !launch(&mut tasks, &mut running) {
+                    break;
+                }
+            }
+            let mut sending = true;
+            while running > 0 && sending {
+                tokio::select! {
+                    Some(r) = tasks.join_next() => {
+                        running -= 1;
+                        if let Ok(r) = r { records.push(r); }
+                        sending = launch(&mut tasks, &mut running);
+                    }
+                    _ = &mut ctrl_c, if !interrupted => { interrupted = true; sending = false; }
+                }
+            }
+        }
+    }
+    // Drain: in-flight requests may finish for `drain_s`, then they are cancelled.
+    let drain_until = Instant::now() + Duration::from_secs_f64(opts.drain_s.min(1e6));
+    let mut stopped = interrupted;
+    if stopped {
+        let _ = stop_tx.send(true);
+    }
+    while !tasks.is_empty() {
+        tokio::select! {
+            Some(r) = tasks.join_next() => {
+                if let Ok(r) = r { records.push(r); }
+            }
+            _ = tokio::time::sleep_until(drain_until.into()), if !stopped => {
+                stopped = true;
+                let _ = stop_tx.send(true);
+            }
+            _ = &mut ctrl_c, if !stopped => {
+                stopped = true;
+                let _ = stop_tx.send(true);
+            }
+        }
+    }
+    refresh(&bar, &live, start, by_time);
+    bar.finish_and_clear();
+    records.sort_by_key(|r| r.index);
+    let (counts, summary) = summarize(&records, &slo.unwrap_or_default(), client.stray_lines());
+    Ok(RunResult {
+        tool: format!("arbor load {}", env!("CARGO_PKG_VERSION")),
+        options: opts.clone(),
+        slo,
+        counts,
+        summary,
+        requests: records,
+    })
+}
+
+fn record(
+    index: usize,
+    prompt: usize,
+    max_tokens: usize,
+    start: Instant,
+    sent: Instant,
+    warmup_s: f64,
+    reply: super::target::Reply,
+) -> RequestRecord {
+    let ms = |t: Instant| t.saturating_duration_since(sent).as_secs_f64() * 1000.0;
+    let sent_s = sent.duration_since(start).as_secs_f64();
+    let events: Vec<(f64, u32)> = reply.events.iter().map(|&(t, n)| (ms(t), n)).collect();
+    let output_tokens = events.iter().map(|e| u64::from(e.1)).sum();
+    let end = reply
+        .events
+        .last()
+        .map_or(reply.end, |&(t, _)| t.max(reply.end));
+    RequestRecord {
+        index,
+        prompt,
+        sent_s,
+        warmup: sent_s < warmup_s,
+        max_tokens,
+        outcome: reply.outcome,
+        events,
+        e2e_ms: ms(end),
+        output_tokens,
+        usage_prompt_tokens: reply.usage_prompt_tokens,
+        usage_completion_tokens: reply.usage_completion_tokens,
+        spec: reply.spec,
+    }
+}
+
+/// The live bar: by requests when only `--requests` bounds the run, else by seconds.
+fn progress_bar(opts: &LoadOptions) -> (ProgressBar, bool) {
+    let by_time = opts.duration_s.is_some();
+    if !opts.progress {
+        return (ProgressBar::hidden(), by_time);
+    }
+    let (len, unit) = match (by_time, opts.requests) {
+        (true, _) => (opts.duration_s.unwrap_or(0.0).ceil() as u64, "s"),
+        (false, n) => (n.unwrap_or(0) as u64, "req"),
+    };
+    let bar = ProgressBar::new(len);
+    let tmpl =
+        format!("{{spinner}} [{{elapsed_precise}}] {{bar:30}} {{pos}}/{{len}} {unit}  {{msg}}");
+    if let Ok(style) = ProgressStyle::with_template(&tmpl) {
+        bar.set_style(style);
+    }
+    (bar, by_time)
+}
+
+fn refresh(bar: &ProgressBar, live: &Live, start: Instant, by_time: bool) {
+    if bar.is_hidden() {
+        return;
+    }
+    let done = live.done.load(Ordering::Relaxed) as u64;
+    let secs = start.elapsed().as_secs_f64();
+    bar.set_position(if by_time { secs as u64 } else { done });
+    bar.set_message(format!(
+        "done {done}  in flight {}  not completed {}  {:.1} tok/s",
+        live.in_flight.load(Ordering::Relaxed),
+        live.failed.load(Ordering::Relaxed),
+        live.tokens.load(Ordering::Relaxed) as f64 / secs.max(1e-3)
+    ));
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
