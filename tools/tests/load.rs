@@ -342,3 +342,50 @@ fn the_cli_writes_results_that_compare_reads() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("not an arbor load results file"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_server_that_hangs_up_or_talks_nonsense_is_counted_not_fatal() {
+    use std::io::{BufRead, BufReader, Write};
+    // Answers each connection's first request with one token, a line of nonsense, a line for an
+    // id nobody sent, then hangs up.
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for s in l.incoming().flatten() {
+            let mut w = s.try_clone().unwrap();
+            let mut r = BufReader::new(s);
+            let mut line = String::new();
+            if r.read_line(&mut line).is_err() {
+                continue;
+            }
+            let id = serde_json::from_str::<serde_json::Value>(&line)
+                .ok()
+                .and_then(|v| v.get("id").cloned())
+                .unwrap_or_default();
+            let _ = writeln!(
+                w,
+                "{}",
+                serde_json::json!({"id": id, "text": "a", "tokens": [1]})
+            );
+            let _ = writeln!(w, "{{not json");
+            let _ = writeln!(
+                w,
+                "{}",
+                serde_json::json!({"id": 999_999, "text": "b", "tokens": [2]})
+            );
+        }
+    });
+    let mut o = LoadOptions::new(&format!("arbor://{addr}"));
+    o.arrivals = Arrivals::Closed { concurrency: 1 };
+    o.requests = Some(3);
+    let r = rt().block_on(run(&o, None)).expect("run");
+    check_accounting(&r);
+    assert_eq!(
+        r.counts.failed_by_code.get("connection_closed"),
+        Some(&3),
+        "{:?}",
+        r.counts
+    );
+    assert_eq!(r.counts.stray_lines, 6, "{:?}", r.counts);
+    assert!(r.requests.iter().all(|q| q.events.len() == 1));
+}

@@ -507,7 +507,10 @@ impl Clone for KvCache {
 
 impl Drop for KvCache {
     fn drop(&mut self) {
-        let blocks = std::mem::take(&mut self.blocks);
+        let mut blocks = std::mem::take(&mut self.blocks);
+        // Tail first (as vLLM v1 frees): a sequence's prefix blocks, the ones other requests
+        // share, become the most recently released cached blocks and are evicted last.
+        blocks.reverse();
         self.pool.lock().release_all(&blocks);
     }
 }

@@ -4,13 +4,15 @@
 //! - *used*: refcount > 0 (held by one or more sequences; forks share blocks);
 //! - *cached*: refcount 0 but still registered under a prefix hash, kept in an LRU list
 //!   (least recently released first) so a later request with the same prefix can revive it;
-//! - *free*: refcount 0 and no hash, most recently freed first (its memory pages are resident
-//!   already, so a pool's resident size follows the live K/V instead of creeping up to the pool's
-//!   size; never-used blocks come last).
+//! - *free*: refcount 0 and no hash, most recently freed first; never-used blocks come last.
 //!
-//! `allocate` takes from the free queue first and only then evicts the least recently released
-//! cached block, dropping its hash. Every operation is O(1) amortized: the LRU is an intrusive
-//! doubly linked list over block ids, the free queue a `VecDeque`, the prefix map a `HashMap`.
+//! `allocate` hands out a block whose memory is already resident before touching a new one: a
+//! freed block (most recently freed first), else the least recently released cached block
+//! (dropping its hash), and only then a never-used block. So a server's resident memory follows
+//! its peak live K/V and never creeps up to the pool's size as finished requests leave cached
+//! prefixes behind (the prefix cache lives in memory the pool has touched already). Every
+//! operation is O(1) amortized: the LRU is an intrusive doubly linked list over block ids, the
+//! free queue a `VecDeque`, the prefix map a `HashMap`.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -63,6 +65,8 @@ pub struct BlockAllocator {
     tail: u32,
     /// Number of blocks in the LRU.
     cached: usize,
+    /// Blocks `fresh_from..` have never been handed out (they sit at the back of `free`, in order).
+    fresh_from: usize,
     prefix_hits: u64,
     prefix_lookups: u64,
 }
@@ -80,6 +84,7 @@ impl BlockAllocator {
             head: NIL,
             tail: NIL,
             cached: 0,
+            fresh_from: 0,
             prefix_hits: 0,
             prefix_lookups: 0,
         };
@@ -115,21 +120,24 @@ impl BlockAllocator {
     }
 
     /// A block with refcount 1: the most recently freed block first, else evicts the least recently
-    /// released cached block (dropping its hash from the prefix map). None when nothing is available.
+    /// released cached block (dropping its hash from the prefix map), else a never-used block.
+    /// None when nothing is available.
     pub fn allocate(&mut self) -> Option<BlockId> {
-        let b = match self.free.pop_front() {
-            Some(b) => b,
-            None => {
-                let b = self.head;
-                if b == NIL {
-                    return None;
-                }
-                self.lru_unlink(b);
-                if let Some(h) = self.hashes[b as usize].take() {
-                    self.prefix.remove(&h);
-                }
-                b
+        let freed = self
+            .free
+            .front()
+            .is_some_and(|&b| (b as usize) < self.fresh_from);
+        let b = if freed || self.head == NIL {
+            let b = self.free.pop_front()?;
+            self.fresh_from = self.fresh_from.max(b as usize + 1);
+            b
+        } else {
+            let b = self.head;
+            self.lru_unlink(b);
+            if let Some(h) = self.hashes[b as usize].take() {
+                self.prefix.remove(&h);
             }
+            b
         };
         self.refs[b as usize] = 1;
         Some(b)
@@ -372,17 +380,20 @@ mod tests {
     }
 
     #[test]
-    fn free_blocks_go_before_cached_ones() {
+    fn freed_then_cached_then_never_used_blocks() {
         let mut pool = BlockAllocator::new(3);
         let (a, b) = (pool.allocate().unwrap(), pool.allocate().unwrap());
         pool.register(a, 7);
         release_all(&mut pool, &[a, b]);
-        // `b` (freed) and then block 2 (never used) come before the cached `a`.
+        // `b` (freed), then the cached `a` (evicted: its memory is resident), then block 2
+        // (never used) last.
         assert_eq!(pool.allocate(), Some(b));
-        assert_eq!(pool.allocate(), Some(2));
         assert_eq!(pool.hash_of(a), Some(7));
         assert_eq!(pool.allocate(), Some(a));
         assert_eq!(pool.hash_of(a), None);
+        assert_eq!(pool.lookup(7), None);
+        assert_eq!(pool.allocate(), Some(2));
+        assert_eq!(pool.allocate(), None);
     }
 
     #[test]
@@ -601,6 +612,8 @@ mod tests {
         map: HashMap<u64, BlockId>,
         free: VecDeque<BlockId>,
         lru: Vec<BlockId>,
+        /// Ids from here on were never handed out.
+        fresh_from: usize,
         hits: u64,
         lookups: u64,
     }
@@ -614,6 +627,7 @@ mod tests {
                 map: HashMap::new(),
                 free: (0..n as u32).collect(),
                 lru: Vec::new(),
+                fresh_from: 0,
                 hits: 0,
                 lookups: 0,
             }
@@ -625,16 +639,22 @@ mod tests {
 
         /// Model of `allocate`, checked against the pool's answer.
         fn allocate(&mut self, got: Option<BlockId>) -> Option<BlockId> {
-            let want = match self.free.pop_front() {
-                Some(b) => Some(b),
-                None if self.lru.is_empty() => None,
-                None => {
-                    let b = self.lru.remove(0);
-                    if let Some(h) = self.hash[b as usize].take() {
-                        self.map.remove(&h);
-                    }
-                    Some(b)
+            let freed = self
+                .free
+                .front()
+                .is_some_and(|&b| (b as usize) < self.fresh_from);
+            let want = if freed || self.lru.is_empty() {
+                let b = self.free.pop_front();
+                if let Some(b) = b {
+                    self.fresh_from = self.fresh_from.max(b as usize + 1);
                 }
+                b
+            } else {
+                let b = self.lru.remove(0);
+                if let Some(h) = self.hash[b as usize].take() {
+                    self.map.remove(&h);
+                }
+                Some(b)
             };
             assert_eq!(got, want, "allocate");
             if let Some(b) = got {

@@ -175,3 +175,22 @@ fn prefix_blocks_are_found_by_token_hash_and_evicted_lru() {
     drop(d);
     assert_eq!(KvCache::with_prefix(&pool, 128, &toks).len(), 0);
 }
+
+#[test]
+fn a_dropped_sequence_leaves_its_prefix_cached_longest() {
+    let model = tiny_model(&TinySpec::default(), 1).expect("model");
+    // Three blocks: all of them go to the cache when the sequence ends.
+    let pool = KvPool::new(&model.config, model.config.n_layers, 3);
+    let toks: Vec<u32> = (0..48).collect();
+    let mut a = KvCache::in_pool(&pool, 128);
+    fill(&mut a, 48, 0.0);
+    a.register_prefix(&toks);
+    drop(a);
+    assert_eq!(pool.stats().cached, 3);
+    // A new sequence needing two blocks evicts the tail blocks, not the shared prefix.
+    let mut b = KvCache::in_pool(&pool, 128);
+    fill(&mut b, 32, 1.0);
+    let c = KvCache::with_prefix(&pool, 128, &toks);
+    assert_eq!(c.len(), 16, "the first block of the prefix survives");
+    drop((b, c));
+}

@@ -41,6 +41,9 @@ pub enum LoadSubcommand {
         /// Folder for the PNGs.
         #[arg(long, default_value = "plots")]
         dir: PathBuf,
+        /// The rate whose latency CDFs a sweep contributes (default: its lowest).
+        #[arg(long)]
+        rate: Option<f64>,
     },
     /// Two results files side by side (two runs or two sweeps), with B/A ratios.
     Compare {
@@ -193,7 +196,7 @@ pub fn main(cmd: LoadCommand) -> Result<()> {
             cooldown,
             args,
         }) => one_sweep(&args, &rates, cooldown),
-        Some(LoadSubcommand::Plot { files, dir }) => {
+        Some(LoadSubcommand::Plot { files, dir, rate }) => {
             let read: Vec<ResultsFile> = files
                 .iter()
                 .map(|f| ResultsFile::read(f))
@@ -203,7 +206,12 @@ pub fn main(cmd: LoadCommand) -> Result<()> {
             for f in &read {
                 match f {
                     ResultsFile::Run(r) => runs.push((r.label(), r.as_ref())),
-                    ResultsFile::Sweep(s) => sweeps.push((s.label(), s)),
+                    ResultsFile::Sweep(s) => {
+                        sweeps.push((s.label(), s));
+                        if let Some((x, r)) = sweep_run_at(s, rate) {
+                            runs.push((format!("{} @ {x} req/s", s.label()), r));
+                        }
+                    }
                 }
             }
             let mut written = Vec::new();
@@ -257,6 +265,18 @@ pub fn main(cmd: LoadCommand) -> Result<()> {
             Ok(())
         }
     }
+}
+
+/// A sweep's run at `rate` (default: its lowest rate), with that rate.
+fn sweep_run_at(s: &super::SweepResult, rate: Option<f64>) -> Option<(f64, &super::RunResult)> {
+    s.runs
+        .iter()
+        .filter_map(|r| match r.options.arrivals {
+            Arrivals::Open { rate: x, .. } => Some((x, r)),
+            Arrivals::Closed { .. } => None,
+        })
+        .filter(|(x, _)| rate.is_none_or(|want| (x - want).abs() < 1e-9))
+        .min_by(|a, b| a.0.total_cmp(&b.0))
 }
 
 fn one_run(args: &LoadArgs) -> Result<()> {

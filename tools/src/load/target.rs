@@ -279,7 +279,7 @@ impl ArborClient {
                 Some(Line::Tokens(at, n)) => reply.events.push((at, n)),
                 Some(Line::Final(at, v)) => {
                     reply.end = at;
-                    read_final(&v, &mut reply, cancelled_at.is_some());
+                    read_final(&v, &mut reply);
                     break;
                 }
                 Some(Line::Closed(why)) => {
@@ -322,7 +322,11 @@ fn route(conn: &ArborConn, line: &str, stray: &AtomicU64) {
     };
     let pending = conn.pending.lock();
     let Some(tx) = pending.get(&id) else {
-        stray.fetch_add(1, Ordering::Relaxed);
+        // A cancel that crossed the request's final line is answered `unknown_id`: expected.
+        let late_cancel = v["error"]["code"].as_str() == Some("unknown_id");
+        if !late_cancel {
+            stray.fetch_add(1, Ordering::Relaxed);
+        }
         return;
     };
     let msg = if v.get("done").is_some() || v.get("error").is_some() {
@@ -338,7 +342,7 @@ fn route(conn: &ArborConn, line: &str, stray: &AtomicU64) {
 }
 
 /// Fill a reply from a `done` or `error` line.
-fn read_final(v: &Value, reply: &mut Reply, we_cancelled: bool) {
+fn read_final(v: &Value, reply: &mut Reply) {
     if let Some(e) = v.get("error") {
         let code = e.get("code").and_then(Value::as_str).unwrap_or("unknown");
         reply.outcome = Outcome::Failed {
@@ -356,7 +360,8 @@ fn read_final(v: &Value, reply: &mut Reply, we_cancelled: bool) {
         .and_then(Value::as_str)
         .unwrap_or("unknown")
         .to_string();
-    reply.outcome = if reason == "cancelled" || we_cancelled {
+    // A request that finished before the tool's cancel reached the server counts as completed.
+    reply.outcome = if reason == "cancelled" {
         Outcome::Cancelled
     } else {
         Outcome::Completed {
