@@ -2,13 +2,16 @@
 //!
 //! Every block is in exactly one of three states:
 //! - *used*: refcount > 0 (held by one or more sequences; forks share blocks);
-//! - *cached*: refcount 0 but still registered under a prefix hash, kept in an LRU list
-//!   (least recently released first) so a later request with the same prefix can revive it;
+//! - *cached*: refcount 0 but still registered under a prefix hash, kept so a later request with
+//!   the same prefix can revive it, in two LRU lists (least recently released first), as in 2Q
+//!   (Johnson and Shasha 1994): *probation* for blocks no lookup has found yet (most generated
+//!   text), *protected* for blocks a prefix lookup has hit (shared system prompts, templates);
+//!   probation is evicted first;
 //! - *free*: refcount 0 and no hash, most recently freed first; never-used blocks come last.
 //!
 //! `allocate` hands out a block whose memory is already resident before touching a new one: a
 //! freed block (most recently freed first), else the least recently released cached block
-//! (dropping its hash), and only then a never-used block. So a server's resident memory follows
+//! (probation before protected; dropping its hash), and only then a never-used block. So a server's resident memory follows
 //! its peak live K/V and never creeps up to the pool's size as finished requests leave cached
 //! prefixes behind (the prefix cache lives in memory the pool has touched already). Every
 //! operation is O(1) amortized: the LRU is an intrusive doubly linked list over block ids, the
@@ -56,13 +59,15 @@ pub struct BlockAllocator {
     prefix: HashMap<u64, BlockId>,
     /// Free blocks (refcount 0, no hash), handed out front first.
     free: VecDeque<BlockId>,
-    /// LRU links of cached blocks (refcount 0, hashed); `NIL` at the ends / for blocks not in it.
+    /// LRU links of cached blocks (refcount 0, hashed); `NIL` at the ends / for blocks not in one.
     prev: Vec<u32>,
     next: Vec<u32>,
-    /// Least recently released cached block (evicted first).
-    head: u32,
-    /// Most recently released cached block.
-    tail: u32,
+    /// Whether a prefix lookup has found the block since it was registered: which LRU it is in.
+    reused: Vec<bool>,
+    /// Least recently released cached block of each list, [probation, protected] (evicted first).
+    head: [u32; 2],
+    /// Most recently released cached block of each list.
+    tail: [u32; 2],
     /// Number of blocks in the LRU.
     cached: usize,
     /// Blocks `fresh_from..` have never been handed out (they sit at the back of `free`, in order).
@@ -81,8 +86,9 @@ impl BlockAllocator {
             free: VecDeque::new(),
             prev: Vec::new(),
             next: Vec::new(),
-            head: NIL,
-            tail: NIL,
+            reused: Vec::new(),
+            head: [NIL; 2],
+            tail: [NIL; 2],
             cached: 0,
             fresh_from: 0,
             prefix_hits: 0,
@@ -105,6 +111,7 @@ impl BlockAllocator {
         self.hashes.resize(end, None);
         self.prev.resize(end, NIL);
         self.next.resize(end, NIL);
+        self.reused.resize(end, false);
         // `end <= MAX_BLOCKS < 2^32`, so every id fits a u32.
         self.free.extend((start..end).map(|i| i as BlockId));
     }
@@ -127,13 +134,18 @@ impl BlockAllocator {
             .free
             .front()
             .is_some_and(|&b| (b as usize) < self.fresh_from);
-        let b = if freed || self.head == NIL {
+        let b = if freed || self.cached == 0 {
             let b = self.free.pop_front()?;
             self.fresh_from = self.fresh_from.max(b as usize + 1);
             b
         } else {
-            let b = self.head;
+            let b = if self.head[0] != NIL {
+                self.head[0]
+            } else {
+                self.head[1]
+            };
             self.lru_unlink(b);
+            self.reused[b as usize] = false;
             if let Some(h) = self.hashes[b as usize].take() {
                 self.prefix.remove(&h);
             }
@@ -201,6 +213,8 @@ impl BlockAllocator {
         if let Some(old) = self.hashes[i].replace(hash) {
             self.prefix.remove(&old);
         }
+        // New content: on probation until a lookup finds it (the block is used, in no list).
+        self.reused[i] = false;
         self.prefix.insert(hash, b);
     }
 
@@ -216,6 +230,7 @@ impl BlockAllocator {
             self.lru_unlink(b);
             self.free.push_front(b);
         }
+        self.reused[i] = false;
     }
 
     /// The prefix hash registered for `b`, if any.
@@ -231,6 +246,8 @@ impl BlockAllocator {
         let b = *self.prefix.get(&hash)?;
         // A mapped block is used or cached, so `retain` fails only on refcount overflow.
         self.retain(b).ok()?;
+        // Out of any list now (refcount > 0): when released it goes to the protected LRU.
+        self.reused[b as usize] = true;
         self.prefix_hits += 1;
         Some(b)
     }
@@ -262,31 +279,33 @@ impl BlockAllocator {
         }
     }
 
-    /// Append `b` (not in the LRU) as the most recently released cached block.
+    /// Append `b` (in no list) as the most recently released block of its list.
     fn lru_push_back(&mut self, b: BlockId) {
         let i = b as usize;
-        self.prev[i] = self.tail;
+        let l = usize::from(self.reused[i]);
+        self.prev[i] = self.tail[l];
         self.next[i] = NIL;
-        if self.tail == NIL {
-            self.head = b;
+        if self.tail[l] == NIL {
+            self.head[l] = b;
         } else {
-            self.next[self.tail as usize] = b;
+            self.next[self.tail[l] as usize] = b;
         }
-        self.tail = b;
+        self.tail[l] = b;
         self.cached += 1;
     }
 
-    /// Take `b` (in the LRU) out of it.
+    /// Take `b` (in its list) out of it.
     fn lru_unlink(&mut self, b: BlockId) {
         let i = b as usize;
+        let l = usize::from(self.reused[i]);
         let (p, n) = (self.prev[i], self.next[i]);
         if p == NIL {
-            self.head = n;
+            self.head[l] = n;
         } else {
             self.next[p as usize] = n;
         }
         if n == NIL {
-            self.tail = p;
+            self.tail[l] = p;
         } else {
             self.prev[n as usize] = p;
         }
@@ -332,19 +351,23 @@ mod tests {
     use proptest::sample::Index;
 
     impl BlockAllocator {
-        /// The LRU from least to most recently released, walking `next` (and checking `prev`).
+        /// Cached blocks in eviction order: probation, then protected, each from least to most
+        /// recently released, walking `next` (and checking `prev` and each block's list).
         fn lru_order(&self) -> Vec<BlockId> {
             let mut out = Vec::new();
-            let mut prev = NIL;
-            let mut b = self.head;
-            while b != NIL {
-                assert_eq!(self.prev[b as usize], prev, "prev link of {b}");
-                out.push(b);
-                assert!(out.len() <= self.total(), "LRU cycle");
-                prev = b;
-                b = self.next[b as usize];
+            for l in 0..2 {
+                let mut prev = NIL;
+                let mut b = self.head[l];
+                while b != NIL {
+                    assert_eq!(self.prev[b as usize], prev, "prev link of {b}");
+                    assert_eq!(usize::from(self.reused[b as usize]), l, "list of {b}");
+                    out.push(b);
+                    assert!(out.len() <= self.total(), "LRU cycle");
+                    prev = b;
+                    b = self.next[b as usize];
+                }
+                assert_eq!(self.tail[l], prev, "LRU tail");
             }
-            assert_eq!(self.tail, prev, "LRU tail");
             assert_eq!(out.len(), self.cached, "cached counter");
             out
         }
@@ -393,6 +416,35 @@ mod tests {
         assert_eq!(pool.hash_of(a), None);
         assert_eq!(pool.lookup(7), None);
         assert_eq!(pool.allocate(), Some(2));
+        assert_eq!(pool.allocate(), None);
+    }
+
+    #[test]
+    fn blocks_a_lookup_found_are_evicted_after_those_none_did() {
+        let mut pool = BlockAllocator::new(3);
+        let blocks: Vec<_> = (0..3).filter_map(|_| pool.allocate()).collect();
+        for (&b, h) in blocks.iter().zip([10, 11, 12]) {
+            pool.register(b, h);
+        }
+        release_all(&mut pool, &[0, 1, 2]);
+        // Block 0 (a shared prefix, say) is found and released again: the most recently
+        // released block now, yet evicted last, after the probation blocks 1 and 2.
+        assert_eq!(pool.lookup(10), Some(0));
+        release_all(&mut pool, &[0]);
+        assert_eq!(pool.lru_order(), vec![1, 2, 0]);
+        // Block 1 is found too: protected, after 0.
+        assert_eq!(pool.lookup(11), Some(1));
+        release_all(&mut pool, &[1]);
+        assert_eq!(pool.lru_order(), vec![2, 0, 1]);
+        assert_eq!(pool.allocate(), Some(2));
+        assert_eq!(pool.allocate(), Some(0));
+        assert_eq!(pool.lookup(10), None);
+        // Re-registered content starts on probation again.
+        let b = pool.allocate().expect("block 1");
+        pool.register(b, 13);
+        release_all(&mut pool, &[b]);
+        let c = pool.allocate().expect("the only cached block");
+        assert_eq!(c, b);
         assert_eq!(pool.allocate(), None);
     }
 
@@ -611,7 +663,10 @@ mod tests {
         hash: Vec<Option<u64>>,
         map: HashMap<u64, BlockId>,
         free: VecDeque<BlockId>,
-        lru: Vec<BlockId>,
+        /// Cached blocks no lookup found yet, then those one did (each least recent first).
+        probation: Vec<BlockId>,
+        protected: Vec<BlockId>,
+        reused: Vec<bool>,
         /// Ids from here on were never handed out.
         fresh_from: usize,
         hits: u64,
@@ -626,7 +681,9 @@ mod tests {
                 hash: vec![None; n],
                 map: HashMap::new(),
                 free: (0..n as u32).collect(),
-                lru: Vec::new(),
+                probation: Vec::new(),
+                protected: Vec::new(),
+                reused: vec![false; n],
                 fresh_from: 0,
                 hits: 0,
                 lookups: 0,
@@ -643,14 +700,19 @@ mod tests {
                 .free
                 .front()
                 .is_some_and(|&b| (b as usize) < self.fresh_from);
-            let want = if freed || self.lru.is_empty() {
+            let want = if freed || self.probation.is_empty() && self.protected.is_empty() {
                 let b = self.free.pop_front();
                 if let Some(b) = b {
                     self.fresh_from = self.fresh_from.max(b as usize + 1);
                 }
                 b
             } else {
-                let b = self.lru.remove(0);
+                let b = if self.probation.is_empty() {
+                    self.protected.remove(0)
+                } else {
+                    self.probation.remove(0)
+                };
+                self.reused[b as usize] = false;
                 if let Some(h) = self.hash[b as usize].take() {
                     self.map.remove(&h);
                 }
@@ -672,15 +734,34 @@ mod tests {
             if b as usize >= self.total || (self.count(b) == 0 && self.hash[b as usize].is_none()) {
                 return Err(());
             }
-            self.lru.retain(|&x| x != b);
+            self.unlist(b);
             Ok(())
+        }
+
+        /// Take `b` out of whichever cached list holds it.
+        fn unlist(&mut self, b: BlockId) {
+            self.probation.retain(|&x| x != b);
+            self.protected.retain(|&x| x != b);
+        }
+
+        /// The cached blocks in eviction order.
+        fn lru(&self) -> Vec<BlockId> {
+            self.probation
+                .iter()
+                .chain(&self.protected)
+                .copied()
+                .collect()
         }
 
         /// Model of dropping one reference to `b` (already removed from `seqs`).
         fn released(&mut self, b: BlockId) {
             if self.count(b) == 0 {
                 if self.hash[b as usize].is_some() {
-                    self.lru.push(b);
+                    if self.reused[b as usize] {
+                        self.protected.push(b);
+                    } else {
+                        self.probation.push(b);
+                    }
                 } else {
                     self.free.push_front(b);
                 }
@@ -705,6 +786,7 @@ mod tests {
             if let Some(old) = self.hash[b as usize].replace(h) {
                 self.map.remove(&old);
             }
+            self.reused[b as usize] = false;
             self.map.insert(h, b);
         }
 
@@ -715,9 +797,10 @@ mod tests {
             };
             self.map.remove(&h);
             if self.count(b) == 0 {
-                self.lru.retain(|&x| x != b);
+                self.unlist(b);
                 self.free.push_front(b);
             }
+            self.reused[b as usize] = false;
         }
 
         /// Release sequence `s` block by block (a sequence may hold a block more than once).
@@ -773,6 +856,7 @@ mod tests {
                 if let Some(b) = got {
                     m.hits += 1;
                     m.retain(b).expect("model: mapped block is live or cached");
+                    m.reused[b as usize] = true;
                     m.push(s, *new, b);
                 }
             }
@@ -824,6 +908,7 @@ mod tests {
                 m.free.extend(m.total as u32..(m.total + n) as u32);
                 m.total += n;
                 m.hash.resize(m.total, None);
+                m.reused.resize(m.total, false);
             }
             Op::RawRetain(b) => {
                 let got = pool.retain(*b);
@@ -862,12 +947,13 @@ mod tests {
         assert_eq!(pool.available(), s.free + s.cached);
         // Free queue and LRU, exactly in order; no free or cached block is referenced.
         assert_eq!(pool.free, m.free, "free queue");
-        assert_eq!(pool.lru_order(), m.lru, "cached LRU");
-        for &b in pool.free.iter().chain(&m.lru) {
+        let lru = m.lru();
+        assert_eq!(pool.lru_order(), lru, "cached LRU");
+        for &b in pool.free.iter().chain(&lru) {
             assert_eq!(m.count(b), 0, "block {b} queued while referenced");
         }
         assert_eq!(s.free, m.free.len());
-        assert_eq!(s.cached, m.lru.len());
+        assert_eq!(s.cached, lru.len());
         assert_eq!(pool.prefix, m.map, "prefix map");
         assert_eq!((s.prefix_hits, s.prefix_lookups), (m.hits, m.lookups));
     }
