@@ -208,7 +208,7 @@ pub fn main(cmd: LoadCommand) -> Result<()> {
                     ResultsFile::Run(r) => runs.push((r.label(), r.as_ref())),
                     ResultsFile::Sweep(s) => {
                         sweeps.push((s.label(), s));
-                        if let Some((x, r)) = sweep_run_at(s, rate) {
+                        if let Some((x, r)) = s.run_at(rate) {
                             runs.push((format!("{} @ {x} req/s", s.label()), r));
                         }
                     }
@@ -267,18 +267,6 @@ pub fn main(cmd: LoadCommand) -> Result<()> {
     }
 }
 
-/// A sweep's run at `rate` (default: its lowest rate), with that rate.
-fn sweep_run_at(s: &super::SweepResult, rate: Option<f64>) -> Option<(f64, &super::RunResult)> {
-    s.runs
-        .iter()
-        .filter_map(|r| match r.options.arrivals {
-            Arrivals::Open { rate: x, .. } => Some((x, r)),
-            Arrivals::Closed { .. } => None,
-        })
-        .filter(|(x, _)| rate.is_none_or(|want| (x - want).abs() < 1e-9))
-        .min_by(|a, b| a.0.total_cmp(&b.0))
-}
-
 fn one_run(args: &LoadArgs) -> Result<()> {
     let opts = args.options()?;
     let spec = SloSpec::parse(args.slo.as_deref())?;
@@ -335,10 +323,7 @@ fn one_sweep(args: &LoadArgs, rates: &[f64], cooldown: f64) -> Result<()> {
         let labels: Vec<String> = result
             .runs
             .iter()
-            .map(|r| match r.options.arrivals {
-                Arrivals::Open { rate, .. } => format!("{rate} req/s"),
-                Arrivals::Closed { concurrency } => format!("x{concurrency}"),
-            })
+            .map(|r| r.rate().map_or_else(String::new, |x| format!("{x} req/s")))
             .collect();
         let runs: Vec<(&str, &super::RunResult)> = labels
             .iter()

@@ -70,6 +70,15 @@ impl RequestRecord {
         }
     }
 
+    /// Inter-token latency per token: each event after the first, its gap from the previous
+    /// event divided over the tokens it carried, once per token.
+    pub fn itl_per_token(&self) -> impl Iterator<Item = f64> + '_ {
+        self.events.windows(2).flat_map(|w| {
+            let n = w[1].1.max(1);
+            std::iter::repeat_n((w[1].0 - w[0].0) / f64::from(n), n as usize)
+        })
+    }
+
     pub fn completed(&self) -> bool {
         matches!(self.outcome, Outcome::Completed { .. })
     }
@@ -296,12 +305,10 @@ pub fn summarize(records: &[RequestRecord], slo: &Slo, stray_lines: u64) -> (Cou
         }
         h_e2e.record_ms(r.e2e_ms);
         for w in r.events.windows(2) {
-            let gap = w[1].0 - w[0].0;
-            h_itl_e.record_ms(gap);
-            let n = w[1].1.max(1);
-            for _ in 0..n {
-                h_itl_t.record_ms(gap / f64::from(n));
-            }
+            h_itl_e.record_ms(w[1].0 - w[0].0);
+        }
+        for itl in r.itl_per_token() {
+            h_itl_t.record_ms(itl);
         }
         if let Some(sp) = r.spec {
             spec_n += 1;

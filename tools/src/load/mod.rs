@@ -115,6 +115,15 @@ pub struct SweepResult {
 }
 
 impl SweepResult {
+    /// The run at `rate`, or the lowest rate's when None, with its rate.
+    pub fn run_at(&self, rate: Option<f64>) -> Option<(f64, &RunResult)> {
+        self.runs
+            .iter()
+            .filter_map(|r| Some((r.rate()?, r)))
+            .filter(|(x, _)| rate.is_none_or(|want| (x - want).abs() < 1e-9))
+            .min_by(|a, b| a.0.total_cmp(&b.0))
+    }
+
     pub fn label(&self) -> String {
         self.label.clone().unwrap_or_else(|| {
             self.runs

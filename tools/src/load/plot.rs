@@ -3,10 +3,12 @@
 use std::path::{Path, PathBuf};
 use std::sync::Once;
 
+use plotters::coord::types::RangedCoordf64;
+use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::FontStyle;
 
-use super::run::{Arrivals, RunResult};
+use super::run::RunResult;
 use super::{LoadError, SweepResult};
 
 static FONT: Once = Once::new();
@@ -35,6 +37,25 @@ const COLORS: [RGBColor; 6] = [
     RGBColor(140, 86, 75),
 ];
 
+type Chart<'a, 'b> =
+    ChartContext<'a, BitMapBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+
+/// Draw the legend at `pos` and write the PNG.
+fn finish<'a, 'b: 'a>(
+    chart: &mut Chart<'a, 'b>,
+    root: &DrawingArea<BitMapBackend<'b>, Shift>,
+    pos: SeriesLabelPosition,
+) -> Result<(), LoadError> {
+    chart
+        .configure_series_labels()
+        .position(pos)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)?;
+    root.present().map_err(err)
+}
+
 /// One latency of a run as sorted milliseconds.
 fn values(r: &RunResult, metric: &str) -> Vec<f64> {
     let mut v: Vec<f64> = Vec::new();
@@ -43,13 +64,7 @@ fn values(r: &RunResult, metric: &str) -> Vec<f64> {
             "ttft" => v.extend(q.ttft_ms()),
             "tpot" => v.extend(q.tpot_ms()),
             "e2e" => v.push(q.e2e_ms),
-            _ => {
-                for w in q.events.windows(2) {
-                    let n = w[1].1.max(1);
-                    let gap = w[1].0 - w[0].0;
-                    v.extend(std::iter::repeat_n(gap / f64::from(n), n as usize));
-                }
-            }
+            _ => v.extend(q.itl_per_token()),
         }
     }
     v.retain(|x| x.is_finite());
@@ -114,25 +129,11 @@ pub fn cdfs(runs: &[(&str, &RunResult)], dir: &Path) -> Result<Vec<PathBuf>, Loa
                         PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2))
                     });
             }
-            chart
-                .configure_series_labels()
-                .position(SeriesLabelPosition::LowerRight)
-                .background_style(WHITE.mix(0.8))
-                .border_style(BLACK)
-                .draw()
-                .map_err(err)?;
-            root.present().map_err(err)?;
+            finish(&mut chart, &root, SeriesLabelPosition::LowerRight)?;
         }
         out.push(path);
     }
     Ok(out)
-}
-
-fn rate(r: &RunResult) -> f64 {
-    match r.options.arrivals {
-        Arrivals::Open { rate, .. } => rate,
-        Arrivals::Closed { concurrency } => concurrency as f64,
-    }
 }
 
 /// `sweep_throughput.png` and `sweep_goodput.png`: one line per sweep against request rate.
@@ -157,7 +158,7 @@ pub fn sweeps(sweeps: &[(&str, &SweepResult)], dir: &Path) -> Result<Vec<PathBuf
     ];
     let xmax = sweeps
         .iter()
-        .flat_map(|(_, s)| s.runs.iter().map(rate))
+        .flat_map(|(_, s)| s.runs.iter().filter_map(RunResult::rate))
         .fold(0.0f64, f64::max)
         .max(1e-3)
         * 1.1;
@@ -187,7 +188,11 @@ pub fn sweeps(sweeps: &[(&str, &SweepResult)], dir: &Path) -> Result<Vec<PathBuf
                 .map_err(err)?;
             for (k, (label, s)) in sweeps.iter().enumerate() {
                 let c = COLORS[k % COLORS.len()];
-                let pts: Vec<(f64, f64)> = s.runs.iter().map(|r| (rate(r), pick(r))).collect();
+                let pts: Vec<(f64, f64)> = s
+                    .runs
+                    .iter()
+                    .filter_map(|r| Some((r.rate()?, pick(r))))
+                    .collect();
                 chart
                     .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
                     .map_err(err)?
@@ -199,14 +204,7 @@ pub fn sweeps(sweeps: &[(&str, &SweepResult)], dir: &Path) -> Result<Vec<PathBuf
                     .draw_series(pts.into_iter().map(|p| Circle::new(p, 4, c.filled())))
                     .map_err(err)?;
             }
-            chart
-                .configure_series_labels()
-                .position(SeriesLabelPosition::UpperLeft)
-                .background_style(WHITE.mix(0.8))
-                .border_style(BLACK)
-                .draw()
-                .map_err(err)?;
-            root.present().map_err(err)?;
+            finish(&mut chart, &root, SeriesLabelPosition::UpperLeft)?;
         }
         out.push(path);
     }

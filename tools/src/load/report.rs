@@ -180,13 +180,10 @@ pub fn compare_sweeps(a: &SweepResult, b: &SweepResult) -> String {
         "TPOT50 B"
     );
     for ra in &a.runs {
-        let rate = match ra.options.arrivals {
-            Arrivals::Open { rate, .. } => rate,
-            Arrivals::Closed { .. } => continue,
+        let Some(rate) = ra.rate() else {
+            continue;
         };
-        let Some(rb) = b.runs.iter().find(|r| {
-            matches!(r.options.arrivals, Arrivals::Open { rate: x, .. } if (x - rate).abs() < 1e-9)
-        }) else {
+        let Some((_, rb)) = b.run_at(Some(rate)) else {
             continue;
         };
         let (x, y) = (&ra.summary, &rb.summary);
@@ -227,10 +224,7 @@ pub fn sweep_table(s: &SweepResult) -> String {
         "accept"
     );
     for r in &s.runs {
-        let rate = match r.options.arrivals {
-            Arrivals::Open { rate, .. } => rate,
-            Arrivals::Closed { .. } => f64::NAN,
-        };
+        let rate = r.rate().unwrap_or(f64::NAN);
         let m = &r.summary;
         let _ = writeln!(
             out,

@@ -13,7 +13,7 @@ use tokio::task::JoinSet;
 use super::metrics::{summarize, Counts, RequestRecord, Slo, Summary};
 use super::prompts::{self, LoadPrompt, PromptSource};
 use super::schedule::{choice_rng, uniform, ArrivalSchedule};
-use super::target::{Client, Outgoing, Target};
+use super::target::{AbortOnDrop, Client, Outgoing, Target};
 use super::LoadError;
 
 /// How requests arrive.
@@ -145,6 +145,14 @@ impl RunResult {
             })
     }
 
+    /// The open-loop request rate (None for a closed loop).
+    pub fn rate(&self) -> Option<f64> {
+        match self.options.arrivals {
+            Arrivals::Open { rate, .. } => Some(rate),
+            Arrivals::Closed { .. } => None,
+        }
+    }
+
     /// Re-derive counts and figures under other SLOs (e.g. to compare runs under one SLO).
     pub fn resummarize(&mut self, slo: Option<Slo>) {
         let (c, s) = summarize(
@@ -158,29 +166,53 @@ impl RunResult {
     }
 }
 
-/// Request `i`'s prompt and length, the same for every run with the same seed.
-fn plan(opts: &LoadOptions, prompts: &[LoadPrompt], n: usize) -> Vec<(usize, Outgoing)> {
-    let mut rng = choice_rng(opts.seed);
-    (0..n)
-        .map(|i| {
-            let p = prompts::pick(&mut rng, prompts.len());
-            let base = prompts[p].max_tokens.unwrap_or(opts.max_tokens);
-            let lo = ((base as f64) * (1.0 - opts.output_range)).round().max(1.0) as usize;
-            let hi = ((base as f64) * (1.0 + opts.output_range)).round() as usize;
-            let max_tokens = uniform(&mut rng, lo, hi.max(lo));
-            (
-                p,
-                Outgoing {
-                    input: prompts[p].input.clone(),
-                    max_tokens,
-                    ignore_eos: opts.ignore_eos,
-                    temperature: opts.temperature,
-                    seed: opts.seed.wrapping_add(i as u64),
-                    speculation: opts.speculation.clone(),
-                },
-            )
-        })
-        .collect()
+/// Every request's prompt and length, the same for every run with the same seed; a request's
+/// text is built only when it is sent (a duration-bound plan can hold a million entries).
+struct Plan {
+    prompts: Vec<LoadPrompt>,
+    /// (prompt index, max_tokens) per request index.
+    picks: Vec<(usize, usize)>,
+    ignore_eos: bool,
+    temperature: f64,
+    seed: u64,
+    speculation: Option<Value>,
+}
+
+impl Plan {
+    fn new(opts: &LoadOptions, prompts: Vec<LoadPrompt>, n: usize) -> Plan {
+        let mut rng = choice_rng(opts.seed);
+        let picks = (0..n)
+            .map(|_| {
+                let p = prompts::pick(&mut rng, prompts.len());
+                let base = prompts[p].max_tokens.unwrap_or(opts.max_tokens);
+                let lo = ((base as f64) * (1.0 - opts.output_range)).round().max(1.0) as usize;
+                let hi = ((base as f64) * (1.0 + opts.output_range)).round() as usize;
+                (p, uniform(&mut rng, lo, hi.max(lo)))
+            })
+            .collect();
+        Plan {
+            prompts,
+            picks,
+            ignore_eos: opts.ignore_eos,
+            temperature: opts.temperature,
+            seed: opts.seed,
+            speculation: opts.speculation.clone(),
+        }
+    }
+
+    /// Request `i`: its prompt index and what is sent.
+    fn request(&self, i: usize) -> (usize, Outgoing) {
+        let (p, max_tokens) = self.picks[i];
+        let req = Outgoing {
+            input: self.prompts[p].input.clone(),
+            max_tokens,
+            ignore_eos: self.ignore_eos,
+            temperature: self.temperature,
+            seed: self.seed.wrapping_add(i as u64),
+            speculation: self.speculation.clone(),
+        };
+        (p, req)
+    }
 }
 
 #[derive(Default)]
@@ -208,7 +240,7 @@ pub async fn run(opts: &LoadOptions, slo: Option<Slo>) -> Result<RunResult, Load
         }
         Arrivals::Closed { .. } => 1_000_000,
     });
-    let planned = Arc::new(plan(opts, &prompts, cap.max(1)));
+    let planned = Arc::new(Plan::new(opts, prompts, cap.max(1)));
     let (stop_tx, stop_rx) = watch::channel(false);
     let live = Arc::new(Live::default());
     let (bar, by_time) = progress_bar(opts);
@@ -222,12 +254,12 @@ pub async fn run(opts: &LoadOptions, slo: Option<Slo>) -> Result<RunResult, Load
         let stop = stop_rx.clone();
         let warmup = opts.warmup_s;
         tasks.spawn(async move {
-            let (p, req) = &planned[i];
+            let (p, req) = planned.request(i);
             let sent = Instant::now();
             live.in_flight.fetch_add(1, Ordering::Relaxed);
-            let reply = client.send(req, stop).await;
+            let reply = client.send(&req, stop).await;
             live.in_flight.fetch_sub(1, Ordering::Relaxed);
-            let rec = record(i, *p, req.max_tokens, start, sent, warmup, reply);
+            let rec = record(i, p, req.max_tokens, start, sent, warmup, reply);
             live.done.fetch_add(1, Ordering::Relaxed);
             if !rec.completed() {
                 live.failed.fetch_add(1, Ordering::Relaxed);
@@ -407,12 +439,4 @@ fn refresh(bar: &ProgressBar, live: &Live, start: Instant, by_time: bool) {
         live.failed.load(Ordering::Relaxed),
         live.tokens.load(Ordering::Relaxed) as f64 / secs.max(1e-3)
     ));
-}
-
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
 }

@@ -78,11 +78,16 @@ pub struct Reply {
 
 impl Reply {
     fn failed(code: &str, message: impl Into<String>) -> Reply {
+        Reply::ended(Outcome::Failed {
+            code: code.into(),
+            message: message.into(),
+        })
+    }
+
+    /// A reply with no tokens that ended now.
+    fn ended(outcome: Outcome) -> Reply {
         Reply {
-            outcome: Outcome::Failed {
-                code: code.into(),
-                message: message.into(),
-            },
+            outcome,
             events: Vec::new(),
             end: Instant::now(),
             usage_prompt_tokens: None,
@@ -411,9 +416,7 @@ impl OpenAiClient {
             r = self.stream(path, body, chat) => r.unwrap_or_else(|(code, msg)| Reply::failed(code, msg)),
             _ = wait_stop(&mut stop) => {
                 // Dropping the stream closes the connection, which cancels the request.
-                let mut r = Reply::failed("", "");
-                r.outcome = Outcome::Cancelled;
-                r
+                Reply::ended(Outcome::Cancelled)
             }
         }
     }
@@ -519,10 +522,7 @@ impl OpenAiClient {
                 .as_str()
                 .map(str::to_string)
                 .unwrap_or_else(|| String::from_utf8_lossy(&buf).into_owned());
-            return Ok(Reply {
-                outcome: Outcome::Failed { code, message },
-                ..Reply::failed("", "")
-            });
+            return Ok(Reply::ended(Outcome::Failed { code, message }));
         }
         if done || finish.is_some() {
             if !done {
@@ -536,7 +536,9 @@ impl OpenAiClient {
     }
 }
 
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
+/// A spawned task that is aborted when this handle goes (the HTTP connection driver, the
+/// progress ticker).
+pub(super) struct AbortOnDrop(pub(super) tokio::task::JoinHandle<()>);
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
