@@ -120,6 +120,79 @@ fn streamed_text_equals_generate_with_and_without_speculation() {
     }
 }
 
+/// Token lines and the final line of `n` requests whose lines interleave on one connection, by
+/// integer id (one final line each, no token line after it).
+fn collect_by_id(
+    c: &mut Client,
+    n: usize,
+) -> std::collections::HashMap<u64, (Vec<Value>, Option<Value>)> {
+    let mut got: std::collections::HashMap<u64, (Vec<Value>, Option<Value>)> = Default::default();
+    while got.values().filter(|(_, f)| f.is_some()).count() < n {
+        let v = c.recv();
+        let id = v["id"].as_u64().expect("integer id");
+        let e = got.entry(id).or_default();
+        assert!(e.1.is_none(), "a line after the final one of {id}");
+        if v.get("done").is_some() || v.get("error").is_some() {
+            e.1 = Some(v);
+        } else {
+            e.0.push(v);
+        }
+    }
+    got
+}
+
+/// A served model drafter (early exit: smollm2's first 10 layers) drafts every request of a
+/// step together (one pass per tree depth for all of them, its instances in one pool): twelve
+/// concurrent greedy requests over three connections get exactly plain decoding's tokens, trees
+/// were verified, no drafter failed, and every LLM block comes back.
+#[test]
+fn a_served_model_drafter_keeps_every_concurrent_greedy_output() {
+    let (model, _) = common::smollm2_shared();
+    let shape: arbor_engine::draft::DraftShape = "1,1,2,1".parse().expect("shape");
+    let ee = DrafterFactory::early_exit(&model, 10, shape, 0, 16 << 20).expect("early exit");
+    assert_eq!(ee.name, "early-exit:10");
+    let server = TestServer::start(engine_config(vec![ee]), ServerConfig::default());
+    let addr = server.addr;
+    let threads: Vec<_> = (0..3)
+        .map(|conn| {
+            std::thread::spawn(move || {
+                let mut c = Client::connect(addr);
+                let mut want = Vec::new();
+                for k in 0..4 {
+                    let i = conn * 4 + k;
+                    let prompt = PROMPTS[i % PROMPTS.len()];
+                    let p = params(12 + i % 4, 0.0, 0);
+                    let mut req = request(json!(i), prompt, &p);
+                    req["speculation"] =
+                        json!({"draft": ["early-exit:10"], "adaptive": i % 2 == 0});
+                    c.send(&req);
+                    want.push((i, prompt, p));
+                }
+                (want, collect_by_id(&mut c, 4))
+            })
+        })
+        .collect();
+    let mut drafted = 0;
+    for t in threads {
+        let (want, got) = t.join().expect("client thread");
+        for (i, prompt, p) in want {
+            let (events, fin) = &got[&(i as u64)];
+            let fin = fin.as_ref().expect("final");
+            assert_eq!(fin["done"], true, "{fin}");
+            let (text, toks) = streamed(events);
+            let (want_text, want_toks) = reference(prompt, &p, None);
+            assert_eq!(toks, want_toks, "request {i}");
+            assert_eq!(text, want_text, "request {i}");
+            drafted += fin["spec"]["drafted"].as_u64().expect("spec stats");
+        }
+    }
+    assert!(drafted > 0, "model trees were verified");
+    let s = server.wait_stats("idle", |s| s["running"] == 0);
+    assert_eq!(s["drafter_failures"], 0, "{s}");
+    assert_eq!(s["kv_blocks_used"], 0, "{s}");
+    assert_eq!(s["completed"], 12, "{s}");
+}
+
 #[test]
 fn thirty_two_clients_over_eight_connections_get_their_own_outputs() {
     let server = TestServer::plain();
@@ -138,21 +211,7 @@ fn thirty_two_clients_over_eight_connections_get_their_own_outputs() {
                     want.push((i, prompt, p));
                 }
                 // Lines of the four requests interleave: collect per id.
-                let mut got: std::collections::HashMap<u64, (Vec<Value>, Option<Value>)> =
-                    Default::default();
-                while got.values().filter(|(_, f)| f.is_some()).count() < 4 {
-                    let v = c.recv();
-                    let id = v["id"].as_u64().expect("integer id");
-                    let e = got.entry(id).or_default();
-                    if v.get("done").is_some() || v.get("error").is_some() {
-                        assert!(e.1.is_none(), "two final lines for {id}");
-                        e.1 = Some(v);
-                    } else {
-                        assert!(e.1.is_none(), "a token line after the final one");
-                        e.0.push(v);
-                    }
-                }
-                (want, got)
+                (want, collect_by_id(&mut c, 4))
             })
         })
         .collect();

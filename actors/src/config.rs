@@ -4,9 +4,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arbor_engine::draft::ngram::NgramDrafter;
-use arbor_engine::draft::Drafter;
+use arbor_engine::draft::{check_same_vocab, DraftSampling, DraftShape, Drafter, ModelDrafter};
 use arbor_engine::sched::SchedConfig;
-use arbor_engine::{Model, Tokenizer};
+use arbor_engine::{CpuBackend, KvPool, Model, Tokenizer};
 
 use crate::error::{Result, ServeError};
 
@@ -61,7 +61,90 @@ impl DrafterFactory {
         }))
     }
 
-    /// Parse a `--draft` value the server can run: `ngram[:N]`.
+    /// A model drafter for every request: the first `layers` layers of `model` (all of them for
+    /// a small speculative model), children picked by the drafter's top-k along `shape`
+    /// (lossless under greedy and MSS verification). Every instance keeps its K/V in one pool
+    /// of at most `kv_bytes`, so the Drafter actor drafts all of a step's requests in one forward
+    /// pass per tree depth; the passes run on a backend of `threads` threads (0: all cores).
+    pub fn model(
+        name: impl Into<String>,
+        model: Arc<Model>,
+        layers: usize,
+        vocab_limit: usize,
+        shape: DraftShape,
+        threads: usize,
+        kv_bytes: usize,
+    ) -> Result<DrafterFactory> {
+        let name = name.into();
+        let backend = Arc::new(CpuBackend::new(threads).map_err(ServeError::from)?);
+        let block = KvPool::block_bytes(model.config.kv_dim(), layers).max(1);
+        let pool = KvPool::elastic(&model.config, layers, (kv_bytes / block).max(4));
+        let label = name.clone();
+        let build = move |seed: u64| -> arbor_engine::Result<Box<dyn Drafter>> {
+            let d = ModelDrafter::new(
+                name.clone(),
+                Arc::clone(&model),
+                Arc::clone(&backend),
+                layers,
+                vocab_limit,
+                shape.clone(),
+                DraftSampling::TopK,
+                seed,
+            )?;
+            Ok(Box::new(d.in_pool(&pool)?))
+        };
+        // Built once here (layers, shape, pool checked), so a bad configuration fails at start-up.
+        build(0).map_err(ServeError::from)?;
+        Ok(DrafterFactory::new(label, move |cx: &DraftContext| {
+            build(cx.seed)
+        }))
+    }
+
+    /// Early-exit self-speculation (`early-exit:L`): the LLM's own first `layers` layers.
+    pub fn early_exit(
+        llm: &Arc<Model>,
+        layers: usize,
+        shape: DraftShape,
+        threads: usize,
+        kv_bytes: usize,
+    ) -> Result<DrafterFactory> {
+        let vocab = llm.config.vocab_size;
+        DrafterFactory::model(
+            format!("early-exit:{layers}"),
+            Arc::clone(llm),
+            layers,
+            vocab,
+            shape,
+            threads,
+            kv_bytes,
+        )
+    }
+
+    /// A small speculative model `draft` (named `name`) drafting for `llm`; their token tables
+    /// must be identical.
+    pub fn ssm(
+        name: impl Into<String>,
+        draft: Arc<Model>,
+        llm: &Model,
+        shape: DraftShape,
+        threads: usize,
+        kv_bytes: usize,
+    ) -> Result<DrafterFactory> {
+        check_same_vocab(llm, &draft).map_err(ServeError::from)?;
+        let layers = draft.config.n_layers;
+        DrafterFactory::model(
+            name,
+            draft,
+            layers,
+            llm.config.vocab_size,
+            shape,
+            threads,
+            kv_bytes,
+        )
+    }
+
+    /// Parse a `--draft` value the server can run without models: `ngram[:N]` (model drafters:
+    /// [`DrafterFactory::early_exit`], [`DrafterFactory::ssm`]).
     pub fn parse(spec: &str) -> Result<DrafterFactory> {
         let (name, arg) = spec.split_once(':').unwrap_or((spec, ""));
         match name {
@@ -76,8 +159,8 @@ impl DrafterFactory {
                 DrafterFactory::ngram(n)
             }
             _ => Err(ServeError::invalid(format!(
-                "the server runs training-free drafters only: ngram[:N] (got '{spec}'; model \
-                 drafters are not served yet)"
+                "not a training-free drafter: '{spec}' (ngram[:N]; model drafters are built \
+                 with DrafterFactory::early_exit or ::ssm)"
             ))),
         }
     }

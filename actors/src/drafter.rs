@@ -5,7 +5,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use actix::{Actor, Handler, SyncContext};
 use arbor_engine::draft::Drafter;
-use arbor_engine::spec::{panic_message, propose_checked};
+use arbor_engine::spec::{panic_message, propose_many, ProposeItem};
 
 use crate::config::{DraftContext, DrafterFactory};
 use crate::events::RequestId;
@@ -52,7 +52,7 @@ impl Handler<Draft> for DrafterActor {
             let Some(pos) = w.drafters.iter().position(|&d| d == self.index) else {
                 continue;
             };
-            let slot = self.instances.entry(w.id).or_insert_with(|| {
+            self.instances.entry(w.id).or_insert_with(|| {
                 let cx = DraftContext {
                     seed: w.seed.wrapping_add(1 + pos as u64),
                     depth: w.depth,
@@ -71,31 +71,47 @@ impl Handler<Draft> for DrafterActor {
                     }
                 }
             });
-            let Some(d) = slot.as_mut() else {
+        }
+        // Every request's instance proposes in one call: model drafters sharing this drafter's
+        // pool run one forward pass per tree depth for all of the step's requests.
+        let order: HashMap<RequestId, usize> = msg
+            .work
+            .iter()
+            .enumerate()
+            .map(|(k, w)| (w.id, k))
+            .collect();
+        let mut live: Vec<(usize, RequestId, &mut Box<dyn Drafter>)> = self
+            .instances
+            .iter_mut()
+            .filter_map(|(id, slot)| Some((*order.get(id)?, *id, slot.as_mut()?)))
+            .collect();
+        live.sort_by_key(|&(k, _, _)| k);
+        let mut items = Vec::with_capacity(live.len());
+        let mut who = Vec::with_capacity(live.len());
+        for (k, id, d) in live {
+            let w = &msg.work[k];
+            let Some(pos) = w.drafters.iter().position(|&i| i == self.index) else {
                 continue;
             };
-            let n = w.drafters.len();
-            let r = catch_unwind(AssertUnwindSafe(|| {
-                propose_checked(
-                    &mut **d,
-                    pos,
-                    n,
-                    &w.tokens,
-                    w.budget,
-                    w.max_depth,
-                    self.vocab,
-                )
-            }));
+            who.push((id, pos));
+            items.push(ProposeItem {
+                drafter: &mut **d,
+                tokens: &w.tokens,
+                index: pos,
+                of: w.drafters.len(),
+                budget: w.budget,
+                max_depth: w.max_depth,
+                vocab: self.vocab,
+            });
+        }
+        let proposed = propose_many(&mut items);
+        drop(items);
+        for ((id, pos), r) in who.into_iter().zip(proposed) {
             match r {
-                Ok(Ok(t)) => out.trees.push((w.id, pos, t)),
-                Ok(Err(e)) => {
-                    *slot = None;
-                    out.failures.push((w.id, e.to_string()));
-                }
-                Err(p) => {
-                    *slot = None;
-                    out.failures
-                        .push((w.id, format!("panicked: {}", panic_message(&*p))));
+                Ok(t) => out.trees.push((id, pos, t)),
+                Err(e) => {
+                    self.instances.insert(id, None);
+                    out.failures.push((id, e.to_string()));
                 }
             }
         }

@@ -10,7 +10,10 @@
 use std::time::Instant;
 
 use crate::backend::Backend;
-use crate::draft::{DraftRequest, Drafter, GroupLogits, PlaceholderGroup};
+use crate::draft::{
+    BatchDrafter, BatchKey, DraftPass, DraftRequest, DraftStep, Drafter, GroupLogits,
+    PlaceholderGroup,
+};
 use crate::error::{EngineError, Result};
 use crate::generate::{
     check_prompt, prefill, FinishReason, GenerateOutput, GenerateParams, TokenSink,
@@ -19,7 +22,10 @@ use crate::kv::KvCache;
 use crate::model::Model;
 use crate::sample::verify::{Verifier, VerifyMode, VerifyOutcome};
 use crate::sample::Sampler;
-use crate::sched::adaptive::{choose_depths, nodes_upto, Acceptance, DepthOptions, StepCost};
+use crate::sched::adaptive::{
+    choose_depths, drafting_pays, nodes_upto, Acceptance, DepthOptions, DraftBackoff, StepCost,
+    COSTLY_DRAFT,
+};
 use crate::tokenizer::Tokenizer;
 use crate::tree::{DrafterId, TokenTree, TreeMask};
 
@@ -215,7 +221,7 @@ pub fn draft_tree(
     max_depth: usize,
     vocab: usize,
 ) -> Result<TokenTree> {
-    draft_tree_with(drafters, tokens, budget, max_depth, vocab, None)
+    draft_one(drafters, tokens, budget, max_depth, vocab, None)
 }
 
 /// [`draft_tree`] that survives its drafters: a drafter that errors, panics or proposes an
@@ -229,39 +235,91 @@ pub fn draft_tree_tolerant(
     vocab: usize,
     failures: &mut Vec<(usize, String)>,
 ) -> Result<TokenTree> {
-    draft_tree_with(drafters, tokens, budget, max_depth, vocab, Some(failures))
+    draft_one(drafters, tokens, budget, max_depth, vocab, Some(failures))
 }
 
-/// The drafting loop: a drafter's failure is the result (`failures: None`) or is recorded and
-/// skipped, panics included.
-fn draft_tree_with(
+/// [`draft_trees`] for one sequence.
+fn draft_one(
     drafters: &mut [&mut dyn Drafter],
     tokens: &[u32],
     budget: usize,
     max_depth: usize,
     vocab: usize,
-    mut failures: Option<&mut Vec<(usize, String)>>,
+    failures: Option<&mut Vec<(usize, String)>>,
 ) -> Result<TokenTree> {
-    let root = draft_root(tokens)?;
-    let n = drafters.len().max(1);
-    let mut trees = Vec::with_capacity(drafters.len() + 1);
-    trees.push(TokenTree::root_only(root));
-    for (i, d) in drafters.iter_mut().enumerate() {
-        let d: &mut dyn Drafter = &mut **d;
-        let Some(failed) = failures.as_deref_mut() else {
-            trees.push(propose_checked(d, i, n, tokens, budget, max_depth, vocab)?);
-            continue;
-        };
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            propose_checked(d, i, n, tokens, budget, max_depth, vocab)
-        }));
-        match r {
-            Ok(Ok(t)) => trees.push(t),
-            Ok(Err(e)) => failed.push((i, e.to_string())),
-            Err(panic) => failed.push((i, format!("panicked: {}", panic_message(&*panic)))),
+    let mut jobs = [DraftJobRef {
+        drafters,
+        tokens,
+        budget,
+        max_depth,
+    }];
+    let mut lists = vec![Vec::new()];
+    let tolerant = failures.is_some();
+    let mut trees = draft_trees(&mut jobs, vocab, tolerant.then_some(&mut lists))?;
+    if let (Some(f), Some(list)) = (failures, lists.pop()) {
+        f.extend(list);
+    }
+    Ok(trees.pop().expect("one tree per job"))
+}
+
+/// One sequence's drafting for a step: its drafters (drafter i gets id i and an equal share of
+/// `budget`), its tokens (the last is the root) and its deepest useful depth.
+pub struct DraftJobRef<'j, 'd> {
+    pub drafters: &'j mut [&'d mut dyn Drafter],
+    pub tokens: &'j [u32],
+    pub budget: usize,
+    pub max_depth: usize,
+}
+
+/// The drafting loop of a step: every job's drafters propose, and each job's checked trees are
+/// merged into its tree. Model drafters of one model and KV pool ([`Drafter::as_batch`]) run
+/// one forward pass per tree depth for all jobs together ([`propose_many`]). With `failures`
+/// (one list per job) a drafter that errors, panics or proposes an invalid tree is left out of
+/// its job's tree and reported as `(index, message)`; without, the first failure is the result.
+pub fn draft_trees(
+    jobs: &mut [DraftJobRef<'_, '_>],
+    vocab: usize,
+    mut failures: Option<&mut Vec<Vec<(usize, String)>>>,
+) -> Result<Vec<TokenTree>> {
+    let roots: Vec<u32> = jobs
+        .iter()
+        .map(|j| draft_root(j.tokens))
+        .collect::<Result<_>>()?;
+    let mut items = Vec::new();
+    let mut owner = Vec::new();
+    for (j, job) in jobs.iter_mut().enumerate() {
+        let n = job.drafters.len();
+        let (tokens, budget, max_depth) = (job.tokens, job.budget, job.max_depth);
+        for (i, d) in job.drafters.iter_mut().enumerate() {
+            items.push(ProposeItem {
+                drafter: &mut **d,
+                tokens,
+                index: i,
+                of: n,
+                budget,
+                max_depth,
+                vocab,
+            });
+            owner.push((j, i));
         }
     }
-    TokenTree::merge(&trees)
+    let proposed = propose_many(&mut items);
+    let mut trees: Vec<Vec<TokenTree>> = roots
+        .iter()
+        .map(|&r| vec![TokenTree::root_only(r)])
+        .collect();
+    for ((j, i), r) in owner.into_iter().zip(proposed) {
+        match (r, failures.as_deref_mut()) {
+            (Ok(t), _) => trees[j].push(t),
+            (Err(e), Some(f)) => {
+                if let Some(list) = f.get_mut(j) {
+                    list.push((i, e.to_string()));
+                }
+            }
+            (Err(e), None) => return Err(e),
+        }
+    }
+    trees.iter().map(|t| TokenTree::merge(t)).collect()
 }
 
 /// The text of a caught panic.
@@ -292,19 +350,187 @@ pub fn propose_checked(
     max_depth: usize,
     vocab: usize,
 ) -> Result<TokenTree> {
-    let root = draft_root(tokens)?;
-    let id = DrafterId::try_from(i)
-        .map_err(|_| EngineError::InvalidArgument("too many drafters".into()))?;
-    let share = budget / n + usize::from(i < budget % n);
-    let req = DraftRequest {
+    let mut one = [ProposeItem {
+        drafter: d,
         tokens,
-        budget: share,
+        index: i,
+        of: n,
+        budget,
         max_depth,
-        drafter: id,
         vocab,
-    };
-    let t = d.propose(&req)?;
-    t.validate(vocab)?;
+    }];
+    propose_many(&mut one).pop().expect("one result per item")
+}
+
+/// Batched drafters of one key: (item index, drafter).
+type BatchGroup<'a> = Vec<(usize, &'a mut dyn BatchDrafter)>;
+
+/// One drafter's proposal for one sequence: drafter `index` of the sequence's `of`.
+pub struct ProposeItem<'a> {
+    pub drafter: &'a mut dyn Drafter,
+    pub tokens: &'a [u32],
+    pub index: usize,
+    pub of: usize,
+    /// The sequence's budget (the drafter gets its share) and deepest useful depth.
+    pub budget: usize,
+    pub max_depth: usize,
+    pub vocab: usize,
+}
+
+impl<'a> ProposeItem<'a> {
+    /// A sequence's only drafter.
+    pub fn sole(
+        drafter: &'a mut dyn Drafter,
+        tokens: &'a [u32],
+        budget: usize,
+        max_depth: usize,
+        vocab: usize,
+    ) -> ProposeItem<'a> {
+        ProposeItem {
+            drafter,
+            tokens,
+            index: 0,
+            of: 1,
+            budget,
+            max_depth,
+            vocab,
+        }
+    }
+
+    /// The drafter's request: its share of the budget, its id.
+    fn request(&self) -> Result<DraftRequest<'a>> {
+        draft_root(self.tokens)?;
+        let id = DrafterId::try_from(self.index)
+            .map_err(|_| EngineError::InvalidArgument("too many drafters".into()))?;
+        let n = self.of.max(1);
+        Ok(DraftRequest {
+            tokens: self.tokens,
+            budget: self.budget / n + usize::from(self.index < self.budget % n),
+            max_depth: self.max_depth,
+            drafter: id,
+            vocab: self.vocab,
+        })
+    }
+}
+
+/// Run `f`, a panic becoming an error naming `what`.
+fn caught<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|p| {
+        Err(EngineError::InvalidArgument(format!(
+            "{what} panicked: {}",
+            panic_message(&*p)
+        )))
+    })
+}
+
+/// Every item's checked proposal (its share of the budget, validated, rooted at the sequence's
+/// last token, cut to `max_depth`; a panic is an error). Drafters with the same
+/// [`crate::draft::BatchKey`] run their passes together: one forward pass per tree depth for all
+/// of them, each tree equal to what the drafter proposes alone.
+pub fn propose_many(items: &mut [ProposeItem<'_>]) -> Vec<Result<TokenTree>> {
+    let mut out: Vec<Option<Result<TokenTree>>> = (0..items.len()).map(|_| None).collect();
+    // Each item's request; a bad one is that item's result.
+    let mut reqs: Vec<Option<DraftRequest<'_>>> = Vec::with_capacity(items.len());
+    for (k, it) in items.iter().enumerate() {
+        match it.request() {
+            Ok(r) => reqs.push(Some(r)),
+            Err(e) => {
+                out[k] = Some(Err(e));
+                reqs.push(None);
+            }
+        }
+    }
+    // Batched drafters by key, in first-seen order; the others propose alone.
+    let mut groups: Vec<(BatchKey, BatchGroup<'_>)> = Vec::new();
+    for (k, it) in items.iter_mut().enumerate() {
+        let Some(req) = &reqs[k] else { continue };
+        if it.drafter.as_batch().is_none() {
+            out[k] = Some(caught("drafter", || it.drafter.propose(req)));
+            continue;
+        }
+        let Some(b) = it.drafter.as_batch() else {
+            continue;
+        };
+        let key = b.batch_key();
+        match groups.iter_mut().find(|(g, _)| *g == key) {
+            Some((_, members)) => members.push((k, b)),
+            None => groups.push((key, vec![(k, b)])),
+        }
+    }
+    for (_, mut members) in groups {
+        // Pending passes: (member, pass), in member order.
+        let mut pending: Vec<(usize, DraftPass)> = Vec::new();
+        for (m, (k, b)) in members.iter_mut().enumerate() {
+            let Some(req) = &reqs[*k] else { continue };
+            match caught("drafter", || b.start(req)) {
+                Ok(DraftStep::Pass(p)) => pending.push((m, p)),
+                Ok(DraftStep::Done(t)) => out[*k] = Some(Ok(t)),
+                Err(e) => out[*k] = Some(Err(e)),
+            }
+        }
+        while !pending.is_empty() {
+            // One pass for all: the first pending member runs it over every pending cache.
+            let ran = {
+                let mut runner: Option<(&mut dyn BatchDrafter, &DraftPass)> = None;
+                let mut others = Vec::new();
+                let mut next = pending.iter().peekable();
+                for (m, (_, b)) in members.iter_mut().enumerate() {
+                    let Some((_, pass)) = next.next_if(|(pm, _)| *pm == m) else {
+                        continue;
+                    };
+                    match runner {
+                        None => runner = Some((&mut **b, pass)),
+                        Some(_) => others.push(pass.seq(b.cache_mut())),
+                    }
+                }
+                let (b, pass) = runner.expect("a pending member runs the pass");
+                caught("a batched draft pass", || b.run_batch_with(pass, others))
+            };
+            let mut still = Vec::new();
+            match ran {
+                Ok(logits) => {
+                    for ((m, _), lg) in pending.into_iter().zip(logits) {
+                        let (k, b) = &mut members[m];
+                        match caught("drafter", || b.resume(lg)) {
+                            Ok(DraftStep::Pass(p)) => still.push((m, p)),
+                            Ok(DraftStep::Done(t)) => out[*k] = Some(Ok(t)),
+                            Err(e) => out[*k] = Some(Err(e)),
+                        }
+                    }
+                }
+                Err(e) => {
+                    // The first pending member gets the error, the others its message.
+                    let msg = e.to_string();
+                    let mut e = Some(e);
+                    for (m, _) in pending {
+                        let k = members[m].0;
+                        out[k] = Some(Err(e.take().unwrap_or_else(|| {
+                            EngineError::InvalidArgument(format!("a batched draft pass: {msg}"))
+                        })));
+                    }
+                }
+            }
+            pending = still;
+        }
+    }
+    out.into_iter()
+        .zip(items.iter())
+        .zip(&reqs)
+        .map(|((r, it), req)| match (r, req) {
+            (Some(Ok(t)), Some(req)) => check_proposal(&*it.drafter, t, req),
+            (Some(Err(e)), _) => Err(e),
+            _ => Err(EngineError::InvalidArgument(
+                "a drafter ended without a proposal".into(),
+            )),
+        })
+        .collect()
+}
+
+/// A drafter's tree checked against its request: valid, rooted at the root, within its share,
+/// cut to the request's depth.
+fn check_proposal(d: &dyn Drafter, t: TokenTree, req: &DraftRequest<'_>) -> Result<TokenTree> {
+    t.validate(req.vocab)?;
+    let root = req.root();
     if t.root_token() != root {
         return Err(EngineError::InvalidArgument(format!(
             "drafter '{}' proposed a tree rooted at {} instead of {root}",
@@ -312,14 +538,15 @@ pub fn propose_checked(
             t.root_token()
         )));
     }
-    if t.n_draft() > share {
+    if t.n_draft() > req.budget {
         return Err(EngineError::InvalidArgument(format!(
-            "drafter '{}' proposed {} nodes over its budget of {share}",
+            "drafter '{}' proposed {} nodes over its budget of {}",
             d.name(),
-            t.n_draft()
+            t.n_draft(),
+            req.budget
         )));
     }
-    Ok(t.truncate_depth(max_depth))
+    Ok(t.truncate_depth(req.max_depth))
 }
 
 /// A sequence being decoded speculatively: its KV cache, its tokens and its verifier.
@@ -535,7 +762,7 @@ pub fn generate<B: Backend>(
         let room = cache.capacity().saturating_sub(cache.len());
         let sizes: Vec<usize> = sizes.into_iter().filter(|&n| n <= room).collect();
         let cost = StepCost::measure_in(model, backend, &mut cache, &sizes, 1)?;
-        policy = Some((cost, Acceptance::new(), usize::MAX));
+        policy = Some((cost, Acceptance::new(), usize::MAX, DraftBackoff::default()));
     }
     let mut session = SpecSession::new(model, backend, cache, seq, verifier, spec.budget)?;
     let mut pending: Vec<u32> = first.into_iter().collect();
@@ -560,13 +787,23 @@ pub fn generate<B: Backend>(
         let remaining = params.max_tokens - n;
         let committed = prompt.len() + n - 1;
         let max_depth = (remaining - 1).min(cap - 1 - committed);
-        let Some((cost, acceptance, last_depth)) = policy.as_mut() else {
+        let Some((cost, acceptance, last_depth, backoff)) = policy.as_mut() else {
             pending = session.step(drafters, max_depth)?.emitted();
             continue;
         };
+        if backoff.skip() {
+            // Drafts have not paid lately: a plain step (the root alone), no drafting cost.
+            let root = TokenTree::root_only(*session.tokens().last().expect("a root"));
+            let t0 = Instant::now();
+            pending = session.verify(&root, drafters)?.emitted();
+            cost.record(1, t0.elapsed().as_secs_f64());
+            continue;
+        }
         // Draft two depths past the last verified one: room to grow, one depth to learn from,
         // and no deep drafting (a model drafter's passes) while speculation does not pay.
+        let t_draft = Instant::now();
         let proposal = session.draft(drafters, max_depth.min(last_depth.saturating_add(2)))?;
+        let draft_secs = t_draft.elapsed().as_secs_f64();
         let opts = [DepthOptions {
             acceptance,
             nodes_upto: nodes_upto(&proposal),
@@ -574,6 +811,13 @@ pub fn generate<B: Backend>(
         let depth = choose_depths(&opts, 1, cost)[0];
         *last_depth = depth;
         let tree = proposal.truncate_depth(depth);
+        let gain = acceptance.expected_tokens(depth) - 1.0;
+        let pass = cost.secs(tree.len());
+        let pays = drafting_pays(gain, 1.0 + gain, draft_secs, pass);
+        backoff.chose(
+            if pays { depth } else { 0 },
+            draft_secs >= COSTLY_DRAFT * pass,
+        );
         let t0 = Instant::now();
         let o = session.verify(&tree, drafters)?;
         cost.record(tree.len(), t0.elapsed().as_secs_f64());

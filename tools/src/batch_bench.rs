@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use arbor_engine::draft::NgramDrafter;
+use arbor_engine::draft::{early_exit, DraftSampling, DraftShape, Drafter, NgramDrafter};
 use arbor_engine::sched::{Finish, RequestSpec, SchedConfig, Scheduler, SpecPolicy, StepCost};
 use arbor_engine::{
     CpuBackend, EngineError, GenerateParams, KvPool, Model, Result, SamplingParams, Tokenizer,
@@ -114,7 +114,7 @@ pub fn batch_bench(
     tokens: usize,
     temperature: f32,
     kv_memory: usize,
-    draft: &str,
+    draft: &BenchDraft,
     budget: usize,
     modes: &[String],
 ) -> Result<BatchBench> {
@@ -132,7 +132,7 @@ pub fn batch_bench(
         ));
     }
     let set = prompt_set(tok, prompts, prompt_tokens)?;
-    let n = parse_ngram(draft)?;
+    let kind = parse_draft(&draft.spec)?;
     let sizes = [1usize, 2, 4, 8, 16, 32, 64, 128, 256];
     let cost = if want("adaptive") {
         StepCost::calibrate(model, backend, &sizes, prompt_tokens, 2)?
@@ -159,7 +159,7 @@ pub fn batch_bench(
                 temperature,
                 kv_memory,
                 mode,
-                n,
+                (kind, draft),
                 budget,
                 &cost,
             )
@@ -181,7 +181,22 @@ pub fn batch_bench(
         tokens,
         temperature,
         kv_block_bytes: KvPool::block_bytes(model.config.kv_dim(), model.config.n_layers),
-        draft: draft.to_string(),
+        draft: format!(
+            "{}{}",
+            draft.spec,
+            match kind {
+                DraftKind::Ngram(_) => String::new(),
+                DraftKind::EarlyExit(_) => format!(
+                    " tree {:?}, {}",
+                    draft.shape,
+                    if draft.batched {
+                        "batched across requests"
+                    } else {
+                        "each request alone"
+                    }
+                ),
+            }
+        ),
         budget,
         step_cost_ms,
         results,
@@ -189,15 +204,34 @@ pub fn batch_bench(
 }
 
 /// `ngram` or `ngram:N` (prompt lookup on n-grams of up to N tokens).
-fn parse_ngram(draft: &str) -> Result<usize> {
+/// The drafter of the speculative modes.
+#[derive(Clone, Debug)]
+pub struct BenchDraft {
+    /// `ngram[:N]` or `early-exit:L`.
+    pub spec: String,
+    /// Tree shape of model drafters.
+    pub shape: DraftShape,
+    /// Model drafters of all requests in one pool, drafted in one pass per depth.
+    pub batched: bool,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum DraftKind {
+    Ngram(usize),
+    EarlyExit(usize),
+}
+
+fn parse_draft(draft: &str) -> Result<DraftKind> {
     let bad = || {
         EngineError::InvalidArgument(format!(
-            "bench batch drafts with prompt lookup: --draft ngram[:N], not '{draft}'"
+            "bench batch drafts with ngram[:N] or early-exit:L, not '{draft}'"
         ))
     };
+    let num = |n: &str| n.parse().ok().filter(|&n: &usize| n >= 1).ok_or_else(bad);
     match draft.split_once(':') {
-        None if draft == "ngram" => Ok(3),
-        Some(("ngram", n)) => n.parse().ok().filter(|&n| n >= 1).ok_or_else(bad),
+        None if draft == "ngram" => Ok(DraftKind::Ngram(3)),
+        Some(("ngram", n)) => Ok(DraftKind::Ngram(num(n)?)),
+        Some(("early-exit", l)) => Ok(DraftKind::EarlyExit(num(l)?)),
         _ => Err(bad()),
     }
 }
@@ -214,11 +248,20 @@ fn run_mode(
     temperature: f32,
     kv_memory: usize,
     mode: Mode,
-    ngram: usize,
+    (kind, draft): (DraftKind, &BenchDraft),
     budget: usize,
     cost: &StepCost,
 ) -> Result<ModeFigures> {
     let pool = KvPool::with_memory(&model.config, kv_memory);
+    // Model drafters' K/V: one pool for all requests (batched drafting), or one each.
+    let draft_pool = match kind {
+        DraftKind::EarlyExit(l) => Some(KvPool::elastic(
+            &model.config,
+            l,
+            (kv_memory / KvPool::block_bytes(model.config.kv_dim(), l).max(1)).max(4),
+        )),
+        DraftKind::Ngram(_) => None,
+    };
     // Prefix caching off: every request computes its own prompt, as llama-batched-bench does.
     let config = SchedConfig {
         max_running: c.max(1),
@@ -242,12 +285,28 @@ fn run_mode(
         let spec = match mode {
             Mode::None => None,
             Mode::Fixed | Mode::Adaptive => Some(RequestSpec {
-                drafters: vec![Box::new(NgramDrafter::new(
-                    ngram,
-                    1,
-                    budget.max(1),
-                    NgramDrafter::default().max_matches,
-                )?)],
+                drafters: vec![match kind {
+                    DraftKind::Ngram(n) => Box::new(NgramDrafter::new(
+                        n,
+                        1,
+                        budget.max(1),
+                        NgramDrafter::default().max_matches,
+                    )?) as Box<dyn Drafter>,
+                    DraftKind::EarlyExit(l) => {
+                        let d = early_exit(
+                            model,
+                            backend,
+                            l,
+                            draft.shape.clone(),
+                            DraftSampling::TopK,
+                            i as u64,
+                        )?;
+                        match (&draft_pool, draft.batched) {
+                            (Some(p), true) => Box::new(d.in_pool(p)?),
+                            _ => Box::new(d),
+                        }
+                    }
+                }],
                 budget,
                 policy: if mode == Mode::Fixed {
                     SpecPolicy::Fixed
@@ -361,6 +420,147 @@ pub fn format_table(r: &BatchBench) -> String {
                 f.preemptions
             ));
         }
+    }
+    s
+}
+
+/// Drafting cost per step of model drafters for many sequences: batched across sequences (one
+/// KV pool, one forward pass per tree depth for all) against each sequence drafting alone.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct DraftBatchRow {
+    pub sequences: usize,
+    /// Mean milliseconds per drafting step, per round (alternated: batched, alone, ...).
+    pub batched_ms: Vec<f64>,
+    pub alone_ms: Vec<f64>,
+}
+
+/// `arbor bench draft-batch`: `layers`-layer early-exit drafters of `model` along `shape` for
+/// `n` sequences of `context` tokens, `steps` drafting steps (each accepts the first child and a
+/// bonus token, so drafters feed two tokens per step as in decoding), `rounds` alternations.
+#[allow(clippy::too_many_arguments)]
+pub fn draft_batch_bench(
+    model: &Model,
+    backend: &CpuBackend,
+    layers: usize,
+    shape: &DraftShape,
+    sequences: &[usize],
+    context: usize,
+    steps: usize,
+    rounds: usize,
+) -> Result<Vec<DraftBatchRow>> {
+    use arbor_engine::spec::{propose_many, ProposeItem};
+    let vocab = model.config.vocab_size;
+    let budget = shape.max_nodes();
+    let depth = shape.depth();
+    let mut rows = Vec::new();
+    let bar = crate::progress::steps(
+        (sequences.len() * rounds * 2) as u64,
+        "bench draft-batch: runs",
+    );
+    for &n in sequences {
+        let mut row = DraftBatchRow {
+            sequences: n,
+            batched_ms: Vec::new(),
+            alone_ms: Vec::new(),
+        };
+        for _ in 0..rounds {
+            for batched in [true, false] {
+                bar.inc(1);
+                let pool = KvPool::elastic(&model.config, layers, n * (context + 2 * steps + 64));
+                let mut ds = Vec::with_capacity(n);
+                for i in 0..n {
+                    let d = early_exit(
+                        model,
+                        backend,
+                        layers,
+                        shape.clone(),
+                        DraftSampling::TopK,
+                        i as u64,
+                    )?;
+                    ds.push(if batched { d.in_pool(&pool)? } else { d });
+                }
+                let mut seqs: Vec<Vec<u32>> = (0..n)
+                    .map(|i| {
+                        (0..context as u32)
+                            .map(|j| (j * 31 + i as u32 * 7 + 1) % vocab as u32)
+                            .collect()
+                    })
+                    .collect();
+                let mut secs = 0.0;
+                // Step 0 feeds the whole context: not timed.
+                for step in 0..=steps {
+                    let t0 = Instant::now();
+                    let trees: Vec<Result<arbor_engine::tree::TokenTree>> = if batched {
+                        let mut items: Vec<ProposeItem<'_>> = ds
+                            .iter_mut()
+                            .zip(&seqs)
+                            .map(|(d, s)| {
+                                ProposeItem::sole(d as &mut dyn Drafter, s, budget, depth, vocab)
+                            })
+                            .collect();
+                        propose_many(&mut items)
+                    } else {
+                        ds.iter_mut()
+                            .zip(&seqs)
+                            .map(|(d, s)| {
+                                arbor_engine::spec::propose_checked(
+                                    d, 0, 1, s, budget, depth, vocab,
+                                )
+                            })
+                            .collect()
+                    };
+                    if step > 0 {
+                        secs += t0.elapsed().as_secs_f64();
+                    }
+                    for (i, t) in trees.into_iter().enumerate() {
+                        let t = t?;
+                        let first = t.children(0).first().map(|&c| t.node(c).token);
+                        let accepted: Vec<u32> = first.into_iter().collect();
+                        let bonus = (step as u32 * 13 + i as u32) % vocab as u32;
+                        ds[i].accept(&accepted, bonus);
+                        seqs[i].extend(&accepted);
+                        seqs[i].push(bonus);
+                    }
+                }
+                let ms = secs / steps.max(1) as f64 * 1e3;
+                if batched {
+                    row.batched_ms.push(ms);
+                } else {
+                    row.alone_ms.push(ms);
+                }
+            }
+        }
+        rows.push(row);
+    }
+    bar.finish_and_clear();
+    Ok(rows)
+}
+
+/// The draft-batch table: per sequence count, each round's batched and alone milliseconds.
+pub fn format_draft_batch(rows: &[DraftBatchRow]) -> String {
+    let mut s = format!(
+        "{:>5} {:>28} {:>28} {:>8}\n",
+        "seqs", "batched ms/step", "alone ms/step", "speedup"
+    );
+    let join = |v: &[f64]| {
+        v.iter()
+            .map(|x| format!("{x:.1}"))
+            .collect::<Vec<_>>()
+            .join(" / ")
+    };
+    let median = |v: &[f64]| {
+        let mut v = v.to_vec();
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+    };
+    for r in rows {
+        s.push_str(&format!(
+            "{:>5} {:>28} {:>28} {:>7.2}x\n",
+            r.sequences,
+            join(&r.batched_ms),
+            join(&r.alone_ms),
+            median(&r.alone_ms) / median(&r.batched_ms)
+        ));
     }
     s
 }

@@ -3,8 +3,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use anyhow::Context;
+use arbor_actors::engine::draft::DraftShape;
+use arbor_actors::engine::Model;
 use arbor_actors::server::{self, ServerConfig};
 use arbor_actors::{DrafterFactory, Engine, EngineConfig, Limits};
+
+use crate::spec_bench::DraftSpec;
 
 /// What `arbor serve` was asked for.
 #[derive(Clone, Debug)]
@@ -19,16 +24,62 @@ pub struct ServeOptions {
     pub server: ServerConfig,
     pub spec_budget: usize,
     pub spec_depth: usize,
+    /// Tree shape of model drafters (`--speculate-tree`).
+    pub spec_tree: String,
 }
 
-/// Build the engine config from the options (drafters checked before the model loads).
-pub fn engine_config(o: &ServeOptions) -> anyhow::Result<EngineConfig> {
-    let drafters = o
-        .drafters
+/// The drafters a server runs, parsed and checked before any model loads: `ngram[:N]`,
+/// `early-exit:L` (the LLM's first L layers) and small speculative models (a known model name or
+/// a GGUF path).
+pub fn check_drafters(specs: &[String]) -> anyhow::Result<Vec<DraftSpec>> {
+    specs
         .iter()
-        .map(|d| DrafterFactory::parse(d))
-        .collect::<Result<Vec<_>, _>>()?;
+        .map(|d| {
+            let spec: DraftSpec = d.parse()?;
+            match spec {
+                DraftSpec::Ngram(_) | DraftSpec::EarlyExit(_) | DraftSpec::Model(_) => Ok(spec),
+                _ => anyhow::bail!(
+                    "the server runs ngram[:N], early-exit:L and draft models (got '{d}': \
+                     SPACE and fallback drafters are not served yet)"
+                ),
+            }
+        })
+        .collect()
+}
+
+/// Build the engine config from the options (drafters checked before the model loads; draft
+/// models load after the LLM, their K/V in a pool of `kv_memory` bytes each).
+pub fn engine_config(o: &ServeOptions) -> anyhow::Result<EngineConfig> {
+    let specs = check_drafters(&o.drafters)?;
+    let shape: DraftShape = o.spec_tree.parse()?;
     let mut config = EngineConfig::open(&o.model_path)?;
+    let mut drafters = Vec::with_capacity(specs.len());
+    for spec in &specs {
+        drafters.push(match spec {
+            DraftSpec::Ngram(n) => DrafterFactory::ngram(*n)?,
+            DraftSpec::EarlyExit(l) => DrafterFactory::early_exit(
+                &config.model,
+                *l,
+                shape.clone(),
+                o.threads,
+                o.kv_memory,
+            )?,
+            DraftSpec::Model(name) => {
+                let path = crate::fetch::resolve_model(name)?;
+                let draft = Model::open(&path)
+                    .with_context(|| format!("loading the draft model {}", path.display()))?;
+                DrafterFactory::ssm(
+                    name.clone(),
+                    Arc::new(draft),
+                    &config.model,
+                    shape.clone(),
+                    o.threads,
+                    o.kv_memory,
+                )?
+            }
+            other => anyhow::bail!("the server does not run {other:?}"),
+        });
+    }
     config.threads = o.threads;
     config.kv_memory = Some(o.kv_memory);
     config.drafters = drafters;

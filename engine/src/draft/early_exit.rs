@@ -5,23 +5,27 @@ use super::ssm::{DraftSampling, ModelDrafter};
 use crate::backend::Backend;
 use crate::error::Result;
 use crate::model::Model;
+use crate::shared::Shared;
 
 /// A drafter that runs the first `layers` layers of `llm` itself (no extra weights; its own small
-/// KV cache for those layers), then the LLM's final norm and head.
+/// KV cache for those layers), then the LLM's final norm and head. `llm` borrowed, or shared
+/// (`Arc<Model>`) for a `'static` drafter.
 pub fn early_exit<'m, B: Backend>(
-    llm: &'m Model,
-    backend: &'m B,
+    llm: impl Into<Shared<'m, Model>>,
+    backend: impl Into<Shared<'m, B>>,
     layers: usize,
     shape: DraftShape,
     sampling: DraftSampling,
     seed: u64,
 ) -> Result<ModelDrafter<'m, B>> {
+    let llm = llm.into();
+    let vocab = llm.config.vocab_size;
     ModelDrafter::new(
         format!("early-exit:{layers}"),
         llm,
         backend,
         layers,
-        llm.config.vocab_size,
+        vocab,
         shape,
         sampling,
         seed,

@@ -27,7 +27,10 @@ pub use ngram::NgramDrafter;
 pub use space::{SpaceDrafter, SpaceMode};
 pub use ssm::{check_same_vocab, DraftSampling, ModelDrafter};
 
+use crate::backend::BatchMask;
 use crate::error::Result;
+use crate::kv::{KvCache, KvPool};
+use crate::model::{Model, SeqBatch};
 use crate::sample::Rng;
 use crate::tree::{expand, DrafterId, ExpandMode, ExpansionConfig, TokenTree};
 
@@ -87,6 +90,103 @@ pub trait Drafter: Send {
     /// placeholder group anchored at the last accepted node (the root when nothing was accepted),
     /// or `None` when it had no group there (or its groups did not fit in the pass).
     fn observe(&mut self, _group: Option<GroupLogits<'_>>) {}
+
+    /// The drafter's batched form, when its passes can join other drafters' in one forward pass
+    /// (model drafters): [`crate::spec::draft_trees`] then drafts many sequences together.
+    /// Default: none (the drafter proposes alone).
+    fn as_batch(&mut self) -> Option<&mut dyn BatchDrafter> {
+        None
+    }
+}
+
+/// A drafter whose proposal runs as passes that batch with other drafters' (one forward pass
+/// per tree depth for many sequences): [`BatchDrafter::start`], then for every
+/// [`DraftStep::Pass`] the pass's logits to [`BatchDrafter::resume`], until
+/// [`DraftStep::Done`]. The tree equals what [`Drafter::propose`] returns.
+pub trait BatchDrafter {
+    /// Drafters with equal keys run one model's layers over one KV pool: their passes batch.
+    fn batch_key(&self) -> BatchKey;
+
+    /// Begin a proposal.
+    fn start(&mut self, req: &DraftRequest<'_>) -> Result<DraftStep>;
+
+    /// The logits of the last pass's logit rows (`[rows, vocab]`).
+    fn resume(&mut self, logits: Vec<f32>) -> Result<DraftStep>;
+
+    /// The cache a pass writes into.
+    fn cache_mut(&mut self) -> &mut KvCache;
+
+    /// Run one batched forward pass with this drafter's model and backend: `own` (this
+    /// drafter's pending pass) first, then `others` (passes of drafters with this key, over
+    /// their caches); each sequence's logits in that order.
+    fn run_batch_with(
+        &mut self,
+        own: &DraftPass,
+        others: Vec<SeqBatch<'_>>,
+    ) -> Result<Vec<Vec<f32>>>;
+}
+
+/// What a batched drafter needs next.
+#[derive(Debug)]
+pub enum DraftStep {
+    /// A forward pass over these new rows of its cache.
+    Pass(DraftPass),
+    /// The proposal.
+    Done(TokenTree),
+}
+
+/// New rows of one drafter's sequence for a forward pass (owned: the pass runs elsewhere).
+#[derive(Clone, Debug)]
+pub struct DraftPass {
+    /// `[n]` tokens and their positions.
+    pub tokens: Vec<u32>,
+    pub positions: Vec<usize>,
+    /// Tree attention over scratch slots (`base`, words per row, `[n, words]` bits); `None` is
+    /// a causal feed.
+    pub scratch: Option<(usize, usize, Vec<u64>)>,
+    /// Rows whose logits come back.
+    pub logit_rows: Vec<usize>,
+}
+
+impl DraftPass {
+    /// This pass as one sequence of a batch over `cache`.
+    pub fn seq<'a>(&'a self, cache: &'a mut KvCache) -> SeqBatch<'a> {
+        SeqBatch {
+            cache,
+            tokens: &self.tokens,
+            positions: &self.positions,
+            mask: match &self.scratch {
+                Some((base, words, bits)) => BatchMask::Scratch {
+                    base: *base,
+                    words_per_row: *words,
+                    bits,
+                },
+                None => BatchMask::Causal,
+            },
+            logit_rows: &self.logit_rows,
+        }
+    }
+}
+
+/// Which drafters batch together: the same model, backend, layer count and KV pool (by
+/// identity).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BatchKey {
+    model: usize,
+    backend: usize,
+    layers: usize,
+    pool: usize,
+}
+
+impl BatchKey {
+    pub fn new<B>(model: &Model, backend: &B, layers: usize, pool: &KvPool) -> BatchKey {
+        BatchKey {
+            model: model as *const Model as usize,
+            backend: backend as *const B as *const () as usize,
+            layers,
+            pool: pool.id(),
+        }
+    }
 }
 
 /// A chain of placeholder tokens hanging off tree node `anchor`: token `j` sits at the position

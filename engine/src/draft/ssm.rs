@@ -3,7 +3,7 @@
 //! The drafter keeps the K/V of a prefix of the sequence (`fed`). A proposal first rolls back to
 //! the longest common prefix of `fed` and the request's tokens and feeds the missing tokens and
 //! the root in one causal pass. It then expands the tree one depth at a time: all frontier nodes
-//! of a depth go through the model in one batched pass ([`BatchMask::Scratch`]: each node sees
+//! of a depth go through the model in one batched pass ([`crate::backend::BatchMask::Scratch`]: each node sees
 //! the prefix, its ancestors' scratch rows and itself). When the LLM accepts a path, the rows of
 //! the root and of the accepted nodes this drafter computed are compacted in place
 //! ([`KvCache::commit_rows`]); rejected branches are dropped and accepted tokens are never
@@ -16,13 +16,14 @@
 use std::sync::Arc;
 
 use super::dynamic::DraftShape;
-use super::{DraftRequest, Drafter};
-use crate::backend::{Backend, BatchMask};
+use super::{BatchDrafter, BatchKey, DraftPass, DraftRequest, DraftStep, Drafter};
+use crate::backend::Backend;
 use crate::error::{EngineError, Result};
-use crate::kv::KvCache;
-use crate::model::Model;
+use crate::kv::{KvCache, KvPool};
+use crate::model::{Model, SeqBatch};
 use crate::sample::{Rng, Sampler, SamplingParams};
-use crate::tree::{draw, normalized, Proposal, TokenTree, TreeBuilder};
+use crate::shared::Shared;
+use crate::tree::{draw, normalized, DrafterId, Proposal, TokenTree, TreeBuilder};
 
 /// How a model drafter picks children from its next-token distribution.
 #[derive(Clone, Debug, PartialEq)]
@@ -61,11 +62,14 @@ pub fn check_same_vocab(llm: &Model, draft: &Model) -> Result<()> {
     Ok(())
 }
 
-/// A drafter backed by a model (a small GGUF model, or the LLM's first layers).
+/// A drafter backed by a model (a small GGUF model, or the LLM's first layers). The model and
+/// backend are borrowed (`&Model`) or shared (`Arc<Model>`: a `'static` drafter for threads and
+/// actors). Drafters of one model whose caches share a KV pool ([`ModelDrafter::in_pool`]) draft
+/// for many sequences in one forward pass per tree depth ([`crate::spec::draft_trees`]).
 pub struct ModelDrafter<'m, B: Backend> {
     name: String,
-    model: &'m Model,
-    backend: &'m B,
+    model: Shared<'m, Model>,
+    backend: Shared<'m, B>,
     /// Layers run (all of them for an SSM; early exit runs fewer).
     layers: usize,
     shape: DraftShape,
@@ -82,20 +86,45 @@ pub struct ModelDrafter<'m, B: Backend> {
     scratch: Vec<(Option<usize>, u32)>,
     scratch_fed: usize,
     base: usize,
+    /// The proposal under way between two passes ([`BatchDrafter::resume`]).
+    expansion: Option<Expansion>,
+    /// Forward passes this drafter ran (for itself and the drafters batched with it).
+    passes_run: usize,
+}
+
+/// A proposal between passes: the tree so far and the frontier whose logits come next.
+struct Expansion {
+    b: TreeBuilder,
+    drafter: DrafterId,
+    /// Per builder node: its parent, and its cumulative path probability.
+    parents: Vec<Option<usize>>,
+    probs: Vec<f32>,
+    /// Builder ids whose logits rows the next pass returns, in order.
+    frontier: Vec<usize>,
+    /// Draft nodes still allowed.
+    remaining: usize,
+    /// Depth the next logits expand (1 = the root's children).
+    depth: usize,
+    depth_limit: usize,
+    max_nodes: usize,
+    /// Dynamic trees: children not expanded (builder ids come after the expansion, so the
+    /// expanded nodes' ids stay their scratch slots): (score, parent, token, probability).
+    leaves: Vec<(f32, usize, u32, f32)>,
 }
 
 impl<'m, B: Backend> ModelDrafter<'m, B> {
     /// A small speculative model drafting for `llm` (vocabularies must match).
     pub fn ssm(
         name: impl Into<String>,
-        draft: &'m Model,
+        draft: impl Into<Shared<'m, Model>>,
         llm: &Model,
-        backend: &'m B,
+        backend: impl Into<Shared<'m, B>>,
         shape: DraftShape,
         sampling: DraftSampling,
         seed: u64,
     ) -> Result<Self> {
-        check_same_vocab(llm, draft)?;
+        let draft = draft.into();
+        check_same_vocab(llm, &draft)?;
         let layers = draft.config.n_layers;
         Self::new(
             name,
@@ -113,14 +142,15 @@ impl<'m, B: Backend> ModelDrafter<'m, B> {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         name: impl Into<String>,
-        model: &'m Model,
-        backend: &'m B,
+        model: impl Into<Shared<'m, Model>>,
+        backend: impl Into<Shared<'m, B>>,
         layers: usize,
         vocab_limit: usize,
         shape: DraftShape,
         sampling: DraftSampling,
         seed: u64,
     ) -> Result<Self> {
+        let model = model.into();
         if layers == 0 || layers > model.config.n_layers {
             return Err(EngineError::InvalidArgument(format!(
                 "a drafter needs 1..={} layers, got {layers}",
@@ -137,23 +167,48 @@ impl<'m, B: Backend> ModelDrafter<'m, B> {
             }
             DraftSampling::Sample(p) => Some(Sampler::new(p.clone())?),
         };
+        // An early-exit drafter's cache holds its own layers only.
+        let cache = KvCache::with_layers(&model.config, layers, model.config.context_length);
         Ok(ModelDrafter {
             name: name.into(),
+            vocab_limit: vocab_limit.min(model.config.vocab_size),
             model,
-            backend,
+            backend: backend.into(),
             layers,
             shape,
             sampling,
             sampler,
             rng: Rng::new(seed),
-            vocab_limit: vocab_limit.min(model.config.vocab_size),
-            // An early-exit drafter's cache holds its own layers only.
-            cache: KvCache::with_layers(&model.config, layers, model.config.context_length),
+            cache,
             fed: Vec::new(),
             scratch: Vec::new(),
             scratch_fed: 0,
             base: 0,
+            expansion: None,
+            passes_run: 0,
         })
+    }
+
+    /// Keep this drafter's K/V in `pool` (blocks for this model's `layers` layers, e.g.
+    /// [`KvPool::elastic`]) instead of a private one: drafters of one model sharing a pool batch
+    /// their passes. Only before the first proposal.
+    pub fn in_pool(mut self, pool: &KvPool) -> Result<Self> {
+        if pool.n_layers() != self.layers || pool.kv_dim() != self.model.config.kv_dim() {
+            return Err(EngineError::Shape(format!(
+                "a pool of {} layers x {} K/V values cannot hold a drafter of {} layers x {}",
+                pool.n_layers(),
+                pool.kv_dim(),
+                self.layers,
+                self.model.config.kv_dim()
+            )));
+        }
+        if !self.fed.is_empty() {
+            return Err(EngineError::InvalidArgument(
+                "a drafter moves to another pool before its first proposal only".into(),
+            ));
+        }
+        self.cache = KvCache::in_pool(pool, self.model.config.context_length);
+        Ok(self)
     }
 
     /// The drafter's cache (committed slots `0..fed().len()`, then scratch of the last proposal).
@@ -170,27 +225,10 @@ impl<'m, B: Backend> ModelDrafter<'m, B> {
         &self.sampling
     }
 
-    fn run(
-        &mut self,
-        tokens: &[u32],
-        positions: &[usize],
-        mask: BatchMask<'_>,
-        rows: &[usize],
-    ) -> Result<Vec<f32>> {
-        if self.layers == self.model.config.n_layers {
-            self.model
-                .forward(self.backend, &mut self.cache, tokens, positions, mask, rows)
-        } else {
-            self.model.forward_early_exit(
-                self.backend,
-                &mut self.cache,
-                tokens,
-                positions,
-                mask,
-                rows,
-                self.layers,
-            )
-        }
+    /// Forward passes this drafter has run, its own and those of the drafters batched with it
+    /// (each batched pass is counted once, by the drafter that ran it).
+    pub fn passes_run(&self) -> usize {
+        self.passes_run
     }
 
     /// Children of one node: (token, probability) in the order to add them, and the recorded
@@ -210,6 +248,124 @@ impl<'m, B: Backend> ModelDrafter<'m, B> {
                     picks,
                     dist: Some(dist),
                 })
+            }
+        }
+    }
+
+    /// Expand one depth of `ex` from the logits of its frontier (`[frontier, vocab]`): the new
+    /// nodes' builder ids.
+    fn expand_depth(&mut self, ex: &mut Expansion, logits: &[f32]) -> Result<Vec<usize>> {
+        let vocab = self.model.config.vocab_size;
+        let d = ex.depth;
+        let mut created: Vec<usize> = Vec::new();
+        match self.shape.clone() {
+            DraftShape::Expand(cfg) => {
+                let k = cfg.branches()[d - 1];
+                let frontier = std::mem::take(&mut ex.frontier);
+                for (r, &node) in frontier.iter().enumerate() {
+                    if ex.remaining == 0 {
+                        break;
+                    }
+                    let take = k.min(ex.remaining);
+                    let pick = self.children(&logits[r * vocab..(r + 1) * vocab], take)?;
+                    let sampled = pick.dist.is_some();
+                    if !sampled {
+                        ex.remaining -= pick.picks.len().min(ex.remaining);
+                    } else {
+                        ex.remaining -= take;
+                    }
+                    for (tok, p) in pick.picks {
+                        let prop = if sampled {
+                            Proposal::sampled(ex.drafter, p, 1)
+                        } else {
+                            Proposal::picked(ex.drafter, p)
+                        };
+                        let before = ex.b.len();
+                        let id = ex.b.add_child(node, tok, Some(prop));
+                        if ex.b.len() > before {
+                            ex.parents.push(Some(node));
+                            ex.probs.push(ex.probs[node] * p);
+                            created.push(id);
+                        }
+                    }
+                    if let Some(dist) = pick.dist {
+                        ex.b.set_child_dist(node, ex.drafter, Arc::from(dist));
+                    }
+                }
+            }
+            DraftShape::Dynamic { beam, .. } => {
+                // EAGLE-2: the `beam` best children of every frontier node, scored by cumulative
+                // path probability; the `beam` best of the depth are expanded next, the others
+                // stay candidates for the final rerank.
+                let mut cands: Vec<(f32, usize, u32, f32)> = Vec::new();
+                for (r, &node) in ex.frontier.iter().enumerate() {
+                    let row = &logits[r * vocab..(r + 1) * vocab];
+                    let limit = self.vocab_limit.min(row.len());
+                    for (tok, p) in top_k_probs(&row[..limit], beam) {
+                        cands.push((ex.probs[node] * p, node, tok, p));
+                    }
+                }
+                cands.sort_by(|a, b| b.0.total_cmp(&a.0));
+                let mut cands = cands.into_iter();
+                for (score, node, tok, p) in cands.by_ref().take(beam) {
+                    let id =
+                        ex.b.add_child(node, tok, Some(Proposal::picked(ex.drafter, p)));
+                    ex.parents.push(Some(node));
+                    ex.probs.push(score);
+                    created.push(id);
+                }
+                ex.leaves.extend(cands);
+            }
+        }
+        Ok(created)
+    }
+
+    /// The finished proposal: leaves added, dynamic trees reranked; the scratch kept for
+    /// [`Drafter::accept`].
+    fn finish_tree(&mut self, mut ex: Expansion) -> TokenTree {
+        for (score, node, tok, p) in std::mem::take(&mut ex.leaves) {
+            // Never a duplicate: a node's children are distinct tokens, each scored once.
+            ex.b.add_child(node, tok, Some(Proposal::picked(ex.drafter, p)));
+            ex.parents.push(Some(node));
+            ex.probs.push(score);
+        }
+        let Expansion {
+            b,
+            drafter,
+            parents,
+            probs,
+            max_nodes,
+            ..
+        } = ex;
+        debug_assert_eq!(parents.len(), b.len());
+        self.scratch = (0..b.len()).map(|i| (parents[i], b.token(i))).collect();
+        match self.shape {
+            DraftShape::Expand(_) => b.build(),
+            DraftShape::Dynamic { .. } => {
+                // Rerank: the `max_nodes` best nodes by path probability (ancestor-closed: a
+                // child never beats its parent, and ties go to the lower id, which a parent
+                // has).
+                let mut order: Vec<usize> = (1..b.len()).collect();
+                order.sort_by(|&x, &y| probs[y].total_cmp(&probs[x]).then(x.cmp(&y)));
+                order.truncate(max_nodes);
+                order.sort_unstable();
+                let mut keep = vec![false; b.len()];
+                keep[0] = true;
+                let mut out = TreeBuilder::new(b.token(0));
+                let mut map = vec![0usize; b.len()];
+                for i in order {
+                    let Some(p) = parents[i] else { continue };
+                    if keep[p] {
+                        keep[i] = true;
+                        let pr = probs[i] / probs[p].max(f32::MIN_POSITIVE);
+                        map[i] = out.add_child(
+                            map[p],
+                            b.token(i),
+                            Some(Proposal::picked(drafter, pr.min(1.0))),
+                        );
+                    }
+                }
+                out.build()
             }
         }
     }
@@ -265,12 +421,15 @@ fn scratch_mask(parents: &[Option<usize>], new: &[usize], total: usize) -> (usiz
     (words, bits)
 }
 
-impl<B: Backend> Drafter for ModelDrafter<'_, B> {
-    fn name(&self) -> &str {
-        &self.name
+impl<B: Backend> BatchDrafter for ModelDrafter<'_, B> {
+    fn batch_key(&self) -> BatchKey {
+        BatchKey::new(&self.model, &*self.backend, self.layers, self.cache.pool())
     }
 
-    fn propose(&mut self, req: &DraftRequest<'_>) -> Result<TokenTree> {
+    /// Roll back to the longest common prefix of the fed tokens and the request's (the last
+    /// proposal's scratch goes too), then feed what the LLM accepted since and the root in one
+    /// causal pass; the root's logits start the tree.
+    fn start(&mut self, req: &DraftRequest<'_>) -> Result<DraftStep> {
         let seq = req.tokens;
         let n = seq.len();
         if n == 0 {
@@ -279,7 +438,6 @@ impl<B: Backend> Drafter for ModelDrafter<'_, B> {
             ));
         }
         let root = seq[n - 1];
-        // Roll back to the longest common prefix (the last proposal's scratch goes too).
         let keep = self
             .fed
             .iter()
@@ -291,150 +449,112 @@ impl<B: Backend> Drafter for ModelDrafter<'_, B> {
         self.cache.truncate(keep);
         self.scratch.clear();
         self.scratch_fed = 0;
+        self.expansion = None;
         let depth_limit = self.shape.depth().min(req.max_depth);
         let max_nodes = self.shape.max_nodes().min(req.budget);
         if n + max_nodes + 1 > self.cache.capacity() || depth_limit == 0 || max_nodes == 0 {
-            return Ok(TokenTree::root_only(root));
+            return Ok(DraftStep::Done(TokenTree::root_only(root)));
         }
-        // Feed what the LLM accepted since, and the root; the root's logits start the tree.
-        let new = &seq[keep..];
-        let positions: Vec<usize> = (keep..n).collect();
-        let mut logits = self.run(new, &positions, BatchMask::Causal, &[new.len() - 1])?;
+        let tokens = seq[keep..].to_vec();
+        let last = tokens.len() - 1;
+        // The pass feeds every token the cache lacks; from here the cache is counted as
+        // holding them (a failed pass is rolled back by the next proposal's common prefix).
         self.fed = seq.to_vec();
         self.base = n - 1;
-
-        let mut b = TreeBuilder::new(root);
-        let mut parents: Vec<Option<usize>> = vec![None];
-        let mut probs: Vec<f32> = vec![1.0]; // cumulative path probability per builder node
-        let mut frontier: Vec<usize> = vec![0]; // builder ids whose logits rows are in `logits`
-        let mut remaining = max_nodes;
-        // Dynamic trees: children not expanded (builder ids come after the loop, so the expanded
-        // nodes' ids stay their scratch slots): (score, parent, token, probability).
-        let mut leaves: Vec<(f32, usize, u32, f32)> = Vec::new();
-        let vocab = self.model.config.vocab_size;
         self.scratch_fed = 1;
-        for d in 1..=depth_limit {
-            let mut created: Vec<usize> = Vec::new();
-            match self.shape.clone() {
-                DraftShape::Expand(cfg) => {
-                    let k = cfg.branches()[d - 1];
-                    for (r, &node) in frontier.iter().enumerate() {
-                        if remaining == 0 {
-                            break;
-                        }
-                        let take = k.min(remaining);
-                        let pick = self.children(&logits[r * vocab..(r + 1) * vocab], take)?;
-                        let sampled = pick.dist.is_some();
-                        if !sampled {
-                            remaining -= pick.picks.len().min(remaining);
-                        } else {
-                            remaining -= take;
-                        }
-                        for (tok, p) in pick.picks {
-                            let prop = if sampled {
-                                Proposal::sampled(req.drafter, p, 1)
-                            } else {
-                                Proposal::picked(req.drafter, p)
-                            };
-                            let before = b.len();
-                            let id = b.add_child(node, tok, Some(prop));
-                            if b.len() > before {
-                                parents.push(Some(node));
-                                probs.push(probs[node] * p);
-                                created.push(id);
-                            }
-                        }
-                        if let Some(dist) = pick.dist {
-                            b.set_child_dist(node, req.drafter, Arc::from(dist));
-                        }
-                    }
-                }
-                DraftShape::Dynamic { beam, .. } => {
-                    // EAGLE-2: the `beam` best children of every frontier node, scored by
-                    // cumulative path probability; the `beam` best of the depth are expanded
-                    // next, the others stay candidates for the final rerank.
-                    let mut cands: Vec<(f32, usize, u32, f32)> = Vec::new();
-                    for (r, &node) in frontier.iter().enumerate() {
-                        let row = &logits[r * vocab..(r + 1) * vocab];
-                        let limit = self.vocab_limit.min(row.len());
-                        for (tok, p) in top_k_probs(&row[..limit], beam) {
-                            cands.push((probs[node] * p, node, tok, p));
-                        }
-                    }
-                    cands.sort_by(|a, b| b.0.total_cmp(&a.0));
-                    let mut cands = cands.into_iter();
-                    for (score, node, tok, p) in cands.by_ref().take(beam) {
-                        let id = b.add_child(node, tok, Some(Proposal::picked(req.drafter, p)));
-                        parents.push(Some(node));
-                        probs.push(score);
-                        created.push(id);
-                    }
-                    leaves.extend(cands);
-                }
-            }
-            if created.is_empty() || d == depth_limit || remaining == 0 {
-                break;
-            }
-            // One batched pass over the new nodes (they follow every fed node in id order).
-            debug_assert_eq!(created[0], self.scratch_fed);
-            debug_assert_eq!(self.cache.len(), self.base + self.scratch_fed);
-            let (words, bits) = scratch_mask(&parents, &created, b.len());
-            let toks: Vec<u32> = created.iter().map(|&i| b.token(i)).collect();
-            let pos = vec![self.base + d; created.len()];
-            let rows: Vec<usize> = (0..created.len()).collect();
-            logits = self.run(
-                &toks,
-                &pos,
-                BatchMask::Scratch {
-                    base: self.base,
-                    words_per_row: words,
-                    bits: &bits,
-                },
-                &rows,
-            )?;
-            self.scratch_fed += created.len();
-            frontier = created;
+        self.expansion = Some(Expansion {
+            b: TreeBuilder::new(root),
+            drafter: req.drafter,
+            parents: vec![None],
+            probs: vec![1.0],
+            frontier: vec![0],
+            remaining: max_nodes,
+            depth: 1,
+            depth_limit,
+            max_nodes,
+            leaves: Vec::new(),
+        });
+        Ok(DraftStep::Pass(DraftPass {
+            tokens,
+            positions: (keep..n).collect(),
+            scratch: None,
+            logit_rows: vec![last],
+        }))
+    }
+
+    /// Expand one depth from the last pass's logits; then either one batched pass over the new
+    /// nodes (they follow every fed node in id order; each sees the prefix, its ancestors'
+    /// scratch rows and itself) or the finished tree.
+    fn resume(&mut self, logits: Vec<f32>) -> Result<DraftStep> {
+        let Some(mut ex) = self.expansion.take() else {
+            return Err(EngineError::InvalidArgument(
+                "a drafter resumed without a proposal under way".into(),
+            ));
+        };
+        let created = self.expand_depth(&mut ex, &logits)?;
+        if created.is_empty() || ex.depth == ex.depth_limit || ex.remaining == 0 {
+            return Ok(DraftStep::Done(self.finish_tree(ex)));
         }
-        for (score, node, tok, p) in leaves {
-            // Never a duplicate: a node's children are distinct tokens, each scored once.
-            b.add_child(node, tok, Some(Proposal::picked(req.drafter, p)));
-            parents.push(Some(node));
-            probs.push(score);
-        }
-        debug_assert_eq!(parents.len(), b.len());
-        self.scratch = (0..b.len()).map(|i| (parents[i], b.token(i))).collect();
-        match self.shape {
-            DraftShape::Expand(_) => Ok(b.build()),
-            DraftShape::Dynamic { .. } => {
-                // Rerank: the `max_nodes` best nodes by path probability (ancestor-closed: a
-                // child never beats its parent, and ties go to the lower id, which a parent
-                // has).
-                let mut order: Vec<usize> = (1..b.len()).collect();
-                order.sort_by(|&x, &y| probs[y].total_cmp(&probs[x]).then(x.cmp(&y)));
-                order.truncate(max_nodes);
-                order.sort_unstable();
-                let mut keep = vec![false; b.len()];
-                keep[0] = true;
-                let mut out = TreeBuilder::new(root);
-                let mut map = vec![0usize; b.len()];
-                for i in order {
-                    let Some(p) = parents[i] else { continue };
-                    if keep[p] {
-                        keep[i] = true;
-                        let pr = probs[i] / probs[p].max(f32::MIN_POSITIVE);
-                        map[i] = out.add_child(
-                            map[p],
-                            b.token(i),
-                            Some(Proposal::picked(req.drafter, pr.min(1.0))),
-                        );
-                    }
+        debug_assert_eq!(created[0], self.scratch_fed);
+        debug_assert_eq!(self.cache.len(), self.base + self.scratch_fed);
+        let (words, bits) = scratch_mask(&ex.parents, &created, ex.b.len());
+        let tokens: Vec<u32> = created.iter().map(|&i| ex.b.token(i)).collect();
+        let pass = DraftPass {
+            positions: vec![self.base + ex.depth; created.len()],
+            logit_rows: (0..created.len()).collect(),
+            tokens,
+            scratch: Some((self.base, words, bits)),
+        };
+        self.scratch_fed += created.len();
+        ex.depth += 1;
+        ex.frontier = created;
+        self.expansion = Some(ex);
+        Ok(DraftStep::Pass(pass))
+    }
+
+    fn cache_mut(&mut self) -> &mut KvCache {
+        &mut self.cache
+    }
+
+    fn run_batch_with(
+        &mut self,
+        own: &DraftPass,
+        others: Vec<SeqBatch<'_>>,
+    ) -> Result<Vec<Vec<f32>>> {
+        self.passes_run += 1;
+        let mut seqs = Vec::with_capacity(others.len() + 1);
+        seqs.push(own.seq(&mut self.cache));
+        seqs.extend(others);
+        self.model
+            .forward_batch_layers(&*self.backend, &mut seqs, self.layers)
+    }
+}
+
+impl<B: Backend> Drafter for ModelDrafter<'_, B> {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The batched proposal with a batch of one: start, then pass and resume until done.
+    fn propose(&mut self, req: &DraftRequest<'_>) -> Result<TokenTree> {
+        let mut step = self.start(req)?;
+        loop {
+            match step {
+                DraftStep::Done(tree) => return Ok(tree),
+                DraftStep::Pass(pass) => {
+                    let mut logits = self.run_batch_with(&pass, Vec::new())?;
+                    step = self.resume(logits.pop().unwrap_or_default())?;
                 }
-                Ok(out.build())
             }
         }
     }
 
+    fn as_batch(&mut self) -> Option<&mut dyn BatchDrafter> {
+        Some(self)
+    }
+
     fn accept(&mut self, accepted: &[u32], _bonus: u32) {
+        self.expansion = None;
         if self.scratch.is_empty() {
             return;
         }
@@ -466,7 +586,7 @@ impl<B: Backend> Drafter for ModelDrafter<'_, B> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::CpuBackend;
+    use crate::backend::{BatchMask, CpuBackend};
     use crate::draft::{early_exit, NgramDrafter};
     use crate::sample::verify::{Verifier, VerifyMode};
     use crate::spec::SpecSession;
@@ -655,6 +775,140 @@ mod tests {
         }
         assert!(committed_rows > 0);
         assert_eq!(&s.tokens()[prompt.len()..prompt.len() + 25], &truth[..]);
+    }
+
+    /// (token, parent, proposals) of every node: what a verifier sees of a tree.
+    fn tree_shape(t: &TokenTree) -> Vec<(u32, Option<usize>, Vec<crate::tree::Proposal>)> {
+        t.nodes()
+            .iter()
+            .map(|n| (n.token, n.parent, n.proposals.clone()))
+            .collect()
+    }
+
+    /// Model drafters of one model whose caches share a pool draft four sequences of different
+    /// lengths together (`propose_many`: one forward pass per depth for all of them) and
+    /// propose exactly the trees (tokens, shape, probabilities) each proposes alone in its own
+    /// cache, round after round (rollbacks, accepted paths committed, bonus tokens fed), for an
+    /// SSM and an early-exit drafter, chains, wide and dynamic trees; an n-gram drafter in the
+    /// same call proposes alone. The batched caches equal a fresh prefill of what they fed.
+    #[test]
+    fn batched_drafting_across_sequences_equals_drafting_alone() {
+        use crate::spec::{propose_checked, propose_many, ProposeItem};
+        let llm = tiny_model(&spec(24), 8).unwrap();
+        let ssm = tiny_model(
+            &TinySpec {
+                n_layers: 1,
+                ..spec(24)
+            },
+            9,
+        )
+        .unwrap();
+        let be = CpuBackend::new(2).unwrap();
+        let (budget, max_depth) = (8, 5);
+        for shape in ["1,1,3,1,1", "2,2,2", "dynamic:12:3:6"] {
+            let shape: DraftShape = shape.parse().unwrap();
+            for early in [false, true] {
+                let mk = |seed: u64| {
+                    if early {
+                        early_exit(&llm, &be, 2, shape.clone(), DraftSampling::TopK, seed)
+                    } else {
+                        ModelDrafter::ssm(
+                            "ssm",
+                            &ssm,
+                            &llm,
+                            &be,
+                            shape.clone(),
+                            DraftSampling::TopK,
+                            seed,
+                        )
+                    }
+                    .unwrap()
+                };
+                let (m, layers) = if early { (&llm, 2) } else { (&ssm, 1) };
+                let pool = KvPool::elastic(&m.config, layers, 256);
+                let mut batched: Vec<_> = (0..4).map(|i| mk(i).in_pool(&pool).unwrap()).collect();
+                let mut alone: Vec<_> = (0..4).map(mk).collect();
+                let mut seqs: Vec<Vec<u32>> = (0..4u32)
+                    .map(|i| (0..5 + 7 * i).map(|j| (j * 7 + i * 3 + 1) % 24).collect())
+                    .collect();
+                let (mut ng_batched, mut ng_alone) =
+                    (NgramDrafter::default(), NgramDrafter::default());
+                let mut rng = crate::sample::Rng::new(5);
+                for round in 0..6 {
+                    let runs_before: usize = batched.iter().map(|d| d.passes_run()).sum();
+                    let mut items: Vec<ProposeItem<'_>> = batched
+                        .iter_mut()
+                        .zip(&seqs)
+                        .map(|(d, s)| {
+                            ProposeItem::sole(d as &mut dyn Drafter, s, budget, max_depth, 24)
+                        })
+                        .collect();
+                    items.insert(
+                        2,
+                        ProposeItem {
+                            drafter: &mut ng_batched,
+                            tokens: &seqs[1],
+                            index: 1,
+                            of: 2,
+                            budget,
+                            max_depth,
+                            vocab: 24,
+                        },
+                    );
+                    let mut got = propose_many(&mut items);
+                    drop(items);
+                    let ng = got.remove(2).unwrap();
+                    let ng_want =
+                        propose_checked(&mut ng_alone, 1, 2, &seqs[1], budget, max_depth, 24)
+                            .unwrap();
+                    assert_eq!(tree_shape(&ng), tree_shape(&ng_want));
+                    let mut alone_runs = Vec::new();
+                    for (i, d) in alone.iter_mut().enumerate() {
+                        let before = d.passes_run();
+                        let want =
+                            propose_checked(d, 0, 1, &seqs[i], budget, max_depth, 24).unwrap();
+                        alone_runs.push(d.passes_run() - before);
+                        let g = got[i].as_ref().unwrap();
+                        assert!(want.n_draft() > 0);
+                        assert_eq!(
+                            tree_shape(g),
+                            tree_shape(&want),
+                            "{shape:?} early exit {early} round {round} sequence {i}"
+                        );
+                    }
+                    // Accept a random path of each tree, then a random bonus token.
+                    for (i, t) in got.iter().enumerate() {
+                        let t = t.as_ref().unwrap();
+                        let mut node = 0;
+                        let mut path = Vec::new();
+                        let depth = (rng.next_u64() % (t.max_depth() as u64 + 1)) as usize;
+                        for _ in 0..depth {
+                            let ch = t.children(node);
+                            if ch.is_empty() {
+                                break;
+                            }
+                            node = ch[(rng.next_u64() % ch.len() as u64) as usize];
+                            path.push(t.node(node).token);
+                        }
+                        let bonus = (rng.next_u64() % 24) as u32;
+                        batched[i].accept(&path, bonus);
+                        alone[i].accept(&path, bonus);
+                        seqs[i].extend(&path);
+                        seqs[i].push(bonus);
+                    }
+                    // One pass per depth for all four: as many passes as the deepest alone.
+                    let runs: usize = batched.iter().map(|d| d.passes_run()).sum();
+                    assert_eq!(
+                        runs - runs_before,
+                        *alone_runs.iter().max().unwrap(),
+                        "passes of round {round}"
+                    );
+                }
+                for d in &batched {
+                    assert_cache_fresh(d, m, &be);
+                }
+            }
+        }
     }
 
     #[test]

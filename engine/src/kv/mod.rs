@@ -200,6 +200,11 @@ impl KvPool {
     pub fn same_pool(&self, other: &KvPool) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
     }
+
+    /// The pool's identity (equal for clones of one pool while it lives).
+    pub fn id(&self) -> usize {
+        Arc::as_ptr(&self.inner) as *const () as usize
+    }
 }
 
 /// K and V of one sequence: its block table in a pool. Slot `s` of layer `l` holds the K/V row of

@@ -62,6 +62,23 @@ impl Model {
         self.forward_layers(backend, seqs, n_layers)
     }
 
+    /// [`Model::forward_batch`] through the first `n_layers` layers only, then the final norm
+    /// and output head (early-exit drafting for many sequences at once).
+    pub fn forward_batch_layers<B: Backend>(
+        &self,
+        backend: &B,
+        seqs: &mut [SeqBatch<'_>],
+        n_layers: usize,
+    ) -> Result<Vec<Vec<f32>>> {
+        if n_layers == 0 || n_layers > self.layers.len() {
+            return Err(EngineError::InvalidArgument(format!(
+                "early exit after {n_layers} layers: the model has {}",
+                self.layers.len()
+            )));
+        }
+        self.forward_layers(backend, seqs, n_layers)
+    }
+
     /// Like [`Model::forward`] but through the first `n_layers` layers only, then the final norm
     /// and output head (early exit, for self-speculative drafting). `cache` must be this model's.
     #[allow(clippy::too_many_arguments)]

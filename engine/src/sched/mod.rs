@@ -10,7 +10,9 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
-pub use adaptive::{choose_depths, nodes_upto, Acceptance, DepthOptions, StepCost};
+pub use adaptive::{
+    choose_depths, drafting_pays, nodes_upto, Acceptance, DepthOptions, DraftBackoff, StepCost,
+};
 
 use crate::backend::{Backend, BatchMask};
 use crate::draft::Drafter;
@@ -21,7 +23,7 @@ use crate::model::{Model, SeqBatch};
 use crate::sample::verify::{Verifier, VerifyMode};
 use crate::sample::Sampler;
 use crate::shared::Shared;
-use crate::spec::SpecMetrics;
+use crate::spec::{draft_trees, DraftJobRef, SpecMetrics};
 use crate::tokenizer::Tokenizer;
 use crate::tree::{TokenTree, TreeMask};
 
@@ -164,6 +166,10 @@ struct SpecState<'a> {
     acceptance: Acceptance,
     /// Depth verified at the request's last step (adaptive).
     last_depth: usize,
+    /// Steps without drafting while drafts do not pay (adaptive).
+    backoff: DraftBackoff,
+    /// Seconds of in-process drafting per drafted step (moving average; 0 when drafted outside).
+    draft_secs: f64,
     metrics: SpecMetrics,
     external: bool,
 }
@@ -328,7 +334,7 @@ impl Request<'_> {
         let Some(sp) = &self.spec else {
             return 0;
         };
-        if self.max_depth() == 0 {
+        if self.max_depth() == 0 || (sp.policy == SpecPolicy::Adaptive && sp.backoff.skips_next()) {
             return 0;
         }
         let room = self
@@ -520,6 +526,8 @@ impl<'a> Scheduler<'a> {
                     verifier: Verifier::new(mode, params.sampling.clone())?,
                     acceptance: Acceptance::new(),
                     last_depth: usize::MAX,
+                    backoff: DraftBackoff::default(),
+                    draft_secs: 0.0,
                     metrics: SpecMetrics::default(),
                     external: rs.external,
                 })
@@ -932,41 +940,78 @@ impl<'a> Scheduler<'a> {
     /// chooses (adaptive requests together, for the step's whole row count).
     fn draft(&mut self, plan: &mut [Slot]) -> Result<()> {
         let vocab = self.model.config.vocab_size;
-        for sl in plan.iter_mut().filter(|sl| sl.tree_cap > 0) {
-            let r = &mut self.running[sl.idx];
+        // Adaptive requests backing off drafting count this step (their plan gave no tree room).
+        for sl in plan.iter().filter(|sl| sl.prefill == 0 && sl.tree_cap == 0) {
+            if let Some(sp) = self.running[sl.idx].spec.as_mut() {
+                if sp.policy == SpecPolicy::Adaptive {
+                    sp.backoff.skip();
+                }
+            }
+        }
+        // Running index -> plan index of the requests that may get a tree this step.
+        let mut slot_of: Vec<Option<usize>> = vec![None; self.running.len()];
+        for (k, sl) in plan.iter().enumerate() {
+            if sl.tree_cap > 0 {
+                slot_of[sl.idx] = Some(k);
+            }
+        }
+        // Every in-process drafting request's drafters, drafted together (model drafters of
+        // one model and pool in one pass per depth for all of them).
+        let mut drafted: Vec<(usize, usize)> = Vec::new();
+        let mut refs = Vec::new();
+        for (i, r) in self.running.iter_mut().enumerate() {
+            let Some(k) = slot_of[i] else { continue };
             let max_depth = r.draft_depth();
-            let Some(sp) = r.spec.as_mut() else {
-                continue;
-            };
+            let root = r.root();
+            let Some(sp) = r.spec.as_mut() else { continue };
             if sp.external {
                 // Drafted outside: the tree came with `finish_step` (or the root alone).
-                if sl.proposal.is_none() {
-                    sl.proposal = Some(TokenTree::root_only(r.seq[r.seq.len() - 1]));
+                if plan[k].proposal.is_none() {
+                    plan[k].proposal = Some(TokenTree::root_only(root));
                 }
                 continue;
             }
-            let mut ds: Vec<&mut dyn Drafter> = sp
+            let ds: Vec<&mut dyn Drafter> = sp
                 .drafters
                 .iter_mut()
                 .map(|d| &mut **d as &mut dyn Drafter)
                 .collect();
-            let mut failures = Vec::new();
-            let proposal = crate::spec::draft_tree_tolerant(
-                &mut ds,
-                &r.seq,
-                sl.tree_cap,
-                max_depth,
-                vocab,
-                &mut failures,
-            )?;
-            drop_drafters(
-                r.id,
-                sp,
-                failures,
-                &mut self.stats,
-                &mut self.drafter_failures,
-            );
-            sl.proposal = Some(proposal);
+            drafted.push((k, i));
+            refs.push((ds, &r.seq[..], plan[k].tree_cap, max_depth));
+        }
+        let mut jobs: Vec<DraftJobRef<'_, '_>> = refs
+            .iter_mut()
+            .map(|(ds, tokens, budget, max_depth)| DraftJobRef {
+                drafters: &mut ds[..],
+                tokens,
+                budget: *budget,
+                max_depth: *max_depth,
+            })
+            .collect();
+        let mut failures = vec![Vec::new(); jobs.len()];
+        let t_draft = Instant::now();
+        let trees = draft_trees(&mut jobs, vocab, Some(&mut failures))?;
+        // Batched passes serve every drafted request alike: an equal share each.
+        let share = t_draft.elapsed().as_secs_f64() / drafted.len().max(1) as f64;
+        drop(jobs);
+        drop(refs);
+        for (((k, i), tree), failed) in drafted.into_iter().zip(trees).zip(failures) {
+            let r = &mut self.running[i];
+            if let Some(sp) = r.spec.as_mut() {
+                sp.draft_secs = if sp.draft_secs > 0.0 {
+                    0.7 * sp.draft_secs + 0.3 * share
+                } else {
+                    share
+                };
+                drop_drafters(
+                    r.id,
+                    sp,
+                    failed,
+                    &mut self.stats,
+                    &mut self.drafter_failures,
+                );
+            }
+            plan[k].proposal = Some(tree);
         }
         // Fixed requests verify the whole proposal; adaptive ones what the policy picks.
         let mut base_rows = 0;
@@ -980,27 +1025,58 @@ impl<'a> Scheduler<'a> {
                 _ => {}
             }
         }
-        let depths = match (&self.cost, adaptive.is_empty()) {
-            (Some(cost), false) => {
-                let options: Vec<DepthOptions<'_>> = adaptive
-                    .iter()
-                    .map(|&k| {
-                        let sl = &plan[k];
-                        let p = sl
-                            .proposal
-                            .as_ref()
-                            .expect("adaptive slots have a proposal");
-                        let sp = self.running[sl.idx].spec.as_ref().expect("spec request");
-                        DepthOptions {
-                            acceptance: &sp.acceptance,
-                            nodes_upto: nodes_upto(p),
-                        }
-                    })
-                    .collect();
-                choose_depths(&options, base_rows, cost)
-            }
-            _ => vec![0; adaptive.len()],
-        };
+        // Each adaptive request's depth, whether its drafting paid this step (its tree is
+        // verified anyway) and whether its drafting is costly.
+        let (depths, pays): (Vec<usize>, Vec<(bool, bool)>) =
+            match (&self.cost, adaptive.is_empty()) {
+                (Some(cost), false) => {
+                    let options: Vec<DepthOptions<'_>> = adaptive
+                        .iter()
+                        .map(|&k| {
+                            let sl = &plan[k];
+                            let p = sl
+                                .proposal
+                                .as_ref()
+                                .expect("adaptive slots have a proposal");
+                            let sp = self.running[sl.idx].spec.as_ref().expect("spec request");
+                            DepthOptions {
+                                acceptance: &sp.acceptance,
+                                nodes_upto: nodes_upto(p),
+                            }
+                        })
+                        .collect();
+                    let depths = choose_depths(&options, base_rows, cost);
+                    let gains: Vec<f64> = options
+                        .iter()
+                        .zip(&depths)
+                        .map(|(o, &d)| o.acceptance.expected_tokens(d) - 1.0)
+                        .collect();
+                    let rows: usize = base_rows
+                        + options
+                            .iter()
+                            .zip(&depths)
+                            .map(|(o, &d)| o.nodes_upto[d])
+                            .sum::<usize>();
+                    let batch_tokens = adaptive.len() as f64 + gains.iter().sum::<f64>();
+                    let pass = cost.secs(rows.max(1));
+                    let pays = adaptive
+                        .iter()
+                        .zip(&gains)
+                        .map(|(&k, &g)| {
+                            let d = self.running[plan[k].idx]
+                                .spec
+                                .as_ref()
+                                .map_or(0.0, |sp| sp.draft_secs);
+                            (
+                                drafting_pays(g, batch_tokens, d, pass),
+                                d >= adaptive::COSTLY_DRAFT * pass,
+                            )
+                        })
+                        .collect();
+                    (depths, pays)
+                }
+                _ => (vec![0; adaptive.len()], vec![(true, false); adaptive.len()]),
+            };
         for (k, sl) in plan.iter_mut().enumerate() {
             let Some(p) = &sl.proposal else {
                 // Speculating requests without room for a tree still verify their root.
@@ -1013,6 +1089,8 @@ impl<'a> Scheduler<'a> {
                 Some(j) => {
                     if let Some(sp) = self.running[sl.idx].spec.as_mut() {
                         sp.last_depth = depths[j];
+                        let (pays, costly) = pays[j];
+                        sp.backoff.chose(if pays { depths[j] } else { 0 }, costly);
                     }
                     sl.tree = Some(p.truncate_depth(depths[j]));
                 }

@@ -611,3 +611,228 @@ fn failing_in_process_drafters_are_dropped_and_change_nothing() {
     }
     assert_eq!(pool.stats().used, 0);
 }
+
+/// Requests whose drafters are early-exit model drafters sharing one drafter pool (their trees
+/// drafted together, one pass per depth for all) keep their incremental greedy tokens, batched
+/// with plain and prompt-lookup requests, fixed trees and adaptive, also under preemption; the
+/// drafters' blocks all come back.
+#[test]
+fn batched_model_drafters_keep_every_output() {
+    use crate::draft::{early_exit, DraftSampling, DraftShape};
+    let be = CpuBackend::new(2).unwrap();
+    let model = tiny_model(&spec("qwen2", GgmlType::Q8_0), 21).unwrap();
+    let vocab = model.config.vocab_size as u32;
+    let prompts: Vec<Vec<u32>> = (0..6u32)
+        .map(|i| repetitive(vocab, 12 + 7 * i as usize, i))
+        .collect();
+    let cost = StepCost::from_points(vec![(1, 0.010), (64, 0.012)]);
+    let shape: DraftShape = "2,1,1".parse().unwrap();
+    for blocks in [128usize, 14] {
+        let pool = KvPool::new(&model.config, model.config.n_layers, blocks);
+        let drafts = KvPool::elastic(&model.config, 1, 512);
+        let mut s = Scheduler::new(&model, None, pool.clone(), SchedConfig::default()).unwrap();
+        s.set_step_cost(cost.clone());
+        let mut want = Vec::new();
+        for (i, p) in prompts.iter().enumerate() {
+            let params = GenerateParams {
+                max_tokens: 9 + 2 * i,
+                sampling: SamplingParams::greedy(),
+                ..GenerateParams::default()
+            };
+            want.push(alone(&model, &be, p, &params));
+            let model_spec = |policy| RequestSpec {
+                drafters: vec![Box::new(
+                    early_exit(&model, &be, 1, shape.clone(), DraftSampling::TopK, i as u64)
+                        .unwrap()
+                        .in_pool(&drafts)
+                        .unwrap(),
+                ) as Box<dyn Drafter>],
+                budget: 6,
+                policy,
+                mode: None,
+                external: false,
+            };
+            let sp = match i % 4 {
+                0 => None,
+                1 => Some(model_spec(SpecPolicy::Fixed)),
+                2 => Some(model_spec(SpecPolicy::Adaptive)),
+                _ => Some(ngram_spec(SpecPolicy::Fixed, 6)),
+            };
+            s.submit_spec(p.clone(), params, sp).unwrap();
+        }
+        let done = s.run_to_completion(&be).unwrap();
+        assert_eq!(done.len(), prompts.len());
+        let mut drafted = 0;
+        for (id, f) in &done {
+            assert_eq!(
+                done_tokens(f).0,
+                &want[*id as usize][..],
+                "pool {blocks} request {id}"
+            );
+            if matches!(id % 4, 1 | 2) {
+                drafted += spec_metrics(f).drafted;
+            }
+        }
+        assert!(drafted > 0, "model trees were verified");
+        if blocks == 14 {
+            assert!(s.stats().preemptions > 0);
+        }
+        assert_eq!(s.stats().drafter_failures, 0);
+        assert_eq!(pool.stats().used, 0);
+        drop(s);
+        assert_eq!(drafts.stats().used, 0, "drafter blocks came back");
+    }
+}
+
+/// Counts the proposals it is asked for, each taking at least `delay`.
+struct Counting<D> {
+    inner: D,
+    proposals: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    delay: std::time::Duration,
+}
+
+impl<D: Drafter> Drafter for Counting<D> {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    fn propose(&mut self, req: &crate::draft::DraftRequest<'_>) -> Result<TokenTree> {
+        self.proposals
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        std::thread::sleep(self.delay);
+        self.inner.propose(req)
+    }
+
+    fn accept(&mut self, accepted: &[u32], bonus: u32) {
+        self.inner.accept(accepted, bonus);
+    }
+}
+
+/// One greedy request alone in a scheduler with the frozen `cost` curve and `drafter` (wrapped
+/// to count its proposals, each taking at least `delay`): its tokens checked against `want`;
+/// (proposals, verification steps, accepted tokens).
+#[allow(clippy::too_many_arguments)]
+fn counted_run(
+    model: &Model,
+    be: &CpuBackend,
+    prompt: &[u32],
+    params: &GenerateParams,
+    want: &[u32],
+    cost: StepCost,
+    drafter: impl Drafter + 'static,
+    delay: std::time::Duration,
+    budget: usize,
+    policy: SpecPolicy,
+) -> (usize, usize, usize) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let pool = KvPool::new(&model.config, model.config.n_layers, 64);
+    let mut s = Scheduler::new(model, None, pool, SchedConfig::default()).unwrap();
+    s.set_step_cost(cost);
+    s.freeze_step_cost = true;
+    let proposals = std::sync::Arc::new(AtomicUsize::new(0));
+    let counting = Counting {
+        inner: drafter,
+        proposals: std::sync::Arc::clone(&proposals),
+        delay,
+    };
+    let sp = RequestSpec {
+        drafters: vec![Box::new(counting)],
+        budget,
+        policy,
+        mode: None,
+        external: false,
+    };
+    s.submit_spec(prompt.to_vec(), params.clone(), Some(sp))
+        .unwrap();
+    let done = s.run_to_completion(be).unwrap();
+    assert_eq!(
+        done_tokens(&done[0].1).0,
+        want,
+        "{policy:?}, delay {delay:?}"
+    );
+    let m = spec_metrics(&done[0].1);
+    (proposals.load(Ordering::Relaxed), m.steps, m.accepted)
+}
+
+/// Where drafts fail (random tokens), an adaptive request soon stops drafting on most steps
+/// (the backoff: no drafter call, no draft round trip, plain decoding), keeps its exact greedy
+/// tokens, and a fixed request drafts every step.
+#[test]
+fn adaptive_requests_back_off_drafting_where_drafts_fail() {
+    let be = CpuBackend::new(2).unwrap();
+    let model = tiny_model(&spec("qwen2", GgmlType::Q8_0), 31).unwrap();
+    let vocab = model.config.vocab_size as u32;
+    let prompt = repetitive(vocab, 20, 5);
+    let params = GenerateParams {
+        max_tokens: 80,
+        sampling: SamplingParams::greedy(),
+        ..GenerateParams::default()
+    };
+    let want = alone(&model, &be, &prompt, &params);
+    let run = |policy| {
+        counted_run(
+            &model,
+            &be,
+            &prompt,
+            &params,
+            &want,
+            // Rows at 10% of a pass each: worth a few when drafts look good, not when they fail.
+            StepCost::from_points(vec![(1, 0.010), (64, 0.073)]),
+            crate::draft::RandomDrafter::new(crate::tree::ExpansionConfig::chain(4), 7),
+            std::time::Duration::ZERO,
+            4,
+            policy,
+        )
+    };
+    let (adaptive, fixed) = (run(SpecPolicy::Adaptive), run(SpecPolicy::Fixed));
+    assert!(fixed.0 >= 70, "fixed trees draft every step ({fixed:?})");
+    assert!(
+        adaptive.0 <= 20 && adaptive.1 >= 70,
+        "adaptive: few drafting steps among ~80 ({adaptive:?})"
+    );
+}
+
+/// A drafter whose one-token guesses are always right but whose drafting takes three passes'
+/// time (at least 30 ms against a frozen 10 ms pass) does not pay: the adaptive request backs off
+/// drafting (the drafter's own cost counts, not only the verified rows); the same drafter at no
+/// cost drafts every step. Tokens are exact either way.
+#[test]
+fn drafting_that_costs_more_than_it_gains_backs_off() {
+    use std::time::Duration;
+    let be = CpuBackend::new(2).unwrap();
+    let model = tiny_model(&spec("qwen2", GgmlType::Q8_0), 37).unwrap();
+    let vocab = model.config.vocab_size as u32;
+    let prompt = repetitive(vocab, 16, 2);
+    let params = GenerateParams {
+        max_tokens: 40,
+        sampling: SamplingParams::greedy(),
+        ..GenerateParams::default()
+    };
+    let want = alone(&model, &be, &prompt, &params);
+    let mut truth = prompt.clone();
+    truth.extend(&want);
+    let run = |delay| {
+        counted_run(
+            &model,
+            &be,
+            &prompt,
+            &params,
+            &want,
+            StepCost::from_points(vec![(1, 0.010), (64, 0.012)]),
+            crate::draft::OracleDrafter::new(
+                truth.clone(),
+                crate::tree::ExpansionConfig::chain(1),
+                3,
+            ),
+            delay,
+            1,
+            SpecPolicy::Adaptive,
+        )
+    };
+    let (free, slow) = (run(Duration::ZERO), run(Duration::from_millis(30)));
+    assert!(
+        free.2 >= 10 && free.0 + 2 >= free.1,
+        "free drafts pay every step ({free:?})"
+    );
+    assert!(slow.0 <= 10, "slow drafts back off ({slow:?})");
+}

@@ -50,10 +50,17 @@ enum Cmd {
 struct ServeArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// Drafters requests may speculate with (comma-separated): ngram[:N] (prompt lookup).
-    /// Requests choose a subset and caps (`speculation` field); none by default.
+    /// Drafters requests may speculate with (comma-separated): ngram[:N] (prompt lookup),
+    /// early-exit:L (the LLM's first L layers), or a draft model (a known model name or a GGUF
+    /// path; its vocabulary must be the LLM's). Model drafters draft all of a step's requests in
+    /// one pass per tree depth. Requests choose a subset and caps (`speculation` field); none by
+    /// default.
     #[arg(long, value_delimiter = ',')]
     draft: Vec<String>,
+    /// Tree shape of model drafters: branching per depth (e.g. 1,1,3,1,1,1,1,1: a chain with
+    /// three branches at depth 3) or dynamic:N (EAGLE-2 dynamic tree of N nodes).
+    #[arg(long, default_value = "1,1,3,1,1,1,1,1")]
+    speculate_tree: String,
     /// Address to listen on (loopback by default).
     #[arg(long, default_value = "127.0.0.1:7070")]
     listen: String,
@@ -248,6 +255,32 @@ enum ModelsCmd {
 
 #[derive(Subcommand)]
 enum BenchCmd {
+    /// Drafting cost per step of early-exit model drafters for many sequences: batched across
+    /// sequences (one pass per tree depth for all) against each drafting alone.
+    DraftBatch {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Layers of the early-exit drafter.
+        #[arg(long, default_value_t = 10)]
+        layers: usize,
+        /// Tree shape.
+        #[arg(long, default_value = "1,1,1,1")]
+        speculate_tree: String,
+        /// Sequence counts (comma-separated).
+        #[arg(long, value_delimiter = ',', default_value = "1,4,8,16")]
+        sequences: Vec<usize>,
+        /// Context tokens per sequence.
+        #[arg(long, default_value_t = 100)]
+        context: usize,
+        /// Timed drafting steps per run.
+        #[arg(long, default_value_t = 8)]
+        steps: usize,
+        /// Alternations of batched and alone.
+        #[arg(long, default_value_t = 2)]
+        rounds: usize,
+        #[arg(long, value_enum, default_value_t = Format::Text)]
+        format: Format,
+    },
     /// The load generator's own ceiling: `arbor load` (closed loop) against an instant server
     /// that answers every request at once (no model).
     LoadTool {
@@ -298,9 +331,17 @@ enum BenchCmd {
         /// KV pool size, e.g. 2GiB, 512MiB; auto = a quarter of the available memory, at most 4GiB.
         #[arg(long, default_value = "auto")]
         kv_memory: String,
-        /// Drafter of the fixed and adaptive modes: ngram[:N] (prompt lookup).
+        /// Drafter of the fixed and adaptive modes: ngram[:N] (prompt lookup) or early-exit:L
+        /// (the model's first L layers, along --speculate-tree).
         #[arg(long, default_value = "ngram")]
         draft: String,
+        /// Tree shape of model drafters.
+        #[arg(long, default_value = "1,1,3,1,1,1,1,1")]
+        speculate_tree: String,
+        /// Model drafters of all requests share one KV pool and draft in one pass per depth
+        /// (on), or each drafts alone in its own cache (off: the comparison).
+        #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+        draft_batching: String,
         /// Most draft nodes per request per step.
         #[arg(long, default_value_t = 8)]
         budget: usize,
@@ -401,6 +442,8 @@ fn run(cli: Cli) -> Result<()> {
                 temperature,
                 kv_memory,
                 draft,
+                speculate_tree,
+                draft_batching,
                 budget,
                 modes,
                 format,
@@ -418,13 +461,56 @@ fn run(cli: Cli) -> Result<()> {
                     tokens,
                     temperature,
                     kv,
-                    &draft,
+                    &arbor_tools::batch_bench::BenchDraft {
+                        spec: draft.clone(),
+                        shape: speculate_tree.parse()?,
+                        batched: draft_batching == "on",
+                    },
                     budget,
                     &modes,
                 )?;
                 match format {
                     Format::Json => println!("{}", serde_json::to_string(&r)?),
                     Format::Text => print!("{}", arbor_tools::batch_bench::format_table(&r)),
+                }
+                Ok(())
+            }
+            BenchCmd::DraftBatch {
+                model,
+                layers,
+                speculate_tree,
+                sequences,
+                context,
+                steps,
+                rounds,
+                format,
+            } => {
+                let shape: DraftShape = speculate_tree.parse()?;
+                let (m, _, backend, _) = load(&model)?;
+                let rows = arbor_tools::batch_bench::draft_batch_bench(
+                    &m, &backend, layers, &shape, &sequences, context, steps, rounds,
+                )?;
+                match format {
+                    Format::Json => println!(
+                        "{}",
+                        serde_json::json!({
+                            "model": model.model,
+                            "cpu": arbor_tools::batch_bench::cpu_name(),
+                            "threads": backend.threads(),
+                            "layers": layers,
+                            "tree": speculate_tree,
+                            "results": rows,
+                        })
+                    ),
+                    Format::Text => {
+                        println!(
+                            "{} early-exit:{layers} tree {speculate_tree}, {} threads, {}",
+                            model.model,
+                            backend.threads(),
+                            arbor_tools::batch_bench::cpu_name()
+                        );
+                        print!("{}", arbor_tools::batch_bench::format_draft_batch(&rows));
+                    }
                 }
                 Ok(())
             }
@@ -580,9 +666,8 @@ fn load(m: &ModelArgs) -> Result<(Model, Tokenizer, CpuBackend, PathBuf)> {
 fn cmd_serve(a: ServeArgs) -> Result<()> {
     use arbor_tools::serve;
     serve::init_logging(a.log_format == Format::Json);
-    for d in &a.draft {
-        arbor_actors::DrafterFactory::parse(d)?;
-    }
+    serve::check_drafters(&a.draft)?;
+    a.speculate_tree.parse::<DraftShape>()?;
     let auth_token = a
         .auth_token
         .clone()
@@ -611,6 +696,7 @@ fn cmd_serve(a: ServeArgs) -> Result<()> {
         },
         spec_budget: a.speculate_budget,
         spec_depth: a.speculate_depth,
+        spec_tree: a.speculate_tree.clone(),
     };
     serve::run(o)
 }
