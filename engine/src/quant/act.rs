@@ -51,27 +51,9 @@ pub(crate) fn rec_bsum32(nat: &[u8; REC], j: usize) -> f32 {
     (i16_at(OFF_BS + 4 * j) + i16_at(OFF_BS + 4 * j + 2)) as f32
 }
 
-/// Bytes of one group's activation record for a matmul of `n_tok` rows against `ty` weights with
-/// the kernels of `level` (the AVX2 K-quant tiles' pair record differs from the natural / lane
-/// record).
-pub(crate) fn rec_len(level: KernelLevel, ty: GgmlType, n_tok: usize) -> usize {
-    #[cfg(target_arch = "x86_64")]
-    if level == KernelLevel::Avx2 && super::x86_avx2::pair_layout(ty, n_tok) {
-        return super::x86_avx2::PREC;
-    }
-    let _ = (level, ty, n_tok);
-    REC
-}
-
-/// Quantizes one activation row `x` of a matmul of `n_tok` rows into `out`
-/// (`ceil(len/256) * rec_len(level, ty, n_tok)` bytes) for kernels of `level`.
-pub(crate) fn quantize_row(
-    level: KernelLevel,
-    ty: GgmlType,
-    n_tok: usize,
-    x: &[f32],
-    out: &mut [u8],
-) {
+/// Quantizes one activation row `x` into `out` (`ceil(len/256) * REC` bytes) for kernels of
+/// `level`.
+pub(crate) fn quantize_row(level: KernelLevel, ty: GgmlType, x: &[f32], out: &mut [u8]) {
     let kind = act_kind(ty);
     #[cfg(target_arch = "x86_64")]
     match level {
@@ -87,18 +69,6 @@ pub(crate) fn quantize_row(
             }
             return;
         }
-        KernelLevel::Avx2 if super::x86_avx2::pair_layout(ty, n_tok) => {
-            let mut nat = [0u8; REC];
-            for (g, rec) in out.chunks_exact_mut(super::x86_avx2::PREC).enumerate() {
-                let xs = &x[g * GROUP..x.len().min((g + 1) * GROUP)];
-                // SAFETY: as above.
-                unsafe {
-                    super::x86_avx2::quantize_group(kind, xs, &mut nat);
-                    super::x86_avx2::pair_record(&nat, rec);
-                }
-            }
-            return;
-        }
         KernelLevel::Avx2 => {
             for (g, rec) in out.chunks_exact_mut(REC).enumerate() {
                 let xs = &x[g * GROUP..x.len().min((g + 1) * GROUP)];
@@ -109,7 +79,7 @@ pub(crate) fn quantize_row(
         }
         KernelLevel::Scalar => {}
     }
-    let _ = (level, n_tok);
+    let _ = level;
     for (g, rec) in out.chunks_exact_mut(REC).enumerate() {
         let xs = &x[g * GROUP..x.len().min((g + 1) * GROUP)];
         quantize_group(kind, xs, rec);

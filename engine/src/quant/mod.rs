@@ -6,8 +6,8 @@
 //! the f32 activations directly. Kernels:
 //!
 //! * `scalar` — portable reference (exact integer sums per block, like ggml's generic code);
-//! * `x86_avx2` — AVX2 `maddubs`/`madd` on pair-ordered activations, tiles of 2 output × 4
-//!   activation rows;
+//! * `x86_avx2` — AVX2 `maddubs`/`madd`; K-quants for 4+ activation rows on column-interleaved
+//!   tiles (8 output rows per register, 16 output × 4 activation rows per tile);
 //! * `x86_avx512` — AVX-512 VNNI `dpbusd`; activations are stored permuted so that every 32-bit lane
 //!   of the accumulator covers exactly one 16-element chunk of one scale group, which lets all four
 //!   64-byte registers of a 256-element group accumulate into one register;
@@ -554,7 +554,7 @@ pub fn matmul_with(
     }
 
     let n_groups = w.n_in.div_ceil(act::GROUP);
-    let stride = n_groups * act::rec_len(level, w.ty, n_tok);
+    let stride = n_groups * act::REC;
     let mut buf = take_scratch(n_tok * stride);
     {
         let act_bytes: &mut [u8] = bytes_of_lines(&mut buf, n_tok * stride);
@@ -564,10 +564,10 @@ pub fn matmul_with(
             act_bytes
                 .par_chunks_mut(stride)
                 .zip(x.par_chunks(n_in))
-                .for_each(|(out, xr)| act::quantize_row(level, ty, n_tok, xr, out));
+                .for_each(|(out, xr)| act::quantize_row(level, ty, xr, out));
         } else {
             for (out, xr) in act_bytes.chunks_mut(stride).zip(x.chunks(n_in)) {
-                act::quantize_row(level, ty, n_tok, xr, out);
+                act::quantize_row(level, ty, xr, out);
             }
         }
         let act_ro: &[u8] = act_bytes;

@@ -666,7 +666,7 @@ fn timing() {
         let bytes = mats[0].len();
         for level in levels() {
             let mut line = format!("{ty} {n_out}x{n_in} {:>6}:", level.name());
-            for n_tok in [1usize, 4, 8, 16, 32, 64] {
+            for n_tok in [1usize, 2, 3, 4, 8, 16, 32, 64] {
                 if level == KernelLevel::Scalar && n_tok > 4 {
                     continue;
                 }

@@ -1,4 +1,4 @@
-//! AVX2 kernels (ggml's `maddubs`/`madd` scheme): legacy types on natural records; K-quants as exact integer sums per group with one shared float step, register-tiled (2 output × 4 activation rows) on pair-ordered records.
+//! AVX2 kernels (ggml's `maddubs`/`madd` scheme): legacy types on natural records; K-quants as exact integer sums per group with one shared float step, on column-interleaved register tiles (8 output rows per register, in the manner of llama.cpp's repacked `q4_K_8x8` GEMM, built per group on the fly).
 //!
 //! **Legacy types** (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) use the sign trick for signed weights and scale
 //! each 32-block in f32; loop structure as the AVX-512 kernels (each weight group unpacked once for
@@ -6,37 +6,30 @@
 //!
 //! **K-quants** (Q4_K, Q5_K, Q6_K). Every kernel computes, per (output row, activation row,
 //! group), the exact integers `s = Σ q·sc·x` and `m` (mins against the Q8_K block sums, or Q6_K's
-//! −32 offset), then [`k_epilogue`] turns them into the f32 accumulator: the bits of a row never
-//! depend on how its integers were computed, so batches and single rows agree bit for bit.
+//! −32 offset), then [`k_epilogue`]'s operations turn them into the f32 accumulator: the bits of a
+//! row never depend on how its integers were computed, so batches and single rows agree bit for
+//! bit. Activations are natural Q8_K records (see [`act`]) for every row count.
 //!
-//! * Fewer than [`PAIR_MIN_ROWS`] activation rows (decoding): natural records, weights unpacked in
-//!   natural order, one `maddubs` + `madd` (sub-block scales) per 32 elements (`rows_k_nat`).
-//! * More rows: **pair order**. A 256-element group is four 64-element spans; span `p` holds the
-//!   32-element units `u0 = [64p, 64p + 32)` and `u1 = [64p + 32, 64p + 64)`. Weights and
-//!   activations of a span are stored as `X = [u0[0..16] | u1[16..32]]`, `Y = [u0[16..32] |
-//!   u1[0..16]]` (one `vpblendd` and one `vperm2i128` from natural order), so in both the 16-bit
-//!   `maddubs` lanes 0..8 belong to `u0` and 8..16 to `u1`: Q4_K/Q5_K add the two `maddubs`
-//!   results before the one `madd` that applies both units' scales (five integer operations per
-//!   64 weights and activation row instead of six). Each group is unpacked once per pair of
-//!   output rows and dotted with the activation rows four at a time, the weight registers reused
-//!   across the four and each activation load across the two (`rows_k_pair`); the 2 × 4 tile's
-//!   eight integer pairs are reduced together (a transposed `hadd` tree) and stepped as one
-//!   vector.
-//!
-//! Pair activation record (`PREC` bytes per group, from the natural Q8_K record of [`act`]):
-//! `[0, 256)` i8 q, span `p` at `64p`: `X` then `Y`; `[256, 260)` f32 d; `[288, 320)` i16
-//! bsums[16].
+//! * Fewer than [`COLS_MIN_ROWS`] activation rows (decoding): weights unpacked in natural order,
+//!   one `maddubs` + `madd` (sub-block scales) per 32 elements and a horizontal sum per group
+//!   (`rows_k_nat`).
+//! * More rows: **column tiles** (`rows_k_cols`). Each 256-element group of 8 output rows is
+//!   transposed once into 64 registers whose 32-bit lane `c` holds four consecutive values of row
+//!   `c` (the value registers are transposed before unpacking: every unpack step works byte by
+//!   byte, so it commutes with the transpose), with its scales spread by `pshufb` into matching
+//!   i16 lanes. A tile of 2 such blocks × 4 activation rows then broadcasts four activations,
+//!   `maddubs` them against a register (32 products for 8 rows) and adds the results in i16 for as
+//!   long as they cannot overflow (Q4_K: a whole 32-element sub-block, 8·2·15·128 < 2^15; Q5_K
+//!   half; Q6_K a quarter) before one `madd` applies the sub-block scales: about 2 integer
+//!   operations per 32 products, against 2.5 plus a horizontal reduction per (row, group) for
+//!   natural-order tiles, and every lane of the sums already belongs to one output row, so the
+//!   float step runs on 8 rows at once without a horizontal sum.
 
 use std::arch::x86_64::*;
 
 use super::act::{self, ActKind, GROUP, OFF_BS, OFF_D, OFF_S, REC};
 use super::x86_avx512::k4_sc_m8;
 use super::{GgmlType, QMatrix, YPtr};
-
-/// Bytes of one pair activation record (one 256-element group).
-pub(crate) const PREC: usize = 320;
-const P_DP: usize = 256;
-const P_BS: usize = 288;
 
 /// Accumulators (output row × activation row) kept per row tile.
 const ACC_CAP: usize = 256;
@@ -120,46 +113,6 @@ pub(crate) unsafe fn quantize_group(kind: ActKind, x: &[f32], rec: &mut [u8]) {
 #[inline(always)]
 unsafe fn ld(p: *const u8) -> __m256i {
     _mm256_loadu_si256(p as *const __m256i)
-}
-
-/// The pair registers `(X, Y)` of two natural-order 32-element units.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn pair(u0: __m256i, u1: __m256i) -> (__m256i, __m256i) {
-    (
-        _mm256_blend_epi32::<0xF0>(u0, u1),
-        _mm256_permute2x128_si256::<0x21>(u0, u1),
-    )
-}
-
-/// `(X, Y)` of every span from eight natural-order units.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn pairs(n: &[__m256i; 8]) -> ([__m256i; 4], [__m256i; 4]) {
-    let mut x = [_mm256_setzero_si256(); 4];
-    let mut y = [_mm256_setzero_si256(); 4];
-    for p in 0..4 {
-        (x[p], y[p]) = pair(n[2 * p], n[2 * p + 1]);
-    }
-    (x, y)
-}
-
-/// The pair record (`PREC` bytes, see the module doc) of a natural Q8_K record.
-///
-/// # Safety
-/// The CPU must support AVX2/FMA/F16C; `out.len() >= PREC`.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn pair_record(nat: &[u8; REC], out: &mut [u8]) {
-    let out = &mut out[..PREC];
-    out.fill(0);
-    let (np, op) = (nat.as_ptr(), out.as_mut_ptr());
-    for p in 0..4 {
-        let (x, y) = pair(ld(np.add(64 * p)), ld(np.add(64 * p + 32)));
-        _mm256_storeu_si256(op.add(64 * p) as *mut __m256i, x);
-        _mm256_storeu_si256(op.add(64 * p + 32) as *mut __m256i, y);
-    }
-    std::ptr::copy_nonoverlapping(np.add(OFF_D), op.add(P_DP), 4);
-    std::ptr::copy_nonoverlapping(np.add(OFF_BS), op.add(P_BS), 32);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -487,15 +440,10 @@ unsafe fn rows_legacy<K: LegacyKind>(
 // K-quants: exact integer sums per (output row, activation row, group), one float step
 // ---------------------------------------------------------------------------------------------
 
-/// Fewest activation rows for which K-quant matmuls use pair records and the register tiles;
-/// fewer rows (single-token decoding, small batches) use natural records and `rows_k_nat`.
-pub(crate) const PAIR_MIN_ROWS: usize = 4;
-
-/// Whether a matmul of `n_tok` activation rows against weights of type `ty` runs on pair
-/// records (otherwise natural ones).
-pub(crate) fn pair_layout(ty: GgmlType, n_tok: usize) -> bool {
-    matches!(ty, GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K) && n_tok >= PAIR_MIN_ROWS
-}
+/// Fewest activation rows for which K-quant matmuls run on the column tiles (`rows_k_cols`);
+/// fewer rows (single-token decoding, small batches: weights streamed from DRAM once per row
+/// group) use `rows_k_nat`, which measured faster there.
+pub(crate) const COLS_MIN_ROWS: usize = 4;
 
 /// The float step of one K-quant group, shared by every kernel so that each (output row,
 /// activation row) gets the same bits whatever kernel computed its exact integer sums:
@@ -520,42 +468,12 @@ unsafe fn hsum_i32(v: __m256i) -> i32 {
     _mm_cvtsi128_si32(s)
 }
 
-/// `[Σ v[0], …, Σ v[7]]`: the lane sums of eight vectors (a transposed hadd tree, exact).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn hsum8_i32(v: &[__m256i; 8]) -> __m256i {
-    let h01 = _mm256_hadd_epi32(v[0], v[1]);
-    let h23 = _mm256_hadd_epi32(v[2], v[3]);
-    let h45 = _mm256_hadd_epi32(v[4], v[5]);
-    let h67 = _mm256_hadd_epi32(v[6], v[7]);
-    let a = _mm256_hadd_epi32(h01, h23);
-    let b = _mm256_hadd_epi32(h45, h67);
-    _mm256_add_epi32(
-        _mm256_permute2x128_si256::<0x20>(a, b),
-        _mm256_permute2x128_si256::<0x31>(a, b),
-    )
-}
-
 /// A K-quant group in natural order for `rows_k_nat`: `q[k]` = elements `32k..32k+32`.
 struct KNat {
     q: [__m256i; 8],
     /// The scale bytes, broadcast (Q4_K/Q5_K: 8 scales in every 64 bits; Q6_K: 16 in every
     /// 128), for `k_dot_nat`'s shuffles.
     scv: __m256i,
-    /// i16 factors of the 16 Q8_K block sums, as `WK::bs`.
-    bs: __m256i,
-    d: f32,
-    dmin: f32,
-}
-
-/// A K-quant group in pair order for the tiles.
-#[derive(Clone, Copy)]
-struct WK {
-    x: [__m256i; 4],
-    y: [__m256i; 4],
-    /// i16 scales of the 16 `maddubs` lanes of `x[p]` (and of `y[p]`, except for Q6_K: `sy`).
-    sx: [__m256i; 4],
-    sy: [__m256i; 4],
     /// i16 factors of the 16 Q8_K block sums: mins (Q4_K/Q5_K) or 32·scale (Q6_K's offset).
     bs: __m256i,
     d: f32,
@@ -566,7 +484,6 @@ trait KKind {
     const BB: usize;
     const K6: bool;
     unsafe fn unpack_nat(p: *const u8) -> KNat;
-    unsafe fn unpack_pair(p: *const u8) -> WK;
 }
 
 /// `pshufb` controls putting scale byte `k` (Q4_K/Q5_K) into every 16-bit lane, high byte zero.
@@ -637,33 +554,6 @@ unsafe fn k_dot_nat<K: KKind>(w: &KNat, a: *const u8) -> (i32, i32) {
     (hsum_i32(s), hsum_i32(mm))
 }
 
-/// Scales of a Q4_K/Q5_K block for the pair tiles (span p: `[sc_2p ×8 | sc_2p+1 ×8]`).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn k4_pair(p: *const u8, x: [__m256i; 4], y: [__m256i; 4]) -> WK {
-    let (sc8, m8) = k4_sc_m8(p);
-    let scv = _mm256_set1_epi64x(sc8 as i64);
-    let mut sx = [_mm256_setzero_si256(); 4];
-    for (s, v) in sx.iter_mut().enumerate() {
-        // Bytes 2s (low 128 bits) and 2s + 1 (high) into every 16-bit lane, high byte zero.
-        let (lo, hi, z) = ((2 * s) as i8, (2 * s + 1) as i8, -128i8);
-        let shuf = _mm256_setr_epi8(
-            lo, z, lo, z, lo, z, lo, z, lo, z, lo, z, lo, z, lo, z, hi, z, hi, z, hi, z, hi, z, hi,
-            z, hi, z, hi, z, hi, z,
-        );
-        *v = _mm256_shuffle_epi8(scv, shuf);
-    }
-    WK {
-        x,
-        y,
-        sx,
-        sy: sx,
-        bs: k4_mins(m8),
-        d: f16_1(p),
-        dmin: f16_1(p.add(2)),
-    }
-}
-
 /// Q4_K/Q5_K natural-order group from its units.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -678,29 +568,44 @@ unsafe fn k4_nat(p: *const u8, q: [__m256i; 8]) -> KNat {
     }
 }
 
-/// Q4_K units: qs register c holds sub-blocks 2c (low nibbles) and 2c + 1 (high nibbles).
+/// Up to six 32-byte registers of a K-quant block's values (see [`KCol::RAW`]).
+type Raw = [__m256i; 6];
+
+/// The registers of the block at `p` at the offsets `off` (unused entries zero).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4k_units(p: *const u8) -> [__m256i; 8] {
+unsafe fn load_raw(p: *const u8, off: &[usize]) -> Raw {
+    let mut r = [_mm256_setzero_si256(); 6];
+    for (v, &o) in r.iter_mut().zip(off) {
+        *v = ld(p.add(o));
+    }
+    r
+}
+
+/// Q4_K units from the qs registers: register c holds sub-blocks 2c (low nibbles) and 2c + 1
+/// (high nibbles).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4k_units_of(r: &Raw) -> [__m256i; 8] {
     let m4 = _mm256_set1_epi8(0x0F);
     let mut n = [_mm256_setzero_si256(); 8];
     for c in 0..4 {
-        let v = ld(p.add(16 + 32 * c));
-        n[2 * c] = _mm256_and_si256(v, m4);
-        n[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        n[2 * c] = _mm256_and_si256(r[c], m4);
+        n[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(r[c], 4), m4);
     }
     n
 }
 
+/// Q5_K units from `[qh, qs0, qs1, qs2, qs3]`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q5k_units(p: *const u8) -> [__m256i; 8] {
+unsafe fn q5k_units_of(r: &Raw) -> [__m256i; 8] {
     let m4 = _mm256_set1_epi8(0x0F);
-    let qh = ld(p.add(16));
+    let qh = r[0];
     let c16 = _mm256_set1_epi8(16);
     let mut n = [_mm256_setzero_si256(); 8];
     for c in 0..4 {
-        let v = ld(p.add(48 + 32 * c));
+        let v = r[1 + c];
         let b0 = _mm256_set1_epi8((1u8 << (2 * c)) as i8);
         let b1 = _mm256_set1_epi8((1u8 << (2 * c + 1)) as i8);
         let h0 = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0), c16);
@@ -711,17 +616,16 @@ unsafe fn q5k_units(p: *const u8) -> [__m256i; 8] {
     n
 }
 
-/// Q6_K units (values 0..64; the −32 offset enters through `bs`).
+/// Q6_K units (values 0..64; the −32 offset enters through `bs`) from `[ql0, ql1, qh0, ql2,
+/// ql3, qh1]`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q6k_units(p: *const u8) -> [__m256i; 8] {
+unsafe fn q6k_units_of(r: &Raw) -> [__m256i; 8] {
     let m4 = _mm256_set1_epi8(0x0F);
     let m3 = _mm256_set1_epi8(3);
     let mut n = [_mm256_setzero_si256(); 8];
     for h in 0..2 {
-        let l0 = ld(p.add(64 * h));
-        let l1 = ld(p.add(64 * h + 32));
-        let qh = ld(p.add(128 + 32 * h));
+        let (l0, l1, qh) = (r[3 * h], r[3 * h + 1], r[3 * h + 2]);
         let hb0 = _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4);
         let hb2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4);
         let hb4 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4);
@@ -732,6 +636,28 @@ unsafe fn q6k_units(p: *const u8) -> [__m256i; 8] {
         n[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), hb6);
     }
     n
+}
+
+const Q4K_RAW: [usize; 4] = [16, 48, 80, 112];
+const Q5K_RAW: [usize; 5] = [16, 48, 80, 112, 144];
+const Q6K_RAW: [usize; 6] = [0, 32, 128, 64, 96, 160];
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4k_units(p: *const u8) -> [__m256i; 8] {
+    q4k_units_of(&load_raw(p, &Q4K_RAW))
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5k_units(p: *const u8) -> [__m256i; 8] {
+    q5k_units_of(&load_raw(p, &Q5K_RAW))
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6k_units(p: *const u8) -> [__m256i; 8] {
+    q6k_units_of(&load_raw(p, &Q6K_RAW))
 }
 
 struct Q4K;
@@ -746,21 +672,6 @@ impl KKind for Q4K {
     unsafe fn unpack_nat(p: *const u8) -> KNat {
         k4_nat(p, q4k_units(p))
     }
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn unpack_pair(p: *const u8) -> WK {
-        // Straight from the packed nibbles: the pair of (v, v >> 4), then the mask.
-        let m4 = _mm256_set1_epi8(0x0F);
-        let mut x = [_mm256_setzero_si256(); 4];
-        let mut y = [_mm256_setzero_si256(); 4];
-        for c in 0..4 {
-            let v = ld(p.add(16 + 32 * c));
-            let (xc, yc) = pair(v, _mm256_srli_epi16(v, 4));
-            x[c] = _mm256_and_si256(xc, m4);
-            y[c] = _mm256_and_si256(yc, m4);
-        }
-        k4_pair(p, x, y)
-    }
 }
 
 impl KKind for Q5K {
@@ -770,12 +681,6 @@ impl KKind for Q5K {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn unpack_nat(p: *const u8) -> KNat {
         k4_nat(p, q5k_units(p))
-    }
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn unpack_pair(p: *const u8) -> WK {
-        let (x, y) = pairs(&q5k_units(p));
-        k4_pair(p, x, y)
     }
 }
 
@@ -794,231 +699,26 @@ impl KKind for Q6K {
             dmin: 0.0,
         }
     }
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn unpack_pair(p: *const u8) -> WK {
-        let (x, y) = pairs(&q6k_units(p));
-        // Sixteen i8 scales, one per 16 elements. Span s: X's lanes hold elements 64s..64s+16
-        // (scale 4s) and 64s+48..64s+64 (4s+3), Y's 64s+16..64s+32 (4s+1) and 64s+32..64s+48
-        // (4s+2). Each scale byte goes to the high byte of its lanes, then an arithmetic shift
-        // sign-extends it.
-        let scales = _mm_loadu_si128(p.add(192) as *const __m128i);
-        let sc2 = _mm256_broadcastsi128_si256(scales);
-        let spread = |lo: usize, hi: usize| {
-            let (lo, hi, z) = (lo as i8, hi as i8, -128i8);
-            let shuf = _mm256_setr_epi8(
-                z, lo, z, lo, z, lo, z, lo, z, lo, z, lo, z, lo, z, lo, z, hi, z, hi, z, hi, z, hi,
-                z, hi, z, hi, z, hi, z, hi,
-            );
-            _mm256_srai_epi16::<8>(_mm256_shuffle_epi8(sc2, shuf))
-        };
-        let mut w = WK {
-            x,
-            y,
-            sx: [_mm256_setzero_si256(); 4],
-            sy: [_mm256_setzero_si256(); 4],
-            bs: _mm256_slli_epi16(_mm256_cvtepi8_epi16(scales), 5),
-            d: f16_1(p.add(208)),
-            dmin: 0.0,
-        };
-        for s in 0..4 {
-            w.sx[s] = spread(4 * s, 4 * s + 3);
-            w.sy[s] = spread(4 * s + 1, 4 * s + 2);
-        }
-        w
-    }
-}
-
-/// The span count of a tile's loop: for full tiles a value the compiler does not unroll the loop
-/// over (unrolled, it interleaves the spans' registers and spills them), for small ones a
-/// constant.
-#[inline(always)]
-fn spans<const RO: usize, const RT: usize>() -> usize {
-    if RO * RT >= 4 {
-        std::hint::black_box(4)
-    } else {
-        4
-    }
-}
-
-/// The K-quant tile: exact i32 sums of `RO` output rows × `RT` activation rows (pair records at
-/// `a + t * stride`), then [`k_epilogue`] into `acc[o * nt + t]` (for the full 2 × 4 tile, its
-/// eight lanes at once).
-// The tile's registers are indexed [output row][activation row] throughout.
-#[allow(clippy::needless_range_loop)]
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile_k<K: KKind, const RO: usize, const RT: usize>(
-    w: [&WK; RO],
-    a: *const u8,
-    stride: usize,
-    acc: *mut f32,
-    nt: usize,
-) {
-    let mut s = [[_mm256_setzero_si256(); RT]; RO];
-    for p in 0..spans::<RO, RT>() {
-        for o in 0..RO {
-            let (wx, wy, sx) = (w[o].x[p], w[o].y[p], w[o].sx[p]);
-            for t in 0..RT {
-                let ap = a.add(t * stride + 64 * p);
-                let px = _mm256_maddubs_epi16(wx, ld(ap));
-                let py = _mm256_maddubs_epi16(wy, ld(ap.add(32)));
-                let v = if K::K6 {
-                    _mm256_add_epi32(_mm256_madd_epi16(px, sx), _mm256_madd_epi16(py, w[o].sy[p]))
-                } else {
-                    _mm256_madd_epi16(_mm256_add_epi16(px, py), sx)
-                };
-                s[o][t] = _mm256_add_epi32(s[o][t], v);
-            }
-        }
-    }
-    let mut m = [[_mm256_setzero_si256(); RT]; RO];
-    for t in 0..RT {
-        let bsums = ld(a.add(t * stride + P_BS));
-        for o in 0..RO {
-            m[o][t] = _mm256_madd_epi16(w[o].bs, bsums);
-        }
-    }
-    let dx_at = |t: usize| *(a.add(t * stride + P_DP) as *const f32);
-    if RO == 2 && RT == 4 {
-        let flat =
-            |v: &[[__m256i; RT]; RO]| -> [__m256i; 8] { std::array::from_fn(|i| v[i / 4][i % 4]) };
-        // Lane 4o + t: output row o, activation row t (the scalar step's exact operations).
-        let si = hsum8_i32(&flat(&s));
-        let mi = hsum8_i32(&flat(&m));
-        let dx4 = _mm_setr_ps(dx_at(0), dx_at(1), dx_at(2), dx_at(3));
-        let dx = _mm256_set_m128(dx4, dx4);
-        let d = _mm256_set_m128(_mm_set1_ps(w[RO - 1].d), _mm_set1_ps(w[0].d));
-        let v = if K::K6 {
-            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(si, mi)), d)
-        } else {
-            let ndmin = _mm256_set_m128(_mm_set1_ps(-w[RO - 1].dmin), _mm_set1_ps(-w[0].dmin));
-            _mm256_fmadd_ps(
-                _mm256_cvtepi32_ps(mi),
-                ndmin,
-                _mm256_mul_ps(_mm256_cvtepi32_ps(si), d),
-            )
-        };
-        let accv = _mm256_loadu2_m128(acc.add(nt), acc);
-        _mm256_storeu2_m128(acc.add(nt), acc, _mm256_fmadd_ps(v, dx, accv));
-        return;
-    }
-    for t in 0..RT {
-        let dx = dx_at(t);
-        for o in 0..RO {
-            let ap = acc.add(o * nt + t);
-            *ap = k_epilogue(
-                K::K6,
-                hsum_i32(s[o][t]),
-                hsum_i32(m[o][t]),
-                w[o].d,
-                w[o].dmin,
-                dx,
-                *ap,
-            );
-        }
-    }
-}
-
-/// One group of `RO` output rows against activation rows `0..nt`: four at a time, then the rest.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn group_rows_k<K: KKind, const RO: usize>(
-    ws: [&WK; RO],
-    a: *const u8,
-    stride: usize,
-    acc: *mut f32,
-    nt: usize,
-) {
-    let mut t = 0;
-    while t + 4 <= nt {
-        tile_k::<K, RO, 4>(ws, a.add(t * stride), stride, acc.add(t), nt);
-        t += 4;
-    }
-    let (a, acc) = (a.add(t * stride), acc.add(t));
-    match nt - t {
-        3 => tile_k::<K, RO, 3>(ws, a, stride, acc, nt),
-        2 => tile_k::<K, RO, 2>(ws, a, stride, acc, nt),
-        1 => tile_k::<K, RO, 1>(ws, a, stride, acc, nt),
-        _ => {}
-    }
 }
 
 /// Asks for the weight group `g + PREFETCH_GROUPS` of the row starting at `row` (the weights
 /// stream from DRAM once).
 #[inline(always)]
 unsafe fn prefetch_ahead(row: *const u8, g: usize, gbytes: usize) {
-    let pf = row.wrapping_add((g + PREFETCH_GROUPS) * gbytes);
+    prefetch_block(row.wrapping_add((g + PREFETCH_GROUPS) * gbytes), gbytes);
+}
+
+/// Asks for the `bytes` at `p` (64-byte lines).
+#[inline(always)]
+unsafe fn prefetch_block(p: *const u8, bytes: usize) {
     let mut off = 0;
-    while off < gbytes {
-        _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(off) as *const i8);
+    while off < bytes {
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off) as *const i8);
         off += 64;
     }
 }
 
-/// K-quant rows `[r0, r1)` against `n_tok >= PAIR_MIN_ROWS` pair records: row tiles (≤ `ACC_CAP`
-/// accumulators) × k-blocks (activations of all rows in L1) × pairs of output rows × groups (each
-/// unpacked once) × tiles of four activation rows.
-#[inline(never)]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_k_pair<K: KKind>(
-    w: &QMatrix,
-    act: *const u8,
-    stride: usize,
-    n_tok: usize,
-    r0: usize,
-    r1: usize,
-    y: YPtr,
-) {
-    let rb = w.row_bytes();
-    let n_groups = w.n_in / GROUP;
-    let mut acc = [0f32; 2 * ACC_CAP];
-    let mut t0 = 0;
-    while t0 < n_tok {
-        let nt = (n_tok - t0).min(ACC_CAP);
-        let rs = (2 * ACC_CAP / nt) & !1;
-        let kb = (KB_BYTES / (nt * PREC)).max(1);
-        let ab = act.add(t0 * stride);
-        let mut o0 = r0;
-        while o0 < r1 {
-            let o1 = (o0 + rs).min(r1);
-            acc[..(o1 - o0) * nt].fill(0.0);
-            let mut g0 = 0;
-            while g0 < n_groups {
-                let g1 = (g0 + kb).min(n_groups);
-                let mut o = o0;
-                while o < o1 {
-                    let ro = (o1 - o).min(2);
-                    let accs = acc.as_mut_ptr().add((o - o0) * nt);
-                    let row = w.data.as_ptr().add(o * rb);
-                    for g in g0..g1 {
-                        prefetch_ahead(row, g, K::BB);
-                        let ag = ab.add(g * PREC);
-                        let w0 = K::unpack_pair(row.add(g * K::BB));
-                        if ro == 2 {
-                            prefetch_ahead(row.add(rb), g, K::BB);
-                            let w1 = K::unpack_pair(row.add(rb + g * K::BB));
-                            group_rows_k::<K, 2>([&w0, &w1], ag, stride, accs, nt);
-                        } else {
-                            group_rows_k::<K, 1>([&w0], ag, stride, accs, nt);
-                        }
-                    }
-                    o += ro;
-                }
-                g0 = g1;
-            }
-            for o in o0..o1 {
-                for t in 0..nt {
-                    y.write(t0 + t, o, acc[(o - o0) * nt + t]);
-                }
-            }
-            o0 = o1;
-        }
-        t0 += nt;
-    }
-}
-
-/// K-quant rows `[r0, r1)` against `n_tok < PAIR_MIN_ROWS` natural records: each group unpacked
+/// K-quant rows `[r0, r1)` against `n_tok < COLS_MIN_ROWS` natural records: each group unpacked
 /// once, in natural order, and dotted with every activation row (single-token decoding).
 #[inline(never)]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -1031,12 +731,12 @@ unsafe fn rows_k_nat<K: KKind>(
     r1: usize,
     y: YPtr,
 ) {
-    debug_assert!(n_tok < PAIR_MIN_ROWS);
+    debug_assert!(n_tok < COLS_MIN_ROWS);
     let rb = w.row_bytes();
     let n_groups = w.n_in / GROUP;
     for o in r0..r1 {
         let row = w.data.as_ptr().add(o * rb);
-        let mut acc = [0f32; PAIR_MIN_ROWS];
+        let mut acc = [0f32; COLS_MIN_ROWS];
         for g in 0..n_groups {
             prefetch_ahead(row, g, K::BB);
             let wg = K::unpack_nat(row.add(g * K::BB));
@@ -1054,15 +754,425 @@ unsafe fn rows_k_nat<K: KKind>(
 }
 
 // ---------------------------------------------------------------------------------------------
+// K-quants on column tiles: 8 output rows interleaved per register, no horizontal sums
+// ---------------------------------------------------------------------------------------------
+
+/// Output rows of one column block (one i32 lane each).
+const CB_ROWS: usize = 8;
+/// Column blocks of a tile (output rows `CB * CB_ROWS` per pass over the activations).
+const CB: usize = 2;
+/// Activation rows of a column tile.
+const CT: usize = 4;
+/// Activation rows whose f32 accumulators a column pass keeps (`T_CAP × CB × CB_ROWS` floats).
+const T_CAP: usize = 64;
+
+/// A K-quant group of eight output rows, column-interleaved: register `q[j][i]` holds in its
+/// 32-bit lane `c` the four values of elements `32j + 4i .. 32j + 4i + 4` of output row `c`, so
+/// one `maddubs` against those four activations broadcast dots eight rows at once and every i32
+/// lane of the sums belongs to one output row (no horizontal reduction).
+#[repr(C, align(32))]
+struct KCols {
+    q: [[__m256i; 8]; 8],
+    /// i16 scales of the `maddubs` lanes `(2c, 2c + 1)` of output row `c`, one register per
+    /// scale run: Q4_K/Q5_K per 32 elements (8 used), Q6_K per 16 (16).
+    sc: [__m256i; 16],
+    /// i16 pairs `(f_2q(c), f_2q+1(c))` against dword `q` of the sixteen Q8_K block sums: the
+    /// mins (Q4_K/Q5_K: `f_h = m_{h/2}`) or Q6_K's offset `f_h = 32·sc_h`.
+    bs: [__m256i; 8],
+    d: __m256,
+    /// −dmin (Q4_K/Q5_K).
+    ndmin: __m256,
+}
+
+/// A K-quant type for the column tiles.
+trait KCol: KKind {
+    /// Elements of one scale run, in 4-element chunks (Q4_K/Q5_K: 8, Q6_K: 4).
+    const SCN: usize;
+    /// Chunks whose `maddubs` results add up exactly in i16 before one `madd` (Q4_K: 8 since
+    /// 8·2·15·128 < 2^15; Q5_K: 4; Q6_K: 2).
+    const ACC: usize;
+    /// Offsets of the block's 32-byte value registers. Every unpack step works byte by byte
+    /// (the same byte position of each register in, one byte out), so it commutes with the
+    /// 32-bit transpose: [`build_cols`] transposes these registers of eight rows, then unpacks.
+    const RAW: &'static [usize];
+    /// Natural-order units (`units[j]` = elements `32j .. 32j + 32`) from the `RAW` registers.
+    unsafe fn units_of(r: &Raw) -> [__m256i; 8];
+    /// `sc`, `bs`, `d` and `ndmin` of the groups at `p[c]`.
+    unsafe fn col_scales(p: &[*const u8; CB_ROWS], out: &mut KCols);
+}
+
+/// An all-zero block standing in for output rows past the end of a column block.
+static ZERO_BLOCK: [u8; 256] = [0; 256];
+
+/// `pshufb` controls putting byte `j` of a lane's first (second) 8-byte half into both 16-bit
+/// halves of dword 0 (1) — `[0]` — or of dword 2 (3) — `[1]` —, zero-extended; zero elsewhere.
+const fn shuf_k4_cols() -> [[[i8; 32]; 8]; 2] {
+    let mut t = [[[-128i8; 32]; 8]; 2];
+    let mut half = 0;
+    while half < 2 {
+        let mut j = 0;
+        while j < 8 {
+            let mut lane = 0;
+            while lane < 2 {
+                let mut k = 0;
+                while k < 2 {
+                    let at = 16 * lane + 4 * (2 * half + k);
+                    let b = (8 * k + j) as i8;
+                    t[half][j][at] = b;
+                    t[half][j][at + 2] = b;
+                    k += 1;
+                }
+                lane += 1;
+            }
+            j += 1;
+        }
+        half += 1;
+    }
+    t
+}
+
+/// `pshufb` controls putting bytes `b0`, `b1` of a lane into the high bytes of the 16-bit
+/// halves of dword `k` (zero elsewhere), for Q6_K's signed scales: `[k][h]` with `b0 = b1 = h`
+/// (scale registers) and `[k][16 + q]` with `b0 = 2q, b1 = 2q + 1` (offset registers).
+const fn shuf_k6_cols() -> [[[i8; 32]; 24]; 4] {
+    let mut t = [[[-128i8; 32]; 24]; 4];
+    let mut k = 0;
+    while k < 4 {
+        let mut e = 0;
+        while e < 24 {
+            let (b0, b1) = if e < 16 {
+                (e, e)
+            } else {
+                (2 * (e - 16), 2 * (e - 16) + 1)
+            };
+            let mut lane = 0;
+            while lane < 2 {
+                let at = 16 * lane + 4 * k;
+                t[k][e][at + 1] = b0 as i8;
+                t[k][e][at + 3] = b1 as i8;
+                lane += 1;
+            }
+            e += 1;
+        }
+        k += 1;
+    }
+    t
+}
+
+static SHUF_K4_COLS: [[[i8; 32]; 8]; 2] = shuf_k4_cols();
+static SHUF_K6_COLS: [[[i8; 32]; 24]; 4] = shuf_k6_cols();
+
+/// The f32 of eight f16 at `p[c] + off`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16_cols(p: &[*const u8; CB_ROWS], off: usize) -> __m256 {
+    let h: [u16; CB_ROWS] = std::array::from_fn(|c| rd_u16(p[c].add(off)));
+    _mm256_cvtph_ps(_mm_loadu_si128(h.as_ptr() as *const __m128i))
+}
+
+/// `[x0[j], …, x7[j]]` from eight registers of eight 32-bit lanes (an 8 × 8 transpose).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn transpose8_epi32(r: [__m256i; 8]) -> [__m256i; 8] {
+    let t0 = _mm256_unpacklo_epi32(r[0], r[1]);
+    let t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+    let t2 = _mm256_unpacklo_epi32(r[2], r[3]);
+    let t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+    let t4 = _mm256_unpacklo_epi32(r[4], r[5]);
+    let t5 = _mm256_unpackhi_epi32(r[4], r[5]);
+    let t6 = _mm256_unpacklo_epi32(r[6], r[7]);
+    let t7 = _mm256_unpackhi_epi32(r[6], r[7]);
+    let u0 = _mm256_unpacklo_epi64(t0, t2);
+    let u1 = _mm256_unpackhi_epi64(t0, t2);
+    let u2 = _mm256_unpacklo_epi64(t1, t3);
+    let u3 = _mm256_unpackhi_epi64(t1, t3);
+    let u4 = _mm256_unpacklo_epi64(t4, t6);
+    let u5 = _mm256_unpackhi_epi64(t4, t6);
+    let u6 = _mm256_unpacklo_epi64(t5, t7);
+    let u7 = _mm256_unpackhi_epi64(t5, t7);
+    [
+        _mm256_permute2x128_si256::<0x20>(u0, u4),
+        _mm256_permute2x128_si256::<0x20>(u1, u5),
+        _mm256_permute2x128_si256::<0x20>(u2, u6),
+        _mm256_permute2x128_si256::<0x20>(u3, u7),
+        _mm256_permute2x128_si256::<0x31>(u0, u4),
+        _mm256_permute2x128_si256::<0x31>(u1, u5),
+        _mm256_permute2x128_si256::<0x31>(u2, u6),
+        _mm256_permute2x128_si256::<0x31>(u3, u7),
+    ]
+}
+
+/// Q4_K/Q5_K column scales: six-bit scales and mins of eight blocks, spread by `pshufb`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn k4_col_scales(p: &[*const u8; CB_ROWS], out: &mut KCols) {
+    let mut sc = [0u64; CB_ROWS];
+    let mut mn = [0u64; CB_ROWS];
+    for c in 0..CB_ROWS {
+        (sc[c], mn[c]) = k4_sc_m8(p[c]);
+    }
+    // Lanes [rows 0, 1 | rows 4, 5] and [rows 2, 3 | rows 6, 7], eight bytes per row.
+    let spread = |v: &[u64; CB_ROWS], dst: &mut [__m256i]| {
+        let lo = ld(v.as_ptr() as *const u8);
+        let hi = ld(v.as_ptr().add(4) as *const u8);
+        let a = _mm256_permute2x128_si256::<0x20>(lo, hi);
+        let b = _mm256_permute2x128_si256::<0x31>(lo, hi);
+        for (j, r) in dst.iter_mut().enumerate().take(8) {
+            *r = _mm256_or_si256(
+                _mm256_shuffle_epi8(a, ld(SHUF_K4_COLS[0][j].as_ptr() as *const u8)),
+                _mm256_shuffle_epi8(b, ld(SHUF_K4_COLS[1][j].as_ptr() as *const u8)),
+            );
+        }
+    };
+    spread(&sc, &mut out.sc);
+    spread(&mn, &mut out.bs);
+    out.d = f16_cols(p, 0);
+    out.ndmin = _mm256_xor_ps(f16_cols(p, 2), _mm256_set1_ps(-0.0));
+}
+
+impl KCol for Q4K {
+    const RAW: &'static [usize] = &Q4K_RAW;
+    const SCN: usize = 8;
+    const ACC: usize = 8;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn units_of(r: &Raw) -> [__m256i; 8] {
+        q4k_units_of(r)
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn col_scales(p: &[*const u8; CB_ROWS], out: &mut KCols) {
+        k4_col_scales(p, out)
+    }
+}
+
+impl KCol for Q5K {
+    const RAW: &'static [usize] = &Q5K_RAW;
+    const SCN: usize = 8;
+    const ACC: usize = 4;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn units_of(r: &Raw) -> [__m256i; 8] {
+        q5k_units_of(r)
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn col_scales(p: &[*const u8; CB_ROWS], out: &mut KCols) {
+        k4_col_scales(p, out)
+    }
+}
+
+impl KCol for Q6K {
+    const RAW: &'static [usize] = &Q6K_RAW;
+    const SCN: usize = 4;
+    const ACC: usize = 2;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn units_of(r: &Raw) -> [__m256i; 8] {
+        q6k_units_of(r)
+    }
+    /// Sixteen signed scales per block: byte `h` of row `c` to the high bytes of dword `c`, then
+    /// an arithmetic shift (and for the offsets a multiply by 32).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn col_scales(p: &[*const u8; CB_ROWS], out: &mut KCols) {
+        let x: [__m128i; CB_ROWS] =
+            std::array::from_fn(|c| _mm_loadu_si128(p[c].add(192) as *const __m128i));
+        // Lane pairs [row k | row k + 4].
+        let y: [__m256i; 4] = std::array::from_fn(|k| _mm256_set_m128i(x[k + 4], x[k]));
+        let gather = |e: usize| {
+            let mut v = _mm256_setzero_si256();
+            for (k, yk) in y.iter().enumerate() {
+                let ctl = ld(SHUF_K6_COLS[k][e].as_ptr() as *const u8);
+                v = _mm256_or_si256(v, _mm256_shuffle_epi8(*yk, ctl));
+            }
+            _mm256_srai_epi16::<8>(v)
+        };
+        for h in 0..16 {
+            out.sc[h] = gather(h);
+        }
+        for q in 0..8 {
+            out.bs[q] = _mm256_slli_epi16::<5>(gather(16 + q));
+        }
+        out.d = f16_cols(p, 208);
+        out.ndmin = _mm256_setzero_ps();
+    }
+}
+
+/// Unpacks the groups at `p[c]` (one per output row) into column order.
+// t[r][i] is indexed by value register and chunk.
+#[allow(clippy::needless_range_loop)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn build_cols<K: KCol>(p: &[*const u8; CB_ROWS], out: &mut KCols) {
+    // t[r][i]: lane c holds bytes 4i .. 4i + 4 of value register r of row c.
+    let mut t = [[_mm256_setzero_si256(); 8]; 6];
+    for (tr, &off) in t.iter_mut().zip(K::RAW) {
+        *tr = transpose8_epi32(std::array::from_fn(|c| ld(p[c].add(off))));
+    }
+    for i in 0..8 {
+        let u = K::units_of(&std::array::from_fn(|r| t[r][i]));
+        for (j, uj) in u.iter().enumerate() {
+            out.q[j][i] = *uj;
+        }
+    }
+    K::col_scales(p, out);
+}
+
+/// The column tile: exact i32 sums of `CB × CB_ROWS` output rows × `RT` activation rows
+/// (natural records at `a + t * stride`), then [`k_epilogue`]'s operations, eight rows at a
+/// time, into `acc[t * CB * CB_ROWS + row]`.
+// The tile's registers are indexed [column block][activation row] throughout.
+#[allow(clippy::needless_range_loop)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_cols<K: KCol, const RT: usize>(
+    w: &[KCols; CB],
+    a: *const u8,
+    stride: usize,
+    acc: *mut f32,
+) {
+    let mut s = [[_mm256_setzero_si256(); RT]; CB];
+    // Rolled over the units: unrolled, LLVM interleaves their registers and spills them.
+    for j in 0..std::hint::black_box(8) {
+        let mut r = 0;
+        while r < 8 {
+            let mut h = [[_mm256_setzero_si256(); RT]; CB];
+            for i in r..r + K::ACC {
+                let wv: [__m256i; CB] = std::array::from_fn(|b| w[b].q[j][i]);
+                for t in 0..RT {
+                    let av = _mm256_set1_epi32(rd_u32(a.add(t * stride + 32 * j + 4 * i)) as i32);
+                    for b in 0..CB {
+                        h[b][t] = _mm256_add_epi16(h[b][t], _mm256_maddubs_epi16(wv[b], av));
+                        chain(&mut h[b][t]);
+                    }
+                }
+            }
+            let run = (8 * j + r) / K::SCN;
+            for b in 0..CB {
+                let sc = w[b].sc[run];
+                for t in 0..RT {
+                    s[b][t] = _mm256_add_epi32(s[b][t], _mm256_madd_epi16(h[b][t], sc));
+                }
+            }
+            r += K::ACC;
+        }
+    }
+    for t in 0..RT {
+        let at = a.add(t * stride);
+        let dx = _mm256_set1_ps(*(at.add(OFF_D) as *const f32));
+        for b in 0..CB {
+            let mut m = _mm256_setzero_si256();
+            for q in 0..8 {
+                let bs = _mm256_set1_epi32(rd_u32(at.add(OFF_BS + 4 * q)) as i32);
+                m = _mm256_add_epi32(m, _mm256_madd_epi16(w[b].bs[q], bs));
+            }
+            let v = if K::K6 {
+                _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s[b][t], m)), w[b].d)
+            } else {
+                _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(m),
+                    w[b].ndmin,
+                    _mm256_mul_ps(_mm256_cvtepi32_ps(s[b][t]), w[b].d),
+                )
+            };
+            let ap = acc.add(t * CB * CB_ROWS + b * CB_ROWS);
+            _mm256_storeu_ps(ap, _mm256_fmadd_ps(v, dx, _mm256_loadu_ps(ap)));
+        }
+    }
+}
+
+/// Keeps `v` in a register as it is: LLVM cannot reassociate a chain of adds through it (it would
+/// turn the tile's eight running sums into trees that need more registers than AVX2 has, and
+/// spill them).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn chain(v: &mut __m256i) {
+    std::arch::asm!(
+        "/* {0} */",
+        inout(ymm_reg) * v,
+        options(pure, nomem, nostack, preserves_flags)
+    );
+}
+
+/// K-quant rows `[r0, r1)` against `n_tok` natural records on column tiles: per block of
+/// `CB × CB_ROWS` output rows and up to `T_CAP` activation rows, each group unpacked once into
+/// column order and dotted with the activation rows `CT` at a time.
+#[inline(never)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_k_cols<K: KCol>(
+    w: &QMatrix,
+    act: *const u8,
+    stride: usize,
+    n_tok: usize,
+    r0: usize,
+    r1: usize,
+    y: YPtr,
+) {
+    const W: usize = CB * CB_ROWS;
+    let rb = w.row_bytes();
+    let n_groups = w.n_in / GROUP;
+    let mut cols: [KCols; CB] = std::mem::zeroed();
+    let mut acc = vec![0f32; T_CAP.min(n_tok) * W];
+    let mut t0 = 0;
+    while t0 < n_tok {
+        let nt = (n_tok - t0).min(T_CAP);
+        let ab = act.add(t0 * stride);
+        let mut o0 = r0;
+        while o0 < r1 {
+            let n_c = (r1 - o0).min(W);
+            acc[..nt * W].fill(0.0);
+            for g in 0..n_groups {
+                for (b, cb) in cols.iter_mut().enumerate() {
+                    let p: [*const u8; CB_ROWS] = std::array::from_fn(|c| {
+                        let o = o0 + b * CB_ROWS + c;
+                        if o < o0 + n_c {
+                            let at = w.data.as_ptr().add(o * rb + g * K::BB);
+                            // The same group of the next column block (its rows are the next
+                            // `W * rb` bytes): a whole block ahead, whatever the row length.
+                            prefetch_block(at.wrapping_add(W * rb), K::BB);
+                            at
+                        } else {
+                            ZERO_BLOCK.as_ptr()
+                        }
+                    });
+                    build_cols::<K>(&p, cb);
+                }
+                let ag = ab.add(g * REC);
+                let accp = acc.as_mut_ptr();
+                let mut t = 0;
+                while t + CT <= nt {
+                    tile_cols::<K, CT>(&cols, ag.add(t * stride), stride, accp.add(t * W));
+                    t += CT;
+                }
+                let (at, ap) = (ag.add(t * stride), accp.add(t * W));
+                match nt - t {
+                    3 => tile_cols::<K, 3>(&cols, at, stride, ap),
+                    2 => tile_cols::<K, 2>(&cols, at, stride, ap),
+                    1 => tile_cols::<K, 1>(&cols, at, stride, ap),
+                    _ => {}
+                }
+            }
+            for t in 0..nt {
+                for c in 0..n_c {
+                    y.write(t0 + t, o0 + c, acc[t * W + c]);
+                }
+            }
+            o0 += n_c;
+        }
+        t0 += nt;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Driver
 // ---------------------------------------------------------------------------------------------
 
-/// Quantized rows `[r0, r1)` against activation records: pair records where
-/// `pair_layout(w.ty, n_tok)`, natural ones otherwise.
+/// Quantized rows `[r0, r1)` against natural activation records.
 ///
 /// # Safety
 /// The CPU must support AVX2/FMA/F16C; `act` holds `n_tok * stride` bytes of records for
-/// `w.ty` in that layout; `w` validated; `r1 <= w.n_out`.
+/// `w.ty`; `w` validated; `r1 <= w.n_out`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn quant_rows(
     w: &QMatrix,
@@ -1075,16 +1185,16 @@ pub(crate) unsafe fn quant_rows(
 ) {
     debug_assert!(act.len() >= n_tok * stride);
     let a = act.as_ptr();
-    let pair = pair_layout(w.ty, n_tok);
+    let cols = n_tok >= COLS_MIN_ROWS;
     match w.ty {
         GgmlType::Q4_0 => rows_legacy::<Q40>(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q4_1 => rows_legacy::<Q41>(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q5_0 => rows_legacy::<Q50>(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q5_1 => rows_legacy::<Q51>(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q8_0 => rows_legacy::<Q80>(w, a, stride, n_tok, r0, r1, y),
-        GgmlType::Q4_K if pair => rows_k_pair::<Q4K>(w, a, stride, n_tok, r0, r1, y),
-        GgmlType::Q5_K if pair => rows_k_pair::<Q5K>(w, a, stride, n_tok, r0, r1, y),
-        GgmlType::Q6_K if pair => rows_k_pair::<Q6K>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q4_K if cols => rows_k_cols::<Q4K>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q5_K if cols => rows_k_cols::<Q5K>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q6_K if cols => rows_k_cols::<Q6K>(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q4_K => rows_k_nat::<Q4K>(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q5_K => rows_k_nat::<Q5K>(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q6_K => rows_k_nat::<Q6K>(w, a, stride, n_tok, r0, r1, y),
