@@ -9,7 +9,8 @@
 //! [256, 288) f32 d[8]       Q8_0/Q8_1: per 32-block scale (f16-rounded, as ggml stores it); Q8_K: d[0]
 //! [288, 320) f32 s[8]       Q8_1: d * sum(q) per block (f16-rounded)
 //! [320, 352) i16 bsums[16]  Q8_K: sums of 16 consecutive q
-//! [352, 384) zero
+//! [352, 368) i16 bsums32[8] Q8_K: sums of 32 consecutive q (pairs of bsums)
+//! [368, 384) zero
 //! ```
 //!
 //! The AVX-512 kernels use a permuted record built from the natural one (see `x86_avx512`).
@@ -22,6 +23,7 @@ pub(crate) const REC: usize = 384;
 pub(crate) const OFF_D: usize = 256;
 pub(crate) const OFF_S: usize = 288;
 pub(crate) const OFF_BS: usize = 320;
+pub(crate) const OFF_BS32: usize = 352;
 
 /// The activation format a weight type is dotted with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -109,6 +111,7 @@ pub(crate) fn quantize_group(kind: ActKind, x: &[f32], rec: &mut [u8]) {
             }
             let d = quantize_q8k_block(x, qs);
             put_f32(rest, OFF_D - GROUP, d);
+            let mut s32 = 0i32;
             for j in 0..16 {
                 let s: i32 = qs[16 * j..16 * j + 16]
                     .iter()
@@ -116,6 +119,12 @@ pub(crate) fn quantize_group(kind: ActKind, x: &[f32], rec: &mut [u8]) {
                     .sum();
                 rest[OFF_BS - GROUP + 2 * j..OFF_BS - GROUP + 2 * j + 2]
                     .copy_from_slice(&(s as i16).to_le_bytes());
+                s32 += s;
+                if j % 2 == 1 {
+                    let at = OFF_BS32 - GROUP + j - 1;
+                    rest[at..at + 2].copy_from_slice(&(s32 as i16).to_le_bytes());
+                    s32 = 0;
+                }
             }
         }
     }

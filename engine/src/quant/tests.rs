@@ -224,6 +224,12 @@ fn activation_quantization_matches_ggml() {
             let want: i32 = q[16 * j..16 * j + 16].iter().map(|&v| v as i32).sum();
             assert_eq!(bs as i32, want);
         }
+        for j in 0..8 {
+            let at = act::OFF_BS32 + 2 * j;
+            let bs = i16::from_le_bytes([rec[at], rec[at + 1]]);
+            let want: i32 = q[32 * j..32 * j + 32].iter().map(|&v| v as i32).sum();
+            assert_eq!(bs as i32, want, "case {case} 32-element sum {j}");
+        }
 
         // Q8_0 / Q8_1 as ggml's x86 code: d = amax/127 stored as f16, q = rne(x * 127/amax).
         act::quantize_group(ActKind::Q8_1, &x, &mut rec);

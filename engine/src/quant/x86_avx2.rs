@@ -27,7 +27,7 @@
 
 use std::arch::x86_64::*;
 
-use super::act::{self, ActKind, GROUP, OFF_BS, OFF_D, OFF_S, REC};
+use super::act::{self, ActKind, GROUP, OFF_BS, OFF_BS32, OFF_D, OFF_S, REC};
 use super::x86_avx512::k4_sc_m8;
 use super::{GgmlType, QMatrix, YPtr};
 
@@ -776,8 +776,9 @@ struct KCols {
     /// i16 scales of the `maddubs` lanes `(2c, 2c + 1)` of output row `c`, one register per
     /// scale run: Q4_K/Q5_K per 32 elements (8 used), Q6_K per 16 (16).
     sc: [__m256i; 16],
-    /// i16 pairs `(f_2q(c), f_2q+1(c))` against dword `q` of the sixteen Q8_K block sums: the
-    /// mins (Q4_K/Q5_K: `f_h = m_{h/2}`) or Q6_K's offset `f_h = 32·sc_h`.
+    /// i16 pairs against dword `q` of the activations' block sums: Q4_K/Q5_K the mins `(m_2q(c),
+    /// m_2q+1(c))` against the 32-element sums (4 used), Q6_K its offset `(32·sc_2q(c),
+    /// 32·sc_2q+1(c))` against the 16-element sums (8).
     bs: [__m256i; 8],
     d: __m256,
     /// −dmin (Q4_K/Q5_K).
@@ -804,27 +805,33 @@ trait KCol: KKind {
 /// An all-zero block standing in for output rows past the end of a column block.
 static ZERO_BLOCK: [u8; 256] = [0; 256];
 
-/// `pshufb` controls putting byte `j` of a lane's first (second) 8-byte half into both 16-bit
-/// halves of dword 0 (1) — `[0]` — or of dword 2 (3) — `[1]` —, zero-extended; zero elsewhere.
-const fn shuf_k4_cols() -> [[[i8; 32]; 8]; 2] {
-    let mut t = [[[-128i8; 32]; 8]; 2];
+/// `pshufb` controls spreading the eight bytes of each of the two rows in a lane (first and
+/// second 8-byte half) into zero-extended i16: `[half][e]` fills dwords `2·half` and `2·half + 1`
+/// (one per row), zero elsewhere, with bytes `(e, e)` for `e < 8` (a scale in both 16-bit halves)
+/// and `(2q, 2q + 1)` for `e = 8 + q` (a pair of mins).
+const fn shuf_k4_cols() -> [[[i8; 32]; 12]; 2] {
+    let mut t = [[[-128i8; 32]; 12]; 2];
     let mut half = 0;
     while half < 2 {
-        let mut j = 0;
-        while j < 8 {
+        let mut e = 0;
+        while e < 12 {
+            let (b0, b1) = if e < 8 {
+                (e, e)
+            } else {
+                (2 * (e - 8), 2 * (e - 8) + 1)
+            };
             let mut lane = 0;
             while lane < 2 {
                 let mut k = 0;
                 while k < 2 {
                     let at = 16 * lane + 4 * (2 * half + k);
-                    let b = (8 * k + j) as i8;
-                    t[half][j][at] = b;
-                    t[half][j][at + 2] = b;
+                    t[half][e][at] = (8 * k + b0) as i8;
+                    t[half][e][at + 2] = (8 * k + b1) as i8;
                     k += 1;
                 }
                 lane += 1;
             }
-            j += 1;
+            e += 1;
         }
         half += 1;
     }
@@ -859,7 +866,7 @@ const fn shuf_k6_cols() -> [[[i8; 32]; 24]; 4] {
     t
 }
 
-static SHUF_K4_COLS: [[[i8; 32]; 8]; 2] = shuf_k4_cols();
+static SHUF_K4_COLS: [[[i8; 32]; 12]; 2] = shuf_k4_cols();
 static SHUF_K6_COLS: [[[i8; 32]; 24]; 4] = shuf_k6_cols();
 
 /// The f32 of eight f16 at `p[c] + off`.
@@ -912,20 +919,20 @@ unsafe fn k4_col_scales(p: &[*const u8; CB_ROWS], out: &mut KCols) {
         (sc[c], mn[c]) = k4_sc_m8(p[c]);
     }
     // Lanes [rows 0, 1 | rows 4, 5] and [rows 2, 3 | rows 6, 7], eight bytes per row.
-    let spread = |v: &[u64; CB_ROWS], dst: &mut [__m256i]| {
+    let spread = |v: &[u64; CB_ROWS], e0: usize, dst: &mut [__m256i]| {
         let lo = ld(v.as_ptr() as *const u8);
         let hi = ld(v.as_ptr().add(4) as *const u8);
         let a = _mm256_permute2x128_si256::<0x20>(lo, hi);
         let b = _mm256_permute2x128_si256::<0x31>(lo, hi);
-        for (j, r) in dst.iter_mut().enumerate().take(8) {
+        for (e, r) in dst.iter_mut().enumerate() {
             *r = _mm256_or_si256(
-                _mm256_shuffle_epi8(a, ld(SHUF_K4_COLS[0][j].as_ptr() as *const u8)),
-                _mm256_shuffle_epi8(b, ld(SHUF_K4_COLS[1][j].as_ptr() as *const u8)),
+                _mm256_shuffle_epi8(a, ld(SHUF_K4_COLS[0][e0 + e].as_ptr() as *const u8)),
+                _mm256_shuffle_epi8(b, ld(SHUF_K4_COLS[1][e0 + e].as_ptr() as *const u8)),
             );
         }
     };
-    spread(&sc, &mut out.sc);
-    spread(&mn, &mut out.bs);
+    spread(&sc, 0, &mut out.sc[..8]);
+    spread(&mn, 8, &mut out.bs[..4]);
     out.d = f16_cols(p, 0);
     out.ndmin = _mm256_xor_ps(f16_cols(p, 2), _mm256_set1_ps(-0.0));
 }
@@ -1063,8 +1070,9 @@ unsafe fn tile_cols<K: KCol, const RT: usize>(
         let dx = _mm256_set1_ps(*(at.add(OFF_D) as *const f32));
         for b in 0..CB {
             let mut m = _mm256_setzero_si256();
-            for q in 0..8 {
-                let bs = _mm256_set1_epi32(rd_u32(at.add(OFF_BS + 4 * q)) as i32);
+            let (n_bs, off) = if K::K6 { (8, OFF_BS) } else { (4, OFF_BS32) };
+            for q in 0..n_bs {
+                let bs = _mm256_set1_epi32(rd_u32(at.add(off + 4 * q)) as i32);
                 m = _mm256_add_epi32(m, _mm256_madd_epi16(w[b].bs[q], bs));
             }
             let v = if K::K6 {
