@@ -212,6 +212,29 @@ pub fn verify_step<B: Backend>(
     }
 }
 
+/// Rows of the first tree an adaptive request verifies before it knows what passes cost.
+const FIRST_TREE_ROWS: usize = 8;
+
+/// The deepest depth-prefix of `tree` with at most `max_rows` nodes (the root at least).
+fn prefix_within(tree: &TokenTree, max_rows: usize) -> TokenTree {
+    let mut best = tree.truncate_depth(0);
+    for d in 1..=tree.max_depth() {
+        let t = tree.truncate_depth(d);
+        if t.len() > max_rows {
+            break;
+        }
+        best = t;
+    }
+    best
+}
+
+/// The median of `v` (`None` when empty).
+fn median(v: &[f64]) -> Option<f64> {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s.get(s.len() / 2).copied()
+}
+
 /// Ask every drafter for a tree rooted at the last of `tokens` (drafter i gets an equal share of
 /// `budget` and id i), check each, cut it to `max_depth` and merge them.
 pub fn draft_tree(
@@ -610,6 +633,14 @@ impl<'m, B: Backend> SpecSession<'m, B> {
         self.verifier
     }
 
+    /// The cost of a forward pass over each of `sizes` rows (those that fit), timed on scratch
+    /// rows appended to this session's cache and dropped again.
+    pub fn measure_cost(&mut self, sizes: &[usize]) -> Result<StepCost> {
+        let room = self.cache.capacity().saturating_sub(self.cache.len());
+        let sizes: Vec<usize> = sizes.iter().copied().filter(|&n| n <= room).collect();
+        StepCost::measure_in(self.model, self.backend, &mut self.cache, &sizes, 1)
+    }
+
     /// Ask every drafter for a tree (drafter i gets an equal share of the budget and id i),
     /// merge them, check the result and cut it to `max_depth`.
     pub fn draft(
@@ -753,17 +784,18 @@ pub fn generate<B: Backend>(
     };
     let mut seq = prompt.to_vec();
     seq.extend(first);
-    // Adaptive depth: the cost of a pass by row count, measured once here over 1, 8 and up to
-    // 32 scratch rows (dropped again), then following every measured pass.
-    let mut policy = None;
-    if spec.adaptive && first.is_some() {
-        let top = (spec.budget + 1).min(32);
-        let sizes: Vec<usize> = [1, 8.min(top), top].into_iter().collect();
-        let room = cache.capacity().saturating_sub(cache.len());
-        let sizes: Vec<usize> = sizes.into_iter().filter(|&n| n <= room).collect();
-        let cost = StepCost::measure_in(model, backend, &mut cache, &sizes, 1)?;
-        policy = Some((cost, Acceptance::new(), usize::MAX, DraftBackoff::default()));
-    }
+    // Adaptive depth: the cost of a pass by row count, learnt from the passes themselves (see
+    // `first_cost`), then following every measured pass.
+    let mut policy = (spec.adaptive && first.is_some()).then(|| {
+        (
+            None::<StepCost>,
+            Acceptance::new(),
+            usize::MAX,
+            DraftBackoff::default(),
+        )
+    });
+    // Seconds of the plain steps before the first proposal (the curve's one-row point).
+    let mut plain_secs: Vec<f64> = Vec::new();
     let mut session = SpecSession::new(model, backend, cache, seq, verifier, spec.budget)?;
     let mut pending: Vec<u32> = first.into_iter().collect();
     let mut finish_reason = FinishReason::Length;
@@ -796,7 +828,9 @@ pub fn generate<B: Backend>(
             let root = TokenTree::root_only(*session.tokens().last().expect("a root"));
             let t0 = Instant::now();
             pending = session.verify(&root, drafters)?.emitted();
-            cost.record(1, t0.elapsed().as_secs_f64());
+            if let Some(cost) = cost.as_mut() {
+                cost.record(1, t0.elapsed().as_secs_f64());
+            }
             continue;
         }
         // Draft two depths past the last verified one: room to grow, one depth to learn from,
@@ -804,6 +838,31 @@ pub fn generate<B: Backend>(
         let t_draft = Instant::now();
         let proposal = session.draft(drafters, max_depth.min(last_depth.saturating_add(2)))?;
         let draft_secs = t_draft.elapsed().as_secs_f64();
+        let Some(cost) = cost.as_mut() else {
+            // No cost curve yet. Nothing proposed: a plain step, timed. The first proposal: verify
+            // its largest prefix of at most `FIRST_TREE_ROWS` rows and take that pass's time as
+            // the curve's second point (a request whose drafters never propose pays nothing; a
+            // separate calibration over 8 and 32 rows cost ~10 single passes on a small model).
+            let t0 = Instant::now();
+            if proposal.len() == 1 {
+                pending = session.verify(&proposal, drafters)?.emitted();
+                plain_secs.push(t0.elapsed().as_secs_f64());
+                continue;
+            }
+            let one = match median(&plain_secs) {
+                Some(s) => s,
+                None => session.measure_cost(&[1])?.secs(1),
+            };
+            let tree = prefix_within(&proposal, FIRST_TREE_ROWS);
+            let t0 = Instant::now();
+            let o = session.verify(&tree, drafters)?;
+            let secs = t0.elapsed().as_secs_f64();
+            *cost = Some(StepCost::from_points(vec![(1, one), (tree.len(), secs)]));
+            *last_depth = tree.max_depth();
+            pending = o.emitted();
+            acceptance.record(&proposal, &pending);
+            continue;
+        };
         let opts = [DepthOptions {
             acceptance,
             nodes_upto: nodes_upto(&proposal),

@@ -88,9 +88,16 @@ impl StepCost {
     }
 
     /// Fold in a measured pass over `rows` rows: the curve's factor moves toward the ratio of
-    /// the measurement to the calibrated shape (an exponential moving average).
+    /// the measurement to the calibrated shape (an exponential moving average). A pass over
+    /// more rows than any point of the curve extends it instead (a new point, in the shape's
+    /// units): the curve learns the sizes it is asked about, and never bends where it was
+    /// measured.
     pub fn record(&mut self, rows: usize, secs: f64) {
         if rows == 0 || !secs.is_finite() || secs <= 0.0 || self.points.is_empty() {
+            return;
+        }
+        if self.points.last().is_some_and(|&(n, _)| rows > n) {
+            self.points.push((rows, secs / self.scale));
             return;
         }
         let ratio = secs / self.shape(rows).max(1e-12);
@@ -359,6 +366,13 @@ mod tests {
         assert!((c.secs(16) - 0.040).abs() < 1e-4);
         assert!((c.secs(1) - 0.020).abs() < 1e-4);
         assert!((c.secs(128) - 0.320).abs() < 1e-3);
+        // A pass past the last point extends the curve (in the shape's units) and leaves the
+        // factor alone; sizes in between now interpolate toward it.
+        let scale = c.secs(1) / 0.010;
+        c.record(96, 0.100);
+        assert!((c.secs(96) - 0.100).abs() < 1e-9);
+        assert!((c.secs(1) / 0.010 - scale).abs() < 1e-12);
+        assert!((c.secs(80) - (c.secs(64) + c.secs(96)) / 2.0).abs() < 1e-9);
     }
 
     #[test]
