@@ -215,6 +215,10 @@ pub fn verify_step<B: Backend>(
 /// Rows of the first tree an adaptive request verifies before it knows what passes cost.
 const FIRST_TREE_ROWS: usize = 8;
 
+/// Depth of the first proposal an adaptive request drafts (a model drafter's passes are paid
+/// per depth).
+const FIRST_DRAFT_DEPTH: usize = 4;
+
 /// The deepest depth-prefix of `tree` with at most `max_rows` nodes (the root at least).
 fn prefix_within(tree: &TokenTree, max_rows: usize) -> TokenTree {
     let mut best = tree.truncate_depth(0);
@@ -835,8 +839,14 @@ pub fn generate<B: Backend>(
         }
         // Draft two depths past the last verified one: room to grow, one depth to learn from,
         // and no deep drafting (a model drafter's passes) while speculation does not pay.
+        // Before the cost curve exists, only as deep as the first tree can use.
+        let depth_cap = if cost.is_some() {
+            last_depth.saturating_add(2)
+        } else {
+            FIRST_DRAFT_DEPTH
+        };
         let t_draft = Instant::now();
-        let proposal = session.draft(drafters, max_depth.min(last_depth.saturating_add(2)))?;
+        let proposal = session.draft(drafters, max_depth.min(depth_cap))?;
         let draft_secs = t_draft.elapsed().as_secs_f64();
         let Some(cost) = cost.as_mut() else {
             // No cost curve yet. Nothing proposed: a plain step, timed. The first proposal: verify

@@ -215,29 +215,35 @@ impl Acceptance {
 /// Most steps in a row an adaptive request skips drafting while its drafts do not pay.
 pub const MAX_DRAFT_BACKOFF: usize = 16;
 
-/// The same for drafters whose drafting costs at least [`COSTLY_DRAFT`] of a pass (model
-/// drafters): their probes are themselves passes, so they probe less often.
-pub const MAX_COSTLY_DRAFT_BACKOFF: usize = 64;
+/// Failed probes in a row (drafted steps whose chosen depth was 0) after which a request stops
+/// drafting with a drafter whose drafting costs at least [`COSTLY_DRAFT`] of a pass (a model
+/// drafter: each probe is itself passes, plus feeding the drafter every token since its last
+/// probe, which grows with the backoff).
+pub const COSTLY_GIVE_UP: usize = 4;
 
 /// Drafting seconds, as a share of a pass, from which a drafter counts as costly.
 pub const COSTLY_DRAFT: f64 = 0.1;
 
 /// When an adaptive request drafts at all: after a step whose chosen depth was 0 (its drafts
 /// were not worth verifying), it skips drafting for 0, 1, 3, 7, then 15 steps (doubling while the
-/// choice stays 0; up to 63 for a costly drafter), and drafts every step again once a depth
-/// above 0 is chosen. A skipped step is
-/// plain decoding without drafting cost (no drafter passes, no draft round trip); the steps
+/// choice stays 0), and drafts every step again once a depth above 0 is chosen. A skipped step
+/// is plain decoding without drafting cost (no drafter passes, no draft round trip); the steps
 /// it does draft keep measuring acceptance, so speculation returns when drafts start to match.
+/// A costly drafter's probes are not cheap enough to keep measuring with: after
+/// [`COSTLY_GIVE_UP`] failed probes in a row the request stops drafting for good.
 #[derive(Clone, Debug, Default)]
 pub struct DraftBackoff {
     backoff: usize,
     skip_left: usize,
+    costly_fails: usize,
 }
 
 impl DraftBackoff {
     /// Whether this step skips drafting (counts the step when it does).
     pub fn skip(&mut self) -> bool {
-        if self.skip_left > 0 {
+        if self.gave_up() {
+            true
+        } else if self.skip_left > 0 {
             self.skip_left -= 1;
             true
         } else {
@@ -247,7 +253,12 @@ impl DraftBackoff {
 
     /// Whether the next step skips drafting (nothing counted).
     pub fn skips_next(&self) -> bool {
-        self.skip_left > 0
+        self.gave_up() || self.skip_left > 0
+    }
+
+    /// Whether the request stopped drafting for good (a costly drafter kept failing).
+    pub fn gave_up(&self) -> bool {
+        self.costly_fails >= COSTLY_GIVE_UP
     }
 
     /// The depth the policy chose for a drafted step, and whether the drafting was costly.
@@ -255,13 +266,10 @@ impl DraftBackoff {
         if depth > 0 {
             self.backoff = 0;
             self.skip_left = 0;
+            self.costly_fails = 0;
         } else {
-            let cap = if costly {
-                MAX_COSTLY_DRAFT_BACKOFF
-            } else {
-                MAX_DRAFT_BACKOFF
-            };
-            self.backoff = (self.backoff * 2).clamp(1, cap);
+            self.costly_fails = if costly { self.costly_fails + 1 } else { 0 };
+            self.backoff = (self.backoff * 2).clamp(1, MAX_DRAFT_BACKOFF);
             self.skip_left = self.backoff - 1;
         }
     }
@@ -434,15 +442,25 @@ mod tests {
         while b.skip() {}
         b.chose(2, false);
         assert!(!b.skip() && !b.skip());
-        // A costly drafter keeps doubling to 63 skipped steps.
-        for _ in 0..8 {
+        // A costly drafter backs off alike, then gives up after COSTLY_GIVE_UP failed probes in
+        // a row; a cheap failure in between starts the count again.
+        for i in 0..COSTLY_GIVE_UP - 1 {
             b.chose(0, true);
+            let mut skipped = 0;
+            while b.skip() {
+                skipped += 1;
+            }
+            assert_eq!(skipped, (1 << i) - 1, "probe {i}");
         }
-        let mut skipped = 0;
-        while b.skip() {
-            skipped += 1;
+        b.chose(0, false);
+        for _ in 0..COSTLY_GIVE_UP - 1 {
+            b.chose(0, true);
+            while b.skip() {}
         }
-        assert_eq!(skipped, MAX_COSTLY_DRAFT_BACKOFF - 1);
+        assert!(!b.gave_up());
+        b.chose(0, true);
+        assert!(b.gave_up() && b.skips_next());
+        assert!((0..10_000).all(|_| b.skip()), "no more drafting");
     }
 
     #[test]
