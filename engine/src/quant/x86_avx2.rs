@@ -805,35 +805,26 @@ trait KCol: KKind {
 /// An all-zero block standing in for output rows past the end of a column block.
 static ZERO_BLOCK: [u8; 256] = [0; 256];
 
-/// `pshufb` controls spreading the eight bytes of each of the two rows in a lane (first and
-/// second 8-byte half) into zero-extended i16: `[half][e]` fills dwords `2·half` and `2·half + 1`
-/// (one per row), zero elsewhere, with bytes `(e, e)` for `e < 8` (a scale in both 16-bit halves)
-/// and `(2q, 2q + 1)` for `e = 8 + q` (a pair of mins).
-const fn shuf_k4_cols() -> [[[i8; 32]; 12]; 2] {
-    let mut t = [[[-128i8; 32]; 12]; 2];
-    let mut half = 0;
-    while half < 2 {
-        let mut e = 0;
-        while e < 12 {
-            let (b0, b1) = if e < 8 {
-                (e, e)
-            } else {
-                (2 * (e - 8), 2 * (e - 8) + 1)
-            };
-            let mut lane = 0;
-            while lane < 2 {
-                let mut k = 0;
-                while k < 2 {
-                    let at = 16 * lane + 4 * (2 * half + k);
-                    t[half][e][at] = (8 * k + b0) as i8;
-                    t[half][e][at + 2] = (8 * k + b1) as i8;
-                    k += 1;
-                }
-                lane += 1;
-            }
-            e += 1;
+/// `pshufb` controls spreading bytes of every 32-bit lane into its two 16-bit halves,
+/// zero-extended: `[e]` for `e < 4` puts byte `e` in both (a scale), `[4 + h]` bytes `2h` and
+/// `2h + 1` (a pair of mins).
+const fn shuf_k4_cols() -> [[i8; 32]; 6] {
+    let mut t = [[-128i8; 32]; 6];
+    let mut e = 0;
+    while e < 6 {
+        let (b0, b1) = if e < 4 {
+            (e, e)
+        } else {
+            (2 * (e - 4), 2 * (e - 4) + 1)
+        };
+        let mut d = 0;
+        while d < 8 {
+            // Dword d of the register is dword d % 4 of its 128-bit lane.
+            t[e][4 * d] = (4 * (d % 4) + b0) as i8;
+            t[e][4 * d + 2] = (4 * (d % 4) + b1) as i8;
+            d += 1;
         }
-        half += 1;
+        e += 1;
     }
     t
 }
@@ -866,7 +857,7 @@ const fn shuf_k6_cols() -> [[[i8; 32]; 24]; 4] {
     t
 }
 
-static SHUF_K4_COLS: [[[i8; 32]; 12]; 2] = shuf_k4_cols();
+static SHUF_K4_COLS: [[i8; 32]; 6] = shuf_k4_cols();
 static SHUF_K6_COLS: [[[i8; 32]; 24]; 4] = shuf_k6_cols();
 
 /// The f32 of eight f16 at `p[c] + off`.
@@ -909,32 +900,46 @@ unsafe fn transpose8_epi32(r: [__m256i; 8]) -> [__m256i; 8] {
     ]
 }
 
-/// Q4_K/Q5_K column scales: six-bit scales and mins of eight blocks, spread by `pshufb`.
+/// Q4_K/Q5_K column scales: the first 16 bytes of the eight blocks (d, dmin, 12 scale bytes)
+/// transposed, so lane `c` of every register is row `c`; the six-bit scales and mins unpacked as
+/// `k4_sc_m8` does, eight rows at once, then spread by `pshufb` within each lane.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn k4_col_scales(p: &[*const u8; CB_ROWS], out: &mut KCols) {
-    let mut sc = [0u64; CB_ROWS];
-    let mut mn = [0u64; CB_ROWS];
-    for c in 0..CB_ROWS {
-        (sc[c], mn[c]) = k4_sc_m8(p[c]);
+    // t[k] lane c: dword k of row c's block (k < 4; the upper registers are unused).
+    let t = transpose8_epi32(std::array::from_fn(|c| {
+        _mm256_castsi128_si256(_mm_loadu_si128(p[c] as *const __m128i))
+    }));
+    let (u0, u1, u2) = (t[1], t[2], t[3]);
+    let k1 = _mm256_set1_epi32(0x3f3f_3f3f);
+    let k2 = _mm256_set1_epi32(0x0f0f_0f0f);
+    let k3 = _mm256_set1_epi32(0x0303_0303);
+    let hi2 = |u: __m256i| _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srli_epi32::<6>(u), k3));
+    // Bytes 0..4 and 4..8 of every row's eight scales and eight mins.
+    let sc = [
+        _mm256_and_si256(u0, k1),
+        _mm256_or_si256(_mm256_and_si256(u2, k2), hi2(u0)),
+    ];
+    let mn = [
+        _mm256_and_si256(u1, k1),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32::<4>(u2), k2), hi2(u1)),
+    ];
+    let ctl = |e: usize| ld(SHUF_K4_COLS[e].as_ptr() as *const u8);
+    for j in 0..8 {
+        out.sc[j] = _mm256_shuffle_epi8(sc[j / 4], ctl(j % 4));
     }
-    // Lanes [rows 0, 1 | rows 4, 5] and [rows 2, 3 | rows 6, 7], eight bytes per row.
-    let spread = |v: &[u64; CB_ROWS], e0: usize, dst: &mut [__m256i]| {
-        let lo = ld(v.as_ptr() as *const u8);
-        let hi = ld(v.as_ptr().add(4) as *const u8);
-        let a = _mm256_permute2x128_si256::<0x20>(lo, hi);
-        let b = _mm256_permute2x128_si256::<0x31>(lo, hi);
-        for (e, r) in dst.iter_mut().enumerate() {
-            *r = _mm256_or_si256(
-                _mm256_shuffle_epi8(a, ld(SHUF_K4_COLS[0][e0 + e].as_ptr() as *const u8)),
-                _mm256_shuffle_epi8(b, ld(SHUF_K4_COLS[1][e0 + e].as_ptr() as *const u8)),
-            );
-        }
+    for q in 0..4 {
+        out.bs[q] = _mm256_shuffle_epi8(mn[q / 2], ctl(4 + q % 2));
+    }
+    // d and dmin: the f16 halves of dword 0, packed to eight u16 in row order.
+    let f16x8 = |v: __m256i| {
+        let w = _mm256_packus_epi32(v, v); // [r0..r3 r0..r3 | r4..r7 r4..r7]
+        _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b1000>(
+            w,
+        )))
     };
-    spread(&sc, 0, &mut out.sc[..8]);
-    spread(&mn, 8, &mut out.bs[..4]);
-    out.d = f16_cols(p, 0);
-    out.ndmin = _mm256_xor_ps(f16_cols(p, 2), _mm256_set1_ps(-0.0));
+    out.d = f16x8(_mm256_and_si256(t[0], _mm256_set1_epi32(0xffff)));
+    out.ndmin = _mm256_xor_ps(f16x8(_mm256_srli_epi32::<16>(t[0])), _mm256_set1_ps(-0.0));
 }
 
 impl KCol for Q4K {
