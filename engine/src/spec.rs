@@ -23,8 +23,8 @@ use crate::model::Model;
 use crate::sample::verify::{Verifier, VerifyMode, VerifyOutcome};
 use crate::sample::Sampler;
 use crate::sched::adaptive::{
-    choose_depths, drafting_pays, nodes_upto, Acceptance, DepthOptions, DraftBackoff, StepCost,
-    COSTLY_DRAFT,
+    choose_depths, drafting_pays, median, nodes_upto, Acceptance, DepthOptions, DraftBackoff,
+    StepCost, COSTLY_DRAFT,
 };
 use crate::tokenizer::Tokenizer;
 use crate::tree::{DrafterId, TokenTree, TreeMask};
@@ -230,13 +230,6 @@ fn prefix_within(tree: &TokenTree, max_rows: usize) -> TokenTree {
         best = t;
     }
     best
-}
-
-/// The median of `v` (`None` when empty).
-fn median(v: &[f64]) -> Option<f64> {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    s.get(s.len() / 2).copied()
 }
 
 /// Ask every drafter for a tree rooted at the last of `tokens` (drafter i gets an equal share of

@@ -480,10 +480,25 @@ struct KNat {
     dmin: f32,
 }
 
+/// A K-quant type: its block, the natural-order unpack (`rows_k_nat`) and what the column
+/// tiles need (`rows_k_cols`).
 trait KKind {
     const BB: usize;
     const K6: bool;
     unsafe fn unpack_nat(p: *const u8) -> KNat;
+    /// Elements of one scale run, in 4-element chunks (Q4_K/Q5_K: 8, Q6_K: 4).
+    const SCN: usize;
+    /// Chunks whose `maddubs` results add up exactly in i16 before one `madd` (Q4_K: 8 since
+    /// 8·2·15·128 < 2^15; Q5_K: 4; Q6_K: 2).
+    const ACC: usize;
+    /// Offsets of the block's 32-byte value registers. Every unpack step works byte by byte
+    /// (the same byte position of each register in, one byte out), so it commutes with the
+    /// 32-bit transpose: [`build_cols`] transposes these registers of eight rows, then unpacks.
+    const RAW: &'static [usize];
+    /// Natural-order units (`units[j]` = elements `32j .. 32j + 32`) from the `RAW` registers.
+    unsafe fn units_of(r: &Raw) -> [__m256i; 8];
+    /// `sc`, `bs`, `d` and `ndmin` of the groups at `p[c]`.
+    unsafe fn col_scales(p: &[*const u8; CB_ROWS], out: &mut KCols);
 }
 
 /// `pshufb` controls putting scale byte `k` (Q4_K/Q5_K) into every 16-bit lane, high byte zero.
@@ -568,7 +583,7 @@ unsafe fn k4_nat(p: *const u8, q: [__m256i; 8]) -> KNat {
     }
 }
 
-/// Up to six 32-byte registers of a K-quant block's values (see [`KCol::RAW`]).
+/// Up to six 32-byte registers of a K-quant block's values (see [`KKind::RAW`]).
 type Raw = [__m256i; 6];
 
 /// The registers of the block at `p` at the offsets `off` (unused entries zero).
@@ -642,24 +657,6 @@ const Q4K_RAW: [usize; 4] = [16, 48, 80, 112];
 const Q5K_RAW: [usize; 5] = [16, 48, 80, 112, 144];
 const Q6K_RAW: [usize; 6] = [0, 32, 128, 64, 96, 160];
 
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4k_units(p: *const u8) -> [__m256i; 8] {
-    q4k_units_of(&load_raw(p, &Q4K_RAW))
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q5k_units(p: *const u8) -> [__m256i; 8] {
-    q5k_units_of(&load_raw(p, &Q5K_RAW))
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q6k_units(p: *const u8) -> [__m256i; 8] {
-    q6k_units_of(&load_raw(p, &Q6K_RAW))
-}
-
 struct Q4K;
 struct Q5K;
 struct Q6K;
@@ -670,7 +667,20 @@ impl KKind for Q4K {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn unpack_nat(p: *const u8) -> KNat {
-        k4_nat(p, q4k_units(p))
+        k4_nat(p, Self::units_of(&load_raw(p, Self::RAW)))
+    }
+    const RAW: &'static [usize] = &Q4K_RAW;
+    const SCN: usize = 8;
+    const ACC: usize = 8;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn units_of(r: &Raw) -> [__m256i; 8] {
+        q4k_units_of(r)
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn col_scales(p: &[*const u8; CB_ROWS], out: &mut KCols) {
+        k4_col_scales(p, out)
     }
 }
 
@@ -680,7 +690,20 @@ impl KKind for Q5K {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn unpack_nat(p: *const u8) -> KNat {
-        k4_nat(p, q5k_units(p))
+        k4_nat(p, Self::units_of(&load_raw(p, Self::RAW)))
+    }
+    const RAW: &'static [usize] = &Q5K_RAW;
+    const SCN: usize = 8;
+    const ACC: usize = 4;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn units_of(r: &Raw) -> [__m256i; 8] {
+        q5k_units_of(r)
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn col_scales(p: &[*const u8; CB_ROWS], out: &mut KCols) {
+        k4_col_scales(p, out)
     }
 }
 
@@ -692,12 +715,46 @@ impl KKind for Q6K {
     unsafe fn unpack_nat(p: *const u8) -> KNat {
         let scales = _mm_loadu_si128(p.add(192) as *const __m128i);
         KNat {
-            q: q6k_units(p),
+            q: Self::units_of(&load_raw(p, Self::RAW)),
             scv: _mm256_broadcastsi128_si256(scales),
             bs: _mm256_slli_epi16(_mm256_cvtepi8_epi16(scales), 5),
             d: f16_1(p.add(208)),
             dmin: 0.0,
         }
+    }
+    const RAW: &'static [usize] = &Q6K_RAW;
+    const SCN: usize = 4;
+    const ACC: usize = 2;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn units_of(r: &Raw) -> [__m256i; 8] {
+        q6k_units_of(r)
+    }
+    /// Sixteen signed scales per block: byte `h` of row `c` to the high bytes of dword `c`, then
+    /// an arithmetic shift (and for the offsets a multiply by 32).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn col_scales(p: &[*const u8; CB_ROWS], out: &mut KCols) {
+        let x: [__m128i; CB_ROWS] =
+            std::array::from_fn(|c| _mm_loadu_si128(p[c].add(192) as *const __m128i));
+        // Lane pairs [row k | row k + 4].
+        let y: [__m256i; 4] = std::array::from_fn(|k| _mm256_set_m128i(x[k + 4], x[k]));
+        let gather = |e: usize| {
+            let mut v = _mm256_setzero_si256();
+            for (k, yk) in y.iter().enumerate() {
+                let ctl = ld(SHUF_K6_COLS[k][e].as_ptr() as *const u8);
+                v = _mm256_or_si256(v, _mm256_shuffle_epi8(*yk, ctl));
+            }
+            _mm256_srai_epi16::<8>(v)
+        };
+        for h in 0..16 {
+            out.sc[h] = gather(h);
+        }
+        for q in 0..8 {
+            out.bs[q] = _mm256_slli_epi16::<5>(gather(16 + q));
+        }
+        out.d = f16_cols(p, 208);
+        out.ndmin = _mm256_setzero_ps();
     }
 }
 
@@ -783,23 +840,6 @@ struct KCols {
     d: __m256,
     /// −dmin (Q4_K/Q5_K).
     ndmin: __m256,
-}
-
-/// A K-quant type for the column tiles.
-trait KCol: KKind {
-    /// Elements of one scale run, in 4-element chunks (Q4_K/Q5_K: 8, Q6_K: 4).
-    const SCN: usize;
-    /// Chunks whose `maddubs` results add up exactly in i16 before one `madd` (Q4_K: 8 since
-    /// 8·2·15·128 < 2^15; Q5_K: 4; Q6_K: 2).
-    const ACC: usize;
-    /// Offsets of the block's 32-byte value registers. Every unpack step works byte by byte
-    /// (the same byte position of each register in, one byte out), so it commutes with the
-    /// 32-bit transpose: [`build_cols`] transposes these registers of eight rows, then unpacks.
-    const RAW: &'static [usize];
-    /// Natural-order units (`units[j]` = elements `32j .. 32j + 32`) from the `RAW` registers.
-    unsafe fn units_of(r: &Raw) -> [__m256i; 8];
-    /// `sc`, `bs`, `d` and `ndmin` of the groups at `p[c]`.
-    unsafe fn col_scales(p: &[*const u8; CB_ROWS], out: &mut KCols);
 }
 
 /// An all-zero block standing in for output rows past the end of a column block.
@@ -942,81 +982,12 @@ unsafe fn k4_col_scales(p: &[*const u8; CB_ROWS], out: &mut KCols) {
     out.ndmin = _mm256_xor_ps(f16x8(_mm256_srli_epi32::<16>(t[0])), _mm256_set1_ps(-0.0));
 }
 
-impl KCol for Q4K {
-    const RAW: &'static [usize] = &Q4K_RAW;
-    const SCN: usize = 8;
-    const ACC: usize = 8;
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn units_of(r: &Raw) -> [__m256i; 8] {
-        q4k_units_of(r)
-    }
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn col_scales(p: &[*const u8; CB_ROWS], out: &mut KCols) {
-        k4_col_scales(p, out)
-    }
-}
-
-impl KCol for Q5K {
-    const RAW: &'static [usize] = &Q5K_RAW;
-    const SCN: usize = 8;
-    const ACC: usize = 4;
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn units_of(r: &Raw) -> [__m256i; 8] {
-        q5k_units_of(r)
-    }
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn col_scales(p: &[*const u8; CB_ROWS], out: &mut KCols) {
-        k4_col_scales(p, out)
-    }
-}
-
-impl KCol for Q6K {
-    const RAW: &'static [usize] = &Q6K_RAW;
-    const SCN: usize = 4;
-    const ACC: usize = 2;
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn units_of(r: &Raw) -> [__m256i; 8] {
-        q6k_units_of(r)
-    }
-    /// Sixteen signed scales per block: byte `h` of row `c` to the high bytes of dword `c`, then
-    /// an arithmetic shift (and for the offsets a multiply by 32).
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn col_scales(p: &[*const u8; CB_ROWS], out: &mut KCols) {
-        let x: [__m128i; CB_ROWS] =
-            std::array::from_fn(|c| _mm_loadu_si128(p[c].add(192) as *const __m128i));
-        // Lane pairs [row k | row k + 4].
-        let y: [__m256i; 4] = std::array::from_fn(|k| _mm256_set_m128i(x[k + 4], x[k]));
-        let gather = |e: usize| {
-            let mut v = _mm256_setzero_si256();
-            for (k, yk) in y.iter().enumerate() {
-                let ctl = ld(SHUF_K6_COLS[k][e].as_ptr() as *const u8);
-                v = _mm256_or_si256(v, _mm256_shuffle_epi8(*yk, ctl));
-            }
-            _mm256_srai_epi16::<8>(v)
-        };
-        for h in 0..16 {
-            out.sc[h] = gather(h);
-        }
-        for q in 0..8 {
-            out.bs[q] = _mm256_slli_epi16::<5>(gather(16 + q));
-        }
-        out.d = f16_cols(p, 208);
-        out.ndmin = _mm256_setzero_ps();
-    }
-}
-
 /// Unpacks the groups at `p[c]` (one per output row) into column order.
 // t[r][i] is indexed by value register and chunk.
 #[allow(clippy::needless_range_loop)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn build_cols<K: KCol>(p: &[*const u8; CB_ROWS], out: &mut KCols) {
+unsafe fn build_cols<K: KKind>(p: &[*const u8; CB_ROWS], out: &mut KCols) {
     // t[r][i]: lane c holds bytes 4i .. 4i + 4 of value register r of row c.
     let mut t = [[_mm256_setzero_si256(); 8]; 6];
     for (tr, &off) in t.iter_mut().zip(K::RAW) {
@@ -1038,7 +1009,7 @@ unsafe fn build_cols<K: KCol>(p: &[*const u8; CB_ROWS], out: &mut KCols) {
 #[allow(clippy::needless_range_loop)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile_cols<K: KCol, const RT: usize>(
+unsafe fn tile_cols<K: KKind, const RT: usize>(
     w: &[KCols; CB],
     a: *const u8,
     stride: usize,
@@ -1113,7 +1084,7 @@ unsafe fn chain(v: &mut __m256i) {
 /// column order and dotted with the activation rows `CT` at a time.
 #[inline(never)]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_k_cols<K: KCol>(
+unsafe fn rows_k_cols<K: KKind>(
     w: &QMatrix,
     act: *const u8,
     stride: usize,
@@ -1126,7 +1097,7 @@ unsafe fn rows_k_cols<K: KCol>(
     let rb = w.row_bytes();
     let n_groups = w.n_in / GROUP;
     let mut cols: [KCols; CB] = std::mem::zeroed();
-    let mut acc = vec![0f32; T_CAP.min(n_tok) * W];
+    let mut acc = [0f32; T_CAP * W]; // [activation row, output row of the block]
     let mut t0 = 0;
     while t0 < n_tok {
         let nt = (n_tok - t0).min(T_CAP);

@@ -81,8 +81,7 @@ impl StepCost {
                 cache.truncate(base);
                 r?;
             }
-            t.sort_by(f64::total_cmp);
-            points.push((n, t[t.len() / 2]));
+            points.extend(median(&t).map(|m| (n, m)));
         }
         Ok(StepCost::from_points(points))
     }
@@ -128,6 +127,13 @@ impl StepCost {
         let (nl, sl) = pts[pts.len() - 1];
         sl * x / nl as f64
     }
+}
+
+/// The median of `v` (the upper one for an even count; `None` when empty).
+pub fn median(v: &[f64]) -> Option<f64> {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s.get(s.len() / 2).copied()
 }
 
 /// One request's acceptance by depth: `hit[d] / tried[d]` estimates the probability that a
