@@ -1,9 +1,9 @@
-//! Greedy speculative generation with real drafters (prompt lookup, early-exit self-speculation, dynamic trees, merged trees, SPACE) on smollm2-135m equals incremental greedy decoding.
+//! Greedy speculative generation with real drafters (prompt lookup, early-exit self-speculation, dynamic trees, merged trees, SPACE, Token Recycling) on smollm2-135m equals incremental greedy decoding.
 
 mod common;
 
 use arbor_engine::draft::{
-    early_exit, DraftSampling, Drafter, NgramDrafter, SpaceDrafter, SpaceMode,
+    early_exit, DraftSampling, Drafter, NgramDrafter, RecycleDrafter, SpaceDrafter, SpaceMode,
 };
 use arbor_engine::generate::{generate, GenerateParams};
 use arbor_engine::spec::{self, SpecParams};
@@ -30,6 +30,7 @@ fn real_drafters_greedy_equal_incremental() {
     let n = 24;
     let mut total_accepted = 0;
     let mut space_accepted = 0;
+    let mut recycle_accepted = 0;
     for (pi, text) in PROMPTS.iter().enumerate() {
         let prompt = m.tok.encode_prompt(text).unwrap();
         let reference = generate(&m.model, be, &m.tok, &prompt, &params(n), |_| {}).unwrap();
@@ -48,6 +49,7 @@ fn real_drafters_greedy_equal_incremental() {
         let space = |mode| -> Box<dyn Drafter> {
             Box::new(SpaceDrafter::new(4, mode, DraftSampling::TopK, vocab, 1).unwrap())
         };
+        let recycle = |k| -> Box<dyn Drafter> { Box::new(RecycleDrafter::new(vocab, k).unwrap()) };
         let runs: Vec<(&str, Vec<Box<dyn Drafter + '_>>)> = vec![
             ("ngram", vec![Box::new(NgramDrafter::default())]),
             ("early-exit chain", vec![Box::new(ee("1,1,1,1"))]),
@@ -62,6 +64,11 @@ fn real_drafters_greedy_equal_incremental() {
             (
                 "space + ngram merged",
                 vec![space(SpaceMode::Jacobi), Box::new(NgramDrafter::default())],
+            ),
+            ("recycle", vec![recycle(8)]),
+            (
+                "recycle + ngram merged",
+                vec![recycle(4), Box::new(NgramDrafter::default())],
             ),
         ];
         for (name, mut ds) in runs {
@@ -101,6 +108,9 @@ fn real_drafters_greedy_equal_incremental() {
             if name.starts_with("space") && !name.contains("ngram") {
                 space_accepted += out.metrics.accepted;
             }
+            if name == "recycle" {
+                recycle_accepted += out.metrics.accepted;
+            }
         }
     }
     assert!(total_accepted > 0, "real drafters are accepted sometimes");
@@ -108,4 +118,56 @@ fn real_drafters_greedy_equal_incremental() {
         space_accepted > 0,
         "SPACE candidates (SPACE alone) are accepted sometimes"
     );
+    assert!(
+        recycle_accepted > 0,
+        "recycled candidates (recycle alone) are accepted sometimes"
+    );
+}
+
+/// Token Recycling under the adaptive policy (verified depth and node count follow the pass
+/// cost learnt from timings, so the trees differ run to run): greedy output stays incremental
+/// decoding's, on a chat request that does not repeat its prompt.
+#[test]
+fn recycle_adaptive_greedy_equals_incremental() {
+    let m = common::smollm2();
+    let be = common::backend();
+    let text = m.tok.apply_chat_template(
+        &[arbor_engine::tokenizer::ChatMessage::new(
+            "user",
+            "Write a Python function that returns the n-th Fibonacci number.",
+        )],
+        true,
+    );
+    let prompt = m.tok.encode_prompt(&text).unwrap();
+    let n = 48;
+    let reference = generate(&m.model, be, &m.tok, &prompt, &params(n), |_| {}).unwrap();
+    let vocab = m.model.config.vocab_size;
+    for with_ngram in [false, true] {
+        let mut ds: Vec<Box<dyn Drafter>> = vec![Box::new(RecycleDrafter::new(vocab, 8).unwrap())];
+        if with_ngram {
+            ds.push(Box::new(NgramDrafter::default()));
+        }
+        let mut refs: Vec<&mut dyn Drafter> = ds
+            .iter_mut()
+            .map(|d| d.as_mut() as &mut dyn Drafter)
+            .collect();
+        let sp = SpecParams {
+            budget: 64,
+            mode: None,
+            adaptive: true,
+        };
+        let out = spec::generate(
+            &m.model,
+            be,
+            &m.tok,
+            &prompt,
+            &params(n),
+            &sp,
+            &mut refs,
+            |_| {},
+        )
+        .unwrap();
+        assert_eq!(out.output.tokens, reference.tokens, "ngram: {with_ngram}");
+        assert_eq!(out.output.text, reference.text, "ngram: {with_ngram}");
+    }
 }

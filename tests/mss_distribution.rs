@@ -10,8 +10,8 @@
 use std::collections::HashMap;
 
 use arbor_engine::draft::{
-    early_exit, DistDrafter, DraftSampling, Drafter, ModelDrafter, NgramDrafter, SpaceDrafter,
-    SpaceMode,
+    early_exit, DistDrafter, DraftSampling, Drafter, ModelDrafter, NgramDrafter, RecycleDrafter,
+    SpaceDrafter, SpaceMode,
 };
 use arbor_engine::sample::verify::{Verifier, VerifyMode, VerifyOutcome};
 use arbor_engine::sample::{Rng, Sampler, SamplingParams};
@@ -479,6 +479,26 @@ fn always_accept(
     }
 }
 
+/// Token Recycling (picked candidates from a matrix every verified row refills; one matrix over
+/// all the samples, as a server shares it) merged with prompt lookup: its guesses are accepted,
+/// the LLM's distribution is kept.
+#[test]
+fn mss_token_recycling_matches_llm() {
+    let params = sampling(0.9, 0, 1.0);
+    let mut recycle = RecycleDrafter::new(VOCAB, 4).unwrap();
+    let (c1, c3, acc) = speculative_counts(VerifyMode::Mss, &params, &mut [&mut recycle], 16);
+    eprintln!("recycle: mean accepted {acc:.2}");
+    assert!(
+        acc > 0.2,
+        "recycled candidates should be accepted sometimes: {acc}"
+    );
+    assert_matches_llm("mss, recycle", &params, &c1, &c3);
+    let mut ng = NgramDrafter::default();
+    let (c1, c3, _) =
+        speculative_counts(VerifyMode::Mss, &params, &mut [&mut recycle, &mut ng], 16);
+    assert_matches_llm("mss, recycle + ngram", &params, &c1, &c3);
+}
+
 /// Real drafters merged: a small model sampling its children (with its own KV cache), the LLM's
 /// first layer picking top-k children (early exit) and prompt lookup.
 #[test]
@@ -556,6 +576,7 @@ fn batched_adaptive_speculation_keeps_the_llm_distribution() {
             policy: SpecPolicy::Adaptive,
             mode: Some(VerifyMode::Mss),
             external: false,
+            candidates: 0,
         };
         s.submit_spec(PROMPT.to_vec(), params, Some(spec)).unwrap();
     }

@@ -592,6 +592,38 @@ fn a_failing_drafter_does_not_change_greedy_output() {
     assert_eq!(s["drafter_failures"], 2 * PROMPTS.len() as u64, "{s}");
 }
 
+/// Token Recycling served: every request's drafter learns from the candidates the Verifier
+/// sends with each commit, per request or from one matrix all requests share; greedy outputs
+/// stay the LLM's own and recycled guesses are accepted.
+#[test]
+fn served_token_recycling_keeps_greedy_output() {
+    let vocab = common::smollm2().model.config.vocab_size;
+    for shared in [false, true] {
+        let server = TestServer::start(
+            engine_config(vec![
+                DrafterFactory::recycle(vocab, 8, shared).expect("recycle"),
+                DrafterFactory::ngram(3).expect("ngram"),
+            ]),
+            ServerConfig::default(),
+        );
+        let mut c = server.client();
+        let mut accepted = 0;
+        for (i, prompt) in PROMPTS.iter().enumerate() {
+            let p = params(24, 0.0, 0);
+            let mut req = request(json!(i), prompt, &p);
+            req["speculation"] = json!({"draft": ["recycle"], "adaptive": false, "budget": 8});
+            let (events, fin) = c.run(&req);
+            assert_eq!(fin["done"], true, "{fin}");
+            accepted += fin["spec"]["accepted"].as_u64().unwrap_or(0);
+            let (text, toks) = streamed(&events);
+            let (want_text, want_toks) = reference(prompt, &p, None);
+            assert_eq!(toks, want_toks, "shared {shared}: {prompt:?}");
+            assert_eq!(text, want_text);
+        }
+        assert!(accepted > 0, "shared {shared}: recycled guesses accepted");
+    }
+}
+
 #[test]
 fn auth_is_required_when_configured() {
     let server = TestServer::start(

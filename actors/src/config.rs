@@ -4,7 +4,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arbor_engine::draft::ngram::NgramDrafter;
-use arbor_engine::draft::{check_same_vocab, DraftSampling, DraftShape, Drafter, ModelDrafter};
+use arbor_engine::draft::{
+    check_same_vocab, DraftSampling, DraftShape, Drafter, ModelDrafter, RecycleDrafter,
+    RecycleMatrix, RecycleTemplate,
+};
 use arbor_engine::sched::SchedConfig;
 use arbor_engine::{CpuBackend, KvPool, Model, Tokenizer};
 
@@ -26,6 +29,9 @@ type BuildFn = dyn Fn(&DraftContext) -> arbor_engine::Result<Box<dyn Drafter>> +
 #[derive(Clone)]
 pub struct DrafterFactory {
     pub name: String,
+    /// Top candidates per verified row its drafters want with each commit (Token Recycling;
+    /// 0: none).
+    pub candidates: usize,
     build: Arc<BuildFn>,
 }
 
@@ -44,8 +50,33 @@ impl DrafterFactory {
     ) -> DrafterFactory {
         DrafterFactory {
             name: name.into(),
+            candidates: 0,
             build: Arc::new(build),
         }
+    }
+
+    /// Token Recycling (`recycle[:K]`): every request drafts from an adjacency matrix of `k`
+    /// successors per token, refilled from the top-`k` candidates of its verified rows. With
+    /// `shared`, one matrix serves every request of the server (one request's candidates become
+    /// other requests' draft guesses, checked by verification like any guess; never output).
+    pub fn recycle(vocab: usize, k: usize, shared: bool) -> Result<DrafterFactory> {
+        let template = Arc::new(RecycleTemplate::paper());
+        let matrix = Arc::new(std::sync::Mutex::new(
+            RecycleMatrix::new(vocab, k).map_err(ServeError::from)?,
+        ));
+        let mut f = DrafterFactory::new("recycle", move |_: &DraftContext| {
+            let matrix = if shared {
+                Arc::clone(&matrix)
+            } else {
+                Arc::new(std::sync::Mutex::new(RecycleMatrix::new(vocab, k)?))
+            };
+            Ok(
+                Box::new(RecycleDrafter::shared(matrix, Arc::clone(&template))?)
+                    as Box<dyn Drafter>,
+            )
+        });
+        f.candidates = k;
+        Ok(f)
     }
 
     /// Prompt lookup over suffixes of up to `max_n` tokens (`ngram[:N]`), proposing up to the

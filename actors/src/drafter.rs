@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use actix::{Actor, Handler, SyncContext};
-use arbor_engine::draft::Drafter;
+use arbor_engine::draft::{Drafter, PassCandidates};
 use arbor_engine::spec::{panic_message, propose_many, ProposeItem};
 
 use crate::config::{DraftContext, DrafterFactory};
@@ -20,6 +20,9 @@ pub struct DrafterActor {
     instances: HashMap<RequestId, Option<Box<dyn Drafter>>>,
     /// Failures in `accept`, reported with the next `Drafted`.
     pending_failures: Vec<(RequestId, String)>,
+    /// Prompt candidates (Token Recycling's warm start) of requests whose instance is built at
+    /// their first `Draft`, after their prefill.
+    early_candidates: HashMap<RequestId, Vec<PassCandidates>>,
 }
 
 impl DrafterActor {
@@ -30,6 +33,7 @@ impl DrafterActor {
             vocab,
             instances: HashMap::new(),
             pending_failures: Vec::new(),
+            early_candidates: HashMap::new(),
         }
     }
 }
@@ -58,7 +62,15 @@ impl Handler<Draft> for DrafterActor {
                     depth: w.depth,
                     vocab: self.vocab,
                 };
-                match catch_unwind(AssertUnwindSafe(|| self.factory.build(&cx))) {
+                let early = self.early_candidates.remove(&w.id).unwrap_or_default();
+                let built = catch_unwind(AssertUnwindSafe(|| {
+                    let mut d = self.factory.build(&cx)?;
+                    for c in &early {
+                        d.observe_candidates(&c.rows());
+                    }
+                    Ok::<_, arbor_engine::EngineError>(d)
+                }));
+                match built {
                     Ok(Ok(d)) => Some(d),
                     Ok(Err(e)) => {
                         out.failures.push((w.id, format!("build: {e}")));
@@ -94,6 +106,7 @@ impl Handler<Draft> for DrafterActor {
                 continue;
             };
             who.push((id, pos));
+            d.set_row_cost(w.row_cost);
             items.push(ProposeItem {
                 drafter: &mut **d,
                 tokens: &w.tokens,
@@ -126,14 +139,34 @@ impl Handler<CommitDrafts> for DrafterActor {
         let failures = &mut self.pending_failures;
         for c in msg.commits.iter() {
             let Some(slot) = self.instances.get_mut(&c.id) else {
+                // Not drafted for yet: keep a prefill's candidates for its first `Draft`.
+                if let (true, Some(cands), true) = (
+                    c.prefill,
+                    c.candidates.as_ref(),
+                    self.factory.candidates > 0,
+                ) {
+                    self.early_candidates
+                        .entry(c.id)
+                        .or_default()
+                        .push(cands.clone());
+                }
                 continue;
             };
             let Some(d) = slot.as_mut() else {
                 continue;
             };
             let r = catch_unwind(AssertUnwindSafe(|| {
-                d.observe(None);
-                d.accept(&c.accepted, c.bonus);
+                if !c.prefill {
+                    d.observe(None);
+                }
+                if let Some(cands) = c.candidates.as_ref() {
+                    if d.candidates_wanted() > 0 {
+                        d.observe_candidates(&cands.rows());
+                    }
+                }
+                if !c.prefill {
+                    d.accept(&c.accepted, c.bonus);
+                }
             }));
             if let Err(p) = r {
                 *slot = None;
@@ -149,6 +182,7 @@ impl Handler<Forget> for DrafterActor {
     fn handle(&mut self, msg: Forget, _: &mut SyncContext<Self>) {
         for id in msg.ids {
             self.instances.remove(&id);
+            self.early_candidates.remove(&id);
         }
     }
 }

@@ -23,6 +23,8 @@ pub struct Verifier {
     backend: CpuBackend,
     tokenizer: Arc<Tokenizer>,
     n_drafters: usize,
+    /// Per drafter, the candidates per verified row it wants (Token Recycling).
+    drafter_candidates: Vec<usize>,
     max_prompt_tokens: usize,
     /// Request id → its scheduler id and speculation; scheduler id → request id.
     requests: HashMap<RequestId, Tracked>,
@@ -89,6 +91,7 @@ impl Verifier {
             backend,
             tokenizer: Arc::clone(&config.tokenizer),
             n_drafters: config.drafters.len(),
+            drafter_candidates: config.drafters.iter().map(|d| d.candidates).collect(),
             max_prompt_tokens,
             requests: HashMap::new(),
             to_req: HashMap::new(),
@@ -163,6 +166,12 @@ impl Verifier {
                     },
                     mode: sp.verify,
                     external: true,
+                    candidates: sp
+                        .drafters
+                        .iter()
+                        .map(|&i| self.drafter_candidates[i])
+                        .max()
+                        .unwrap_or(0),
                 })
             }
             None => None,
@@ -369,6 +378,7 @@ impl Verifier {
                     drafters,
                     seed,
                     depth,
+                    row_cost: j.row_cost,
                 })
             })
             .collect();

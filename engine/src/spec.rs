@@ -12,7 +12,7 @@ use std::time::Instant;
 use crate::backend::Backend;
 use crate::draft::{
     BatchDrafter, BatchKey, DraftPass, DraftRequest, DraftStep, Drafter, GroupLogits,
-    PlaceholderGroup,
+    PassCandidates, PlaceholderGroup,
 };
 use crate::error::{EngineError, Result};
 use crate::generate::{
@@ -23,8 +23,8 @@ use crate::model::Model;
 use crate::sample::verify::{Verifier, VerifyMode, VerifyOutcome};
 use crate::sample::Sampler;
 use crate::sched::adaptive::{
-    choose_depths, drafting_pays, median, nodes_upto, Acceptance, DepthOptions, DraftBackoff,
-    StepCost, COSTLY_DRAFT,
+    choose_depths, drafting_pays, median, nodes_upto, row_cost, useful_budget, Acceptance,
+    DepthOptions, DraftBackoff, StepCost, COSTLY_DRAFT,
 };
 use crate::tokenizer::Tokenizer;
 use crate::tree::{DrafterId, TokenTree, TreeMask};
@@ -136,15 +136,26 @@ pub fn tree_logits<B: Backend>(
     )
 }
 
+/// What [`verify_step`] returns.
+#[derive(Debug)]
+pub struct VerifiedStep {
+    pub outcome: VerifyOutcome,
+    /// Per placeholder group, its logits `[len, vocab]` when it hangs off the last accepted node.
+    pub group_logits: Vec<Option<Vec<f32>>>,
+    /// The top candidates of every tree row, when asked for.
+    pub candidates: Option<PassCandidates>,
+}
+
 /// Verify `tree` in one pass and commit: afterwards `cache` holds the root's and the accepted
 /// nodes' K/V at their positions (`len` grows by 1 + accepted) and nothing else.
 ///
 /// SPACE placeholder `groups` (possibly none) ride along as rows after the tree's, each a chain
 /// hanging off its anchor node (see [`crate::draft::space`]). The tree's rows never see a
 /// placeholder, so verification is exactly that of the tree alone; placeholder K/V rows are
-/// dropped. Returns the outcome and, per group, its logits `[len, vocab]` when the group hangs
+/// dropped. Returns the outcome, per group its logits `[len, vocab]` when the group hangs
 /// off the last accepted node (the only ones a drafter can use; the others' output head is
-/// skipped).
+/// skipped), and with `candidates > 0` the top `candidates` tokens of every tree row (Token
+/// Recycling).
 pub fn verify_step<B: Backend>(
     model: &Model,
     backend: &B,
@@ -152,7 +163,8 @@ pub fn verify_step<B: Backend>(
     tree: &TokenTree,
     groups: &[&PlaceholderGroup],
     verifier: &mut Verifier,
-) -> Result<(VerifyOutcome, Vec<Option<Vec<f32>>>)> {
+    candidates: usize,
+) -> Result<VerifiedStep> {
     let base = cache.len();
     let vocab = model.config.vocab_size;
     let t = tree.len();
@@ -188,6 +200,8 @@ pub fn verify_step<B: Backend>(
         let rows: Vec<usize> = (0..t).collect();
         let logits = model.logits_of(backend, &hidden, &rows)?;
         let o = verifier.verify(tree, &logits, vocab)?;
+        let cands =
+            (candidates > 0).then(|| PassCandidates::of(tree.tokens(), &logits, vocab, candidates));
         let last = o.accepted.last().copied().unwrap_or(0);
         let mut out = Vec::with_capacity(groups.len());
         for (g, &start) in groups.iter().zip(&starts) {
@@ -198,12 +212,16 @@ pub fn verify_step<B: Backend>(
                 None
             });
         }
-        Ok((o, out))
+        Ok(VerifiedStep {
+            outcome: o,
+            group_logits: out,
+            candidates: cands,
+        })
     };
     match run(cache, verifier) {
-        Ok((o, out)) => {
-            cache.commit_rows(base, &o.kv_rows())?;
-            Ok((o, out))
+        Ok(v) => {
+            cache.commit_rows(base, &v.outcome.kv_rows())?;
+            Ok(v)
         }
         Err(e) => {
             cache.truncate(base);
@@ -645,6 +663,16 @@ impl<'m, B: Backend> SpecSession<'m, B> {
         drafters: &mut [&mut dyn Drafter],
         max_depth: usize,
     ) -> Result<TokenTree> {
+        self.draft_within(drafters, max_depth, self.budget)
+    }
+
+    /// [`SpecSession::draft`] with at most `budget` draft nodes (capped by the session's).
+    pub fn draft_within(
+        &mut self,
+        drafters: &mut [&mut dyn Drafter],
+        max_depth: usize,
+        budget: usize,
+    ) -> Result<TokenTree> {
         let room = self.cache.capacity().saturating_sub(self.cache.len());
         if room == 0 {
             return Err(EngineError::ContextOverflow {
@@ -652,7 +680,7 @@ impl<'m, B: Backend> SpecSession<'m, B> {
                 limit: self.cache.capacity(),
             });
         }
-        let budget = self.budget.min(room - 1);
+        let budget = self.budget.min(budget).min(room - 1);
         let vocab = self.model.config.vocab_size;
         draft_tree(drafters, &self.tokens, budget, max_depth, vocab)
     }
@@ -683,13 +711,23 @@ impl<'m, B: Backend> SpecSession<'m, B> {
             groups.clear(); // no scratch room for them: verify the tree alone
         }
         let refs: Vec<&PlaceholderGroup> = groups.iter().map(|g| &g.2).collect();
-        let (o, group_logits) = verify_step(
+        let wanted = drafters
+            .iter()
+            .map(|d| d.candidates_wanted())
+            .max()
+            .unwrap_or(0);
+        let VerifiedStep {
+            outcome: o,
+            group_logits,
+            candidates,
+        } = verify_step(
             self.model,
             self.backend,
             &mut self.cache,
             tree,
             &refs,
             &mut self.verifier,
+            wanted,
         )?;
         self.metrics.record(tree, &o);
         if !groups.is_empty() {
@@ -710,6 +748,9 @@ impl<'m, B: Backend> SpecSession<'m, B> {
                     _ => None,
                 });
             d.observe(seen);
+            if let Some(c) = candidates.as_ref().filter(|_| d.candidates_wanted() > 0) {
+                d.observe_candidates(&c.rows());
+            }
             d.accept(&o.tokens, o.bonus);
         }
         Ok(o)
@@ -725,6 +766,51 @@ impl<'m, B: Backend> SpecSession<'m, B> {
         let tree = self.draft(drafters, max_depth)?;
         self.verify(&tree, drafters)
     }
+}
+
+/// Prompt rows per output-head call of [`prefill_candidates`] (bounds its logits buffer).
+const CANDIDATE_ROWS: usize = 64;
+
+/// [`prefill`] that also returns the top `k` candidates of every prompt row: one pass over the
+/// prompt for the hidden states, then the output head over chunks of rows. The last row's
+/// logits are the same bits as [`prefill`]'s.
+pub fn prefill_candidates<B: Backend>(
+    model: &Model,
+    backend: &B,
+    cache: &mut KvCache,
+    prompt: &[u32],
+    k: usize,
+) -> Result<(Vec<f32>, f64, PassCandidates)> {
+    let t0 = Instant::now();
+    let positions: Vec<usize> = (0..prompt.len()).collect();
+    let hidden = model.forward_hidden(
+        backend,
+        cache,
+        prompt,
+        &positions,
+        crate::backend::BatchMask::Causal,
+    )?; // [prompt.len(), n_embd]
+    let vocab = model.config.vocab_size;
+    let mut top = Vec::new();
+    let mut last = Vec::new();
+    let mut k_out = k;
+    for start in (0..prompt.len()).step_by(CANDIDATE_ROWS) {
+        let end = (start + CANDIDATE_ROWS).min(prompt.len());
+        let rows: Vec<usize> = (start..end).collect();
+        let logits = model.logits_of(backend, &hidden, &rows)?; // [rows, vocab]
+        let c = PassCandidates::of(prompt[start..end].to_vec(), &logits, vocab, k);
+        k_out = c.k;
+        top.extend_from_slice(&c.top);
+        if rows.last() == Some(&(prompt.len() - 1)) {
+            last = logits[(rows.len() - 1) * vocab..].to_vec();
+        }
+    }
+    let rows = PassCandidates {
+        tokens: prompt.to_vec(),
+        k: k_out,
+        top,
+    };
+    Ok((last, t0.elapsed().as_secs_f64(), rows))
 }
 
 /// Result of a speculative generation.
@@ -772,7 +858,22 @@ pub fn generate<B: Backend>(
     );
     let mut sink = TokenSink::new(tokenizer, params, on_text);
     // Prefill exactly as incremental generation does; the first token comes from its logits.
-    let (logits, prefill_secs) = prefill(model, backend, &mut cache, prompt)?;
+    // Drafters that learn from every row's candidates (Token Recycling) are warm-started from
+    // the prompt's rows.
+    let wanted = drafters
+        .iter()
+        .map(|d| d.candidates_wanted())
+        .max()
+        .unwrap_or(0);
+    let (logits, prefill_secs) = if wanted > 0 {
+        let (logits, secs, rows) = prefill_candidates(model, backend, &mut cache, prompt, wanted)?;
+        for d in drafters.iter_mut().filter(|d| d.candidates_wanted() > 0) {
+            d.observe_candidates(&rows.rows());
+        }
+        (logits, secs)
+    } else {
+        prefill(model, backend, &mut cache, prompt)?
+    };
     let t1 = Instant::now();
     let first = if params.max_tokens == 0 {
         None
@@ -838,8 +939,19 @@ pub fn generate<B: Backend>(
         } else {
             FIRST_DRAFT_DEPTH
         };
+        // Only as many nodes as a pass can verify for what drafts ever gain (the first tree:
+        // as many as it verifies; wide drafters such as Token Recycling then draft their best
+        // few nodes instead of a first level that no depth choice can afford).
+        let node_cap = match cost.as_ref() {
+            Some(c) => {
+                let rc = row_cost(c);
+                drafters.iter_mut().for_each(|d| d.set_row_cost(rc));
+                useful_budget(c, session.budget)
+            }
+            None => FIRST_TREE_ROWS - 1,
+        };
         let t_draft = Instant::now();
-        let proposal = session.draft(drafters, max_depth.min(depth_cap))?;
+        let proposal = session.draft_within(drafters, max_depth.min(depth_cap), node_cap)?;
         let draft_secs = t_draft.elapsed().as_secs_f64();
         let Some(cost) = cost.as_mut() else {
             // No cost curve yet. Nothing proposed: a plain step, timed. The first proposal: verify
@@ -1002,6 +1114,51 @@ mod tests {
             m.accepted_by_depth[0] as f64 / m.steps as f64,
             m.acceptance_by_depth()[0]
         );
+    }
+
+    /// Token Recycling alone and merged with prompt lookup, over sessions of a tiny model: its
+    /// matrix fills from every verified row (nothing before the first pass), the output is
+    /// incremental decoding's and its guesses are accepted.
+    #[test]
+    fn greedy_session_with_token_recycling_equals_incremental() {
+        use crate::draft::{NgramDrafter, RecycleDrafter};
+        let model = tiny_model(
+            &TinySpec {
+                vocab: 24,
+                ..TinySpec::default()
+            },
+            8,
+        )
+        .unwrap();
+        let be = CpuBackend::new(1).unwrap();
+        let prompt = [3u32, 1, 4, 1, 5];
+        let n = 40;
+        let (_, truth) = incremental(&model, &be, &prompt, n);
+        let mut full = prompt.to_vec();
+        full.extend(&truth);
+        for budget in [4, 16, 80] {
+            let mut recycle = RecycleDrafter::new(24, 8).unwrap();
+            let mut s = greedy_session(&model, &be, &prompt, truth[0], budget).unwrap();
+            step_until(&mut s, &mut [&mut recycle], full.len(), 8).unwrap();
+            assert_eq!(&s.tokens()[..full.len()], &full[..], "budget {budget}");
+            assert!(
+                s.metrics().accepted > 0,
+                "budget {budget}: {:?}",
+                s.metrics()
+            );
+            assert!(!recycle.matrix().successors(truth[0]).is_empty());
+
+            let mut recycle = RecycleDrafter::new(24, 4).unwrap();
+            let mut ngram = NgramDrafter::default();
+            let mut ds: [&mut dyn Drafter; 2] = [&mut recycle, &mut ngram];
+            let mut s = greedy_session(&model, &be, &prompt, truth[0], budget).unwrap();
+            step_until(&mut s, &mut ds, full.len(), 8).unwrap();
+            assert_eq!(
+                &s.tokens()[..full.len()],
+                &full[..],
+                "merged, budget {budget}"
+            );
+        }
     }
 
     /// Whatever the AMX setting (never; prompt prefill only; everywhere, the default: tiles for

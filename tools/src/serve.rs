@@ -26,6 +26,8 @@ pub struct ServeOptions {
     pub spec_depth: usize,
     /// Tree shape of model drafters (`--speculate-tree`).
     pub spec_tree: String,
+    /// `recycle` drafters of all requests share one matrix (`--recycle-shared`).
+    pub recycle_shared: bool,
 }
 
 /// The drafters a server runs, parsed and checked before any model loads: `ngram[:N]`,
@@ -37,9 +39,12 @@ pub fn check_drafters(specs: &[String]) -> anyhow::Result<Vec<DraftSpec>> {
         .map(|d| {
             let spec: DraftSpec = d.parse()?;
             match spec {
-                DraftSpec::Ngram(_) | DraftSpec::EarlyExit(_) | DraftSpec::Model(_) => Ok(spec),
+                DraftSpec::Ngram(_)
+                | DraftSpec::EarlyExit(_)
+                | DraftSpec::Model(_)
+                | DraftSpec::Recycle(_) => Ok(spec),
                 _ => anyhow::bail!(
-                    "the server runs ngram[:N], early-exit:L and draft models (got '{d}': \
+                    "the server runs ngram[:N], recycle[:K], early-exit:L and draft models (got '{d}': \
                      SPACE and fallback drafters are not served yet)"
                 ),
             }
@@ -57,6 +62,9 @@ pub fn engine_config(o: &ServeOptions) -> anyhow::Result<EngineConfig> {
     for spec in &specs {
         drafters.push(match spec {
             DraftSpec::Ngram(n) => DrafterFactory::ngram(*n)?,
+            DraftSpec::Recycle(k) => {
+                DrafterFactory::recycle(config.model.config.vocab_size, *k, o.recycle_shared)?
+            }
             DraftSpec::EarlyExit(l) => DrafterFactory::early_exit(
                 &config.model,
                 *l,

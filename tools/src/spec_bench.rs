@@ -7,8 +7,9 @@
 use std::time::Instant;
 
 use arbor_engine::draft::{
-    early_exit, DraftSampling, DraftShape, Drafter, FallbackDrafter, ModelDrafter, NgramDrafter,
-    OracleDrafter, RandomDrafter, SpaceDrafter, SpaceMode,
+    early_exit, recycle, DraftSampling, DraftShape, Drafter, FallbackDrafter, ModelDrafter,
+    NgramDrafter, OracleDrafter, RandomDrafter, RecycleDrafter, RecycleMatrix, RecycleTemplate,
+    SpaceDrafter, SpaceMode,
 };
 use arbor_engine::generate::{generate, GenerateParams};
 use arbor_engine::sample::verify::{Verifier, VerifyMode};
@@ -209,6 +210,8 @@ pub enum DraftSpec {
     /// `ngram[:N]-else:SPEC`: prompt lookup on matches of 2 to N tokens, and at steps without
     /// such a match the drafter `SPEC` (`FallbackDrafter`).
     NgramElse(usize, Box<DraftSpec>),
+    /// `recycle[:K]`: Token Recycling with K successors per token (`RecycleDrafter`).
+    Recycle(usize),
 }
 
 impl DraftSpec {
@@ -257,6 +260,19 @@ impl std::str::FromStr for DraftSpec {
         }
         if let Some(l) = s.strip_prefix("early-exit:") {
             return Ok(DraftSpec::EarlyExit(num(l, "expected early-exit:LAYERS")?));
+        }
+        if s == "recycle" {
+            return Ok(DraftSpec::Recycle(recycle::DEFAULT_K));
+        }
+        if let Some(k) = s.strip_prefix("recycle:") {
+            let k = num(k, "expected recycle:K with K >= 1")?;
+            if k > recycle::MAX_K {
+                return Err(EngineError::InvalidArgument(format!(
+                    "drafter '{s}': at most {} successors per token",
+                    recycle::MAX_K
+                )));
+            }
+            return Ok(DraftSpec::Recycle(k));
         }
         if s == "space" {
             return Ok(DraftSpec::Space { k: 4, mask: None });
@@ -324,6 +340,7 @@ fn build_drafter<'m>(
             DraftSampling::TopK,
             seed,
         )?),
+        DraftSpec::Recycle(k) => Box::new(RecycleDrafter::new(llm.config.vocab_size, *k)?),
         DraftSpec::Space { k, mask } => {
             let mode = mask.map_or(SpaceMode::Jacobi, SpaceMode::MaskToken);
             Box::new(SpaceDrafter::new(
@@ -371,6 +388,37 @@ pub const SUITE_PROMPTS: [(&str, &str); 3] = [
     ),
 ];
 
+/// Requests that do not repeat their prompt (chat-style, sent through the model's chat
+/// template): (class, user message).
+pub const UNSEEN_PROMPTS: [(&str, &str); 4] = [
+    (
+        "unseen code",
+        "Write a Python function that merges two sorted lists into one sorted list.",
+    ),
+    (
+        "unseen code",
+        "Write a function in JavaScript that debounces another function.",
+    ),
+    (
+        "unseen chat",
+        "Explain the difference between a process and a thread.",
+    ),
+    (
+        "unseen chat",
+        "Give me three ideas for a weekend trip with children.",
+    ),
+];
+
+/// One prompt class of one configuration.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ClassRow {
+    pub class: String,
+    pub decode_tok_s: f64,
+    pub mean_accepted: f64,
+    /// Over incremental decoding of the same prompts at the same temperature.
+    pub speedup: f64,
+}
+
 /// One configuration of the drafter benchmark at one temperature.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct SuiteRow {
@@ -382,8 +430,8 @@ pub struct SuiteRow {
     pub mean_accepted: f64,
     /// Decode speed over incremental decoding at the same temperature.
     pub speedup: f64,
-    /// Same for the code prompt alone.
-    pub code_speedup: f64,
+    /// The same per prompt class.
+    pub classes: Vec<ClassRow>,
     /// Greedy: whether every output equals incremental output (None under sampling).
     pub equal: Option<bool>,
     /// Steps × drafters whose proposals were ignored for a broken sampling contract (a sampled
@@ -397,11 +445,85 @@ pub struct SuiteBench {
     pub draft_model: String,
     pub threads: usize,
     pub tokens: usize,
+    pub cpu: String,
     pub rows: Vec<SuiteRow>,
 }
 
-/// `arbor bench spec --suite`: incremental vs real drafters over [`SUITE_PROMPTS`], greedy and
-/// T = 0.7. Configs: (name, drafters, tree, budget).
+/// One drafter configuration of the suite.
+struct SuiteConfig {
+    name: String,
+    specs: Vec<DraftSpec>,
+    shape: DraftShape,
+    budget: usize,
+    adaptive: bool,
+    /// `recycle` drafters share one matrix over all prompts (as a server's requests can).
+    shared_recycle: bool,
+}
+
+impl SuiteConfig {
+    fn new(
+        name: impl Into<String>,
+        specs: Vec<DraftSpec>,
+        shape: &str,
+        budget: usize,
+    ) -> Result<Self> {
+        Ok(SuiteConfig {
+            name: name.into(),
+            specs,
+            shape: shape.parse()?,
+            budget,
+            adaptive: false,
+            shared_recycle: false,
+        })
+    }
+
+    fn adaptive(mut self) -> Self {
+        self.adaptive = true;
+        self
+    }
+}
+
+/// Per-prompt sums of one run: (decode secs, tokens, accepted, steps).
+#[derive(Clone, Copy, Default)]
+struct Sums {
+    secs: f64,
+    tokens: usize,
+    accepted: usize,
+    steps: usize,
+}
+
+impl Sums {
+    fn add(&mut self, o: &Sums) {
+        self.secs += o.secs;
+        self.tokens += o.tokens;
+        self.accepted += o.accepted;
+        self.steps += o.steps;
+    }
+
+    fn tok_s(&self) -> f64 {
+        self.tokens as f64 / self.secs.max(1e-9)
+    }
+
+    fn mean_accepted(&self) -> f64 {
+        self.accepted as f64 / self.steps.max(1) as f64
+    }
+}
+
+/// Classes in first-seen order, and each one's sums over `per_prompt`.
+fn by_class(classes: &[&str], per_prompt: &[Sums]) -> Vec<(String, Sums)> {
+    let mut out: Vec<(String, Sums)> = Vec::new();
+    for (c, s) in classes.iter().zip(per_prompt) {
+        match out.iter_mut().find(|(n, _)| n == c) {
+            Some((_, t)) => t.add(s),
+            None => out.push((c.to_string(), *s)),
+        }
+    }
+    out
+}
+
+/// `arbor bench spec --suite`: incremental vs real drafters over [`SUITE_PROMPTS`] and
+/// [`UNSEEN_PROMPTS`], greedy and T = 0.7, overall and per prompt class; `only` keeps the
+/// configurations whose names contain one of its strings (all when empty).
 #[allow(clippy::too_many_arguments)]
 pub fn suite_bench(
     llm: &Model,
@@ -412,61 +534,102 @@ pub fn suite_bench(
     early_exit_layers: usize,
     tokens: usize,
     temperatures: &[f32],
+    only: &[String],
 ) -> Result<SuiteBench> {
     use arbor_engine::spec::{self, SpecParams};
     let ssm_name = ssm.map(|s| s.0.to_string());
-    let mut configs: Vec<(String, Vec<DraftSpec>, DraftShape, usize)> = Vec::new();
+    let mut configs: Vec<SuiteConfig> = Vec::new();
     let ee = DraftSpec::EarlyExit(early_exit_layers);
     let ng = DraftSpec::Ngram(3);
-    let tree: DraftShape = "1,1,3,1,1,1,1,1".parse()?;
+    let rc = DraftSpec::Recycle(recycle::DEFAULT_K);
+    let tree = "1,1,3,1,1,1,1,1";
     if let Some(n) = &ssm_name {
         let m = || DraftSpec::Model(n.clone());
-        configs.push(("ssm chain k=4".into(), vec![m()], "1,1,1,1".parse()?, 4));
-        configs.push((
-            "ssm tree [1,1,3,1,1,1,1,1]".into(),
+        configs.push(SuiteConfig::new("ssm chain k=4", vec![m()], "1,1,1,1", 4)?);
+        configs.push(SuiteConfig::new(
+            "ssm tree [1,1,3,1,1,1,1,1]",
             vec![m()],
-            tree.clone(),
+            tree,
             20,
-        ));
-        configs.push((
-            "ssm + ngram + early-exit".into(),
+        )?);
+        configs.push(SuiteConfig::new(
+            "ssm + ngram + early-exit",
             vec![m(), ng.clone(), ee.clone()],
-            tree.clone(),
+            tree,
             60,
-        ));
-        configs.push((
-            "ssm dynamic:16".into(),
+        )?);
+        configs.push(SuiteConfig::new(
+            "ssm dynamic:16",
             vec![m()],
-            "dynamic:16".parse()?,
+            "dynamic:16",
             16,
-        ));
+        )?);
     }
-    configs.push((
+    configs.push(SuiteConfig::new(
         format!("early-exit:{early_exit_layers} chain k=4"),
         vec![ee.clone()],
-        "1,1,1,1".parse()?,
+        "1,1,1,1",
         4,
-    ));
+    )?);
     // Budget 8 (about one chain) suits greedy verification best, 16 (room for a second and
     // third branch) sampling.
+    let chain8 = "1,1,1,1,1,1,1,1";
     for budget in [8, 16] {
-        configs.push((
+        configs.push(SuiteConfig::new(
             format!("prompt lookup, budget {budget}"),
             vec![ng.clone()],
-            "1,1,1,1,1,1,1,1".parse()?,
+            chain8,
             budget,
-        ));
+        )?);
     }
-    configs.push((
-        "SPACE training-free k=4".into(),
+    configs
+        .push(SuiteConfig::new("prompt lookup adaptive", vec![ng.clone()], chain8, 64)?.adaptive());
+    configs.push(SuiteConfig::new(
+        "SPACE training-free k=4",
         vec![DraftSpec::Space { k: 4, mask: None }],
-        "1,1,1,1".parse()?,
+        "1,1,1,1",
         4,
-    ));
-    let prompts: Vec<Vec<u32>> = SUITE_PROMPTS
+    )?);
+    // Token Recycling: the template's best `budget` nodes (the paper's 80-node tree at 80).
+    for budget in [4, 8, 16] {
+        configs.push(SuiteConfig::new(
+            format!("recycle, budget {budget}"),
+            vec![rc.clone()],
+            chain8,
+            budget,
+        )?);
+    }
+    configs.push(SuiteConfig::new("recycle adaptive", vec![rc.clone()], chain8, 64)?.adaptive());
+    configs.push(SuiteConfig::new(
+        "recycle + ngram, budget 16",
+        vec![rc.clone(), ng.clone()],
+        chain8,
+        16,
+    )?);
+    configs.push(
+        SuiteConfig::new(
+            "recycle + ngram adaptive",
+            vec![rc.clone(), ng.clone()],
+            chain8,
+            64,
+        )?
+        .adaptive(),
+    );
+    let mut shared = SuiteConfig::new("recycle shared, budget 8", vec![rc.clone()], chain8, 8)?;
+    shared.shared_recycle = true;
+    configs.push(shared);
+    configs.retain(|c| only.is_empty() || only.iter().any(|o| c.name.contains(o.as_str())));
+
+    let mut classes: Vec<&str> = SUITE_PROMPTS.iter().map(|p| p.0).collect();
+    let mut prompts: Vec<Vec<u32>> = SUITE_PROMPTS
         .iter()
         .map(|(_, t)| tok.encode_prompt(t))
         .collect::<Result<_>>()?;
+    for (class, text) in UNSEEN_PROMPTS {
+        let chat = tok.apply_chat_template(&[arbor_engine::ChatMessage::new("user", text)], true);
+        prompts.push(tok.encode_prompt(&chat)?);
+        classes.push(class);
+    }
     let mut rows = Vec::new();
     let bar = crate::progress::steps(
         (temperatures.len() * (configs.len() + 1)) as u64,
@@ -488,49 +651,76 @@ pub fn suite_bench(
         };
         // Incremental baseline.
         let mut base_out = Vec::new();
-        let (mut secs, mut toks, mut code_tok_s) = (0.0, 0usize, 0.0);
-        for (i, p) in prompts.iter().enumerate() {
+        let mut base = Vec::new();
+        for p in &prompts {
             let o = generate(llm, backend, tok, p, &params, |_| {})?;
-            secs += o.decode_secs;
-            toks += o.decode_steps;
-            if i == 0 {
-                code_tok_s = o.decode_tok_s();
-            }
+            base.push(Sums {
+                secs: o.decode_secs,
+                tokens: o.decode_steps,
+                ..Sums::default()
+            });
             base_out.push(o.tokens);
         }
-        let base_tok_s = toks as f64 / secs.max(1e-9);
+        let base_classes = by_class(&classes, &base);
+        let mut base_all = Sums::default();
+        base.iter().for_each(|s| base_all.add(s));
         rows.push(SuiteRow {
             config: "incremental".into(),
             temperature: temp,
-            decode_tok_s: base_tok_s,
+            decode_tok_s: base_all.tok_s(),
             mean_accepted: 0.0,
             speedup: 1.0,
-            code_speedup: 1.0,
+            classes: base_classes
+                .iter()
+                .map(|(c, s)| ClassRow {
+                    class: c.clone(),
+                    decode_tok_s: s.tok_s(),
+                    mean_accepted: 0.0,
+                    speedup: 1.0,
+                })
+                .collect(),
             equal: (temp == 0.0).then_some(true),
             drafter_contract_failures: 0,
         });
-        for (name, specs, shape, budget) in &configs {
+        for cfg in &configs {
             bar.inc(1);
+            let name = &cfg.name;
             let ssm_models: Vec<&Model> = ssm.iter().map(|s| s.1).collect();
-            let (mut secs, mut toks, mut acc, mut steps, mut equal, mut code) =
-                (0.0, 0usize, 0usize, 0usize, true, 0.0);
-            let mut broken = 0usize;
+            let mut per_prompt = Vec::new();
+            let (mut equal, mut broken) = (true, 0usize);
+            let matrix = std::sync::Arc::new(std::sync::Mutex::new(RecycleMatrix::new(
+                llm.config.vocab_size,
+                recycle::DEFAULT_K,
+            )?));
+            let template = std::sync::Arc::new(RecycleTemplate::paper());
             for (i, p) in prompts.iter().enumerate() {
-                let mut ds = build_drafters(specs, llm, &ssm_models, backend, shape, 1)?;
+                let mut ds = build_drafters(&cfg.specs, llm, &ssm_models, backend, &cfg.shape, 1)?;
+                if cfg.shared_recycle {
+                    for (d, spec) in ds.iter_mut().zip(&cfg.specs) {
+                        if matches!(spec, DraftSpec::Recycle(_)) {
+                            *d = Box::new(RecycleDrafter::shared(
+                                std::sync::Arc::clone(&matrix),
+                                std::sync::Arc::clone(&template),
+                            )?);
+                        }
+                    }
+                }
                 let mut refs: Vec<&mut dyn Drafter> = ds
                     .iter_mut()
                     .map(|d| d.as_mut() as &mut dyn Drafter)
                     .collect();
                 let sp = SpecParams {
-                    budget: *budget,
+                    budget: cfg.budget,
                     mode: None,
-                    adaptive: false,
+                    adaptive: cfg.adaptive,
                 };
                 let o = spec::generate(llm, backend, tok, p, &params, &sp, &mut refs, |_| {})?;
-                secs += o.output.decode_secs;
-                toks += o.output.decode_steps;
-                acc += o.metrics.accepted;
-                steps += o.metrics.steps;
+                per_prompt.push(Sums {
+                    secs: o.output.decode_secs,
+                    tokens: o.output.decode_steps,
+                    accepted: o.metrics.accepted,
+                    steps: o.metrics.steps,
+                });
                 broken += o.metrics.drafter_contract_failures;
                 if temp == 0.0 && o.output.tokens != base_out[i] {
                     let at = o
@@ -548,24 +738,32 @@ pub fn suite_bench(
                     );
                     equal = false;
                 }
-                if i == 0 {
-                    code = o.output.decode_tok_s();
-                }
             }
-            let tok_s = toks as f64 / secs.max(1e-9);
             let equal = (temp == 0.0).then_some(equal);
             if equal == Some(false) {
                 return Err(EngineError::InvalidArgument(format!(
                     "greedy output of '{name}' differs from incremental output"
                 )));
             }
+            let mut all = Sums::default();
+            per_prompt.iter().for_each(|s| all.add(s));
+            let classes = by_class(&classes, &per_prompt)
+                .into_iter()
+                .zip(&base_classes)
+                .map(|((c, s), (_, b))| ClassRow {
+                    class: c,
+                    decode_tok_s: s.tok_s(),
+                    mean_accepted: s.mean_accepted(),
+                    speedup: s.tok_s() / b.tok_s().max(1e-9),
+                })
+                .collect();
             rows.push(SuiteRow {
                 config: name.clone(),
                 temperature: temp,
-                decode_tok_s: tok_s,
-                mean_accepted: acc as f64 / steps.max(1) as f64,
-                speedup: tok_s / base_tok_s,
-                code_speedup: code / code_tok_s.max(1e-9),
+                decode_tok_s: all.tok_s(),
+                mean_accepted: all.mean_accepted(),
+                speedup: all.tok_s() / base_all.tok_s().max(1e-9),
+                classes,
                 equal,
                 drafter_contract_failures: broken,
             });
@@ -577,38 +775,51 @@ pub fn suite_bench(
         draft_model: ssm_name.unwrap_or_else(|| "-".into()),
         threads: backend.threads(),
         tokens,
+        cpu: crate::batch_bench::cpu_name(),
         rows,
     })
 }
 
-/// The text table of `arbor bench spec --suite`.
+/// The text table of `arbor bench spec --suite`: overall, then speedup and mean accepted tokens
+/// per step for each prompt class.
 pub fn format_suite(r: &SuiteBench) -> String {
+    let classes: Vec<&str> = r
+        .rows
+        .first()
+        .map(|row| row.classes.iter().map(|c| c.class.as_str()).collect())
+        .unwrap_or_default();
     let mut s = format!(
-        "model: {}  draft model: {}  threads: {}  tokens per prompt: {}  prompts: {}\n\
-         {:<28} {:>5} {:>10} {:>14} {:>8} {:>13} {:>12} {:>15}\n",
+        "model: {}  draft model: {}  threads: {}  tokens per prompt: {}  cpu: {}\n\
+         per class: speedup / mean accepted tokens per step\n\
+         {:<28} {:>4} {:>9} {:>8} {:>8}",
         r.model,
         r.draft_model,
         r.threads,
         r.tokens,
-        SUITE_PROMPTS.map(|p| p.0).join(", "),
+        r.cpu,
         "config",
         "T",
-        "decode t/s",
-        "accepted/pass",
+        "tok/s",
+        "accepted",
         "speedup",
-        "code speedup",
-        "greedy equal",
-        "contract fails"
     );
+    for c in &classes {
+        s.push_str(&format!(" {c:>16}"));
+    }
+    s.push_str(&format!(" {:>6} {:>6}\n", "equal", "broken"));
     for row in &r.rows {
         s.push_str(&format!(
-            "{:<28} {:>5.1} {:>10.2} {:>14.2} {:>7.2}x {:>12.2}x {:>12} {:>15}\n",
-            row.config,
-            row.temperature,
-            row.decode_tok_s,
-            row.mean_accepted,
-            row.speedup,
-            row.code_speedup,
+            "{:<28} {:>4.1} {:>9.2} {:>8.2} {:>7.2}x",
+            row.config, row.temperature, row.decode_tok_s, row.mean_accepted, row.speedup,
+        ));
+        for c in &row.classes {
+            s.push_str(&format!(
+                " {:>16}",
+                format!("{:.2}x / {:.2}", c.speedup, c.mean_accepted)
+            ));
+        }
+        s.push_str(&format!(
+            " {:>6} {:>6}\n",
             match row.equal {
                 Some(true) => "yes",
                 Some(false) => "NO",

@@ -1,6 +1,6 @@
 //! Fallback drafting: a cheap drafter (prompt lookup) first, a costlier one (an SSM) only at steps where the first proposes nothing.
 
-use super::{DraftRequest, Drafter, GroupLogits, PlaceholderGroup};
+use super::{DraftRequest, Drafter, GroupLogits, PlaceholderGroup, RowCandidates};
 use crate::error::Result;
 use crate::tree::TokenTree;
 
@@ -77,6 +77,26 @@ impl Drafter for FallbackDrafter<'_> {
 
     fn observe(&mut self, group: Option<GroupLogits<'_>>) {
         self.active().observe(group)
+    }
+
+    fn candidates_wanted(&self) -> usize {
+        self.first
+            .candidates_wanted()
+            .max(self.second.candidates_wanted())
+    }
+
+    fn set_row_cost(&mut self, passes_per_row: f64) {
+        self.first.set_row_cost(passes_per_row);
+        self.second.set_row_cost(passes_per_row);
+    }
+
+    fn observe_candidates(&mut self, rows: &RowCandidates<'_>) {
+        // Both follow every pass, as both follow every accepted step.
+        for d in [&mut self.first, &mut self.second] {
+            if d.candidates_wanted() > 0 {
+                d.observe_candidates(rows);
+            }
+        }
     }
 }
 

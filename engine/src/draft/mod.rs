@@ -11,12 +11,15 @@
 //!   own KV cache, fixed or dynamic ([`DraftShape`]) trees;
 //! - [`NgramDrafter`]: prompt lookup;
 //! - [`SpaceDrafter`]: SPACE auto-correct decoding (drafts from placeholder rows of the LLM's own
-//!   verification pass).
+//!   verification pass);
+//! - [`RecycleDrafter`]: Token Recycling (drafts from the top-k candidates of every row the LLM
+//!   computed, kept in an adjacency matrix).
 
 pub mod dynamic;
 pub mod early_exit;
 pub mod fallback;
 pub mod ngram;
+pub mod recycle;
 pub mod space;
 pub mod ssm;
 
@@ -24,6 +27,7 @@ pub use dynamic::DraftShape;
 pub use early_exit::early_exit;
 pub use fallback::FallbackDrafter;
 pub use ngram::NgramDrafter;
+pub use recycle::{RecycleDrafter, RecycleMatrix, RecycleTemplate};
 pub use space::{SpaceDrafter, SpaceMode};
 pub use ssm::{check_same_vocab, DraftSampling, ModelDrafter};
 
@@ -90,6 +94,22 @@ pub trait Drafter: Send {
     /// placeholder group anchored at the last accepted node (the root when nothing was accepted),
     /// or `None` when it had no group there (or its groups did not fit in the pass).
     fn observe(&mut self, _group: Option<GroupLogits<'_>>) {}
+
+    /// How many top candidates per computed row this drafter wants from each pass
+    /// ([`Drafter::observe_candidates`]); 0 (the default): none, and nobody computes them.
+    fn candidates_wanted(&self) -> usize {
+        0
+    }
+
+    /// After a pass of the LLM over this sequence (a verification pass, before
+    /// [`Drafter::accept`], and the prompt's prefill where the caller computes its rows): every
+    /// row's input token and the top candidates of its logits.
+    fn observe_candidates(&mut self, _rows: &RowCandidates<'_>) {}
+
+    /// What one more verified row costs, in plain passes (with the adaptive policy's hurdle), as
+    /// the adaptive policy last measured it; 0 (the default) when nobody measures. A drafter that
+    /// knows how likely each node is to be accepted proposes only the nodes worth their row.
+    fn set_row_cost(&mut self, _passes_per_row: f64) {}
 
     /// The drafter's batched form, when its passes can join other drafters' in one forward pass
     /// (model drafters): [`crate::spec::draft_trees`] then drafts many sequences together.
@@ -206,6 +226,53 @@ pub struct GroupLogits<'a> {
     /// `[group length, vocab]`, row `j` = the LLM's next-token logits after placeholder `j`.
     pub logits: &'a [f32],
     pub vocab: usize,
+}
+
+/// The top candidates of the rows of one LLM pass: row `i` fed `tokens[i]`, and `top[i * k..]`
+/// are the `k` highest-logit tokens after it, best first.
+#[derive(Clone, Copy, Debug)]
+pub struct RowCandidates<'a> {
+    pub tokens: &'a [u32],
+    pub k: usize,
+    /// `[tokens.len(), k]`.
+    pub top: &'a [u32],
+}
+
+impl<'a> RowCandidates<'a> {
+    /// Row `i`'s candidates, best first.
+    pub fn row(&self, i: usize) -> &'a [u32] {
+        self.top.get(i * self.k..(i + 1) * self.k).unwrap_or(&[])
+    }
+}
+
+/// Owned candidates of one pass's rows (what a drafter outside the verifier is sent).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PassCandidates {
+    pub tokens: Vec<u32>,
+    pub k: usize,
+    /// `[tokens.len(), k]`.
+    pub top: Vec<u32>,
+}
+
+impl PassCandidates {
+    /// The top `k` of every row of `logits` (`[tokens.len(), vocab]`).
+    pub fn of(tokens: Vec<u32>, logits: &[f32], vocab: usize, k: usize) -> PassCandidates {
+        let top = recycle::top_k_rows(logits, vocab, k);
+        let k = if tokens.is_empty() {
+            k
+        } else {
+            top.len() / tokens.len()
+        };
+        PassCandidates { tokens, k, top }
+    }
+
+    pub fn rows(&self) -> RowCandidates<'_> {
+        RowCandidates {
+            tokens: &self.tokens,
+            k: self.k,
+            top: &self.top,
+        }
+    }
 }
 
 /// A test oracle: knows the sequence the LLM will produce (prompt + continuation). At each

@@ -291,6 +291,31 @@ pub fn drafting_pays(gain: f64, batch_tokens: f64, draft_secs: f64, pass_secs: f
             > DEPTH_HURDLE * draft_secs / pass_secs.max(f64::MIN_POSITIVE)
 }
 
+/// The most a verified tree may cost, in plain passes: the greatest mean acceptance measured on
+/// these CPUs stays under ~2 tokens per step, so a wider pass never pays.
+pub const MAX_TREE_COST: f64 = 2.5;
+
+/// Draft nodes worth proposing for an adaptive step (at most `budget`, at least 1): those whose
+/// pass costs at most [`MAX_TREE_COST`] plain passes on the learnt curve. Wide drafters (Token
+/// Recycling's first level has 8 candidates) then propose their best few nodes instead of a level
+/// no depth choice can afford.
+pub fn useful_budget(cost: &StepCost, budget: usize) -> usize {
+    let limit = MAX_TREE_COST * cost.secs(1);
+    let mut n = 1;
+    while n < budget && cost.secs(n + 2) <= limit {
+        n += 1;
+    }
+    n.min(budget)
+}
+
+/// What one more verified row costs, in plain passes, times [`DEPTH_HURDLE`]: the mean
+/// marginal row of an 8-node tree on the learnt curve ([`crate::draft::Drafter::set_row_cost`]).
+pub fn row_cost(cost: &StepCost) -> f64 {
+    const ROWS: usize = 8;
+    let one = cost.secs(1).max(1e-12);
+    DEPTH_HURDLE * ((cost.secs(ROWS + 1) - one) / ROWS as f64 / one).max(0.0)
+}
+
 /// `nodes_upto[d]`: draft nodes of `tree` at depth at most `d`, for `d = 0..=max_depth`.
 pub fn nodes_upto(tree: &TokenTree) -> Vec<usize> {
     let mut upto = vec![0usize; tree.max_depth() + 1];

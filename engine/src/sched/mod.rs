@@ -11,11 +11,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 pub use adaptive::{
-    choose_depths, drafting_pays, nodes_upto, Acceptance, DepthOptions, DraftBackoff, StepCost,
+    choose_depths, drafting_pays, nodes_upto, row_cost, useful_budget, Acceptance, DepthOptions,
+    DraftBackoff, StepCost,
 };
 
 use crate::backend::{Backend, BatchMask};
-use crate::draft::Drafter;
+use crate::draft::{Drafter, PassCandidates};
 use crate::error::{EngineError, Result};
 use crate::generate::{FinishReason, GenerateParams, TokenSink};
 use crate::kv::{KvCache, KvPool, BLOCK_SLOTS};
@@ -126,6 +127,10 @@ pub struct RequestSpec<'a> {
     /// what to draft, [`Scheduler::finish_step`] takes the trees (`drafters` stays empty), and
     /// [`Scheduler::take_commits`] says what was accepted.
     pub external: bool,
+    /// Top candidates per verified row that the outside drafters want with each commit
+    /// (Token Recycling; 0: none). In-process drafters say so themselves
+    /// ([`Drafter::candidates_wanted`]).
+    pub candidates: usize,
 }
 
 /// A tree to draft outside the scheduler for one request of a planned step.
@@ -138,6 +143,9 @@ pub struct DraftJob {
     pub budget: usize,
     /// Most draft depth.
     pub max_depth: usize,
+    /// What one more verified row costs, in plain passes (adaptive requests; 0 otherwise): for
+    /// the drafters' [`Drafter::set_row_cost`].
+    pub row_cost: f64,
 }
 
 /// What verification accepted for a request drafted outside (drafters follow with it).
@@ -148,6 +156,12 @@ pub struct Commit {
     pub accepted: Vec<u32>,
     /// The next root.
     pub bonus: u32,
+    /// The top candidates of the verification pass's rows, when the request's outside drafters
+    /// want them ([`RequestSpec::candidates`]).
+    pub candidates: Option<PassCandidates>,
+    /// A prefill chunk's candidates only (Token Recycling's warm start): nothing was verified,
+    /// so drafters observe the candidates and do not accept (`accepted` and `bonus` mean nothing).
+    pub prefill: bool,
 }
 
 /// A step between [`Scheduler::begin_step`] and [`Scheduler::finish_step`].
@@ -172,6 +186,8 @@ struct SpecState<'a> {
     draft_secs: f64,
     metrics: SpecMetrics,
     external: bool,
+    /// Candidates per row the outside drafters want.
+    candidates: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -197,6 +213,9 @@ struct Slot {
     tree: Option<TokenTree>,
     /// The drafters' whole proposal (acceptance is measured on it).
     proposal: Option<TokenTree>,
+    /// A prefill chunk's top candidates per row for the request's drafters (Token Recycling's
+    /// warm start; 0: none, and only the last row's logits when `logits`).
+    candidates: usize,
 }
 
 impl Slot {
@@ -209,6 +228,7 @@ impl Slot {
             tree_cap: 0,
             tree: None,
             proposal: None,
+            candidates: 0,
         }
     }
 
@@ -286,6 +306,19 @@ impl Request<'_> {
         self.seq.len() - self.prompt_len
     }
 
+    /// Top candidates per computed row this request's drafters want (Token Recycling).
+    fn candidates_wanted(&self) -> usize {
+        self.spec.as_ref().map_or(0, |sp| {
+            let own = sp
+                .drafters
+                .iter()
+                .map(|d| d.candidates_wanted())
+                .max()
+                .unwrap_or(0);
+            own.max(if sp.external { sp.candidates } else { 0 })
+        })
+    }
+
     fn root(&self) -> u32 {
         self.seq[self.seq.len() - 1]
     }
@@ -343,6 +376,10 @@ impl Request<'_> {
         sp.budget.min(room)
     }
 }
+
+/// Prefill rows per chunk of a request whose drafters want every row's candidates (bounds the
+/// chunk's `[rows, vocab]` logits).
+const CANDIDATE_PREFILL_ROWS: usize = 64;
 
 /// The iteration-level scheduler over one model and one KV pool.
 pub struct Scheduler<'a> {
@@ -530,6 +567,7 @@ impl<'a> Scheduler<'a> {
                     draft_secs: 0.0,
                     metrics: SpecMetrics::default(),
                     external: rs.external,
+                    candidates: rs.candidates,
                 })
             }
             None => None,
@@ -687,11 +725,15 @@ impl<'a> Scheduler<'a> {
             .filter(|sl| sl.tree_cap > 0)
             .filter_map(|sl| {
                 let r = &self.running[sl.idx];
-                r.spec.as_ref().filter(|sp| sp.external).map(|_| DraftJob {
+                r.spec.as_ref().filter(|sp| sp.external).map(|sp| DraftJob {
                     id: r.id,
                     tokens: r.seq.clone(),
                     budget: sl.tree_cap,
                     max_depth: r.draft_depth(),
+                    row_cost: match (&self.cost, sp.policy) {
+                        (Some(c), SpecPolicy::Adaptive) => row_cost(c),
+                        _ => 0.0,
+                    },
                 })
             })
             .collect();
@@ -795,6 +837,16 @@ impl<'a> Scheduler<'a> {
                     let cache = r.cache.as_mut().expect("running requests have a cache");
                     let o = sp.verifier.verify(tree, lg, vocab)?;
                     cache.commit_rows(x.positions[0], &o.kv_rows())?;
+                    // Token Recycling: the top candidates of every row of this pass.
+                    let wanted = sp
+                        .drafters
+                        .iter()
+                        .map(|d| d.candidates_wanted())
+                        .max()
+                        .unwrap_or(0)
+                        .max(if sp.external { sp.candidates } else { 0 });
+                    let candidates =
+                        (wanted > 0).then(|| PassCandidates::of(tree.tokens(), lg, vocab, wanted));
                     let emitted = o.emitted();
                     if let Some(p) = &sl.proposal {
                         sp.acceptance.record(p, &emitted);
@@ -804,6 +856,8 @@ impl<'a> Scheduler<'a> {
                             id: r.id,
                             accepted: o.tokens.clone(),
                             bonus: o.bonus,
+                            candidates: candidates.clone().filter(|_| sp.candidates > 0),
+                            prefill: false,
                         });
                     }
                     sp.metrics.record(tree, &o);
@@ -811,6 +865,11 @@ impl<'a> Scheduler<'a> {
                     for (i, d) in sp.drafters.iter_mut().enumerate() {
                         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                             d.observe(None);
+                            if let Some(c) = candidates.as_ref() {
+                                if d.candidates_wanted() > 0 {
+                                    d.observe_candidates(&c.rows());
+                                }
+                            }
                             d.accept(&o.tokens, o.bonus);
                         }));
                         if let Err(p) = r {
@@ -825,6 +884,51 @@ impl<'a> Scheduler<'a> {
                         &mut self.drafter_failures,
                     );
                     emitted
+                }
+                _ if sl.prefill > 0 && sl.candidates > 0 => {
+                    // Every prompt row's candidates (warm start), then the first token from the
+                    // last row when this chunk ends the prompt.
+                    let c = PassCandidates::of(x.tokens.clone(), lg, vocab, sl.candidates);
+                    if let Some(sp) = r.spec.as_mut() {
+                        let mut broken = Vec::new();
+                        for (i, d) in sp.drafters.iter_mut().enumerate() {
+                            if d.candidates_wanted() == 0 {
+                                continue;
+                            }
+                            let res =
+                                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                    d.observe_candidates(&c.rows())
+                                }));
+                            if let Err(p) = res {
+                                broken.push((
+                                    i,
+                                    format!("observe {}", crate::spec::panic_message(&*p)),
+                                ));
+                            }
+                        }
+                        drop_drafters(
+                            r.id,
+                            sp,
+                            broken,
+                            &mut self.stats,
+                            &mut self.drafter_failures,
+                        );
+                        if sp.external && sp.candidates > 0 {
+                            self.commits.push(Commit {
+                                id: r.id,
+                                accepted: Vec::new(),
+                                bonus: 0,
+                                candidates: Some(c),
+                                prefill: true,
+                            });
+                        }
+                    }
+                    match sl.prefill.checked_sub(1) {
+                        Some(last) if sl.logits => {
+                            vec![r.sampler.sample(&lg[last * vocab..(last + 1) * vocab])]
+                        }
+                        _ => Vec::new(),
+                    }
                 }
                 _ if lg.is_empty() => Vec::new(),
                 _ => vec![r.sampler.sample(lg)],
@@ -912,7 +1016,15 @@ impl<'a> Scheduler<'a> {
                 logits_at_end,
             } = r.phase()
             {
-                let n = left.min(self.config.prefill_chunk).min(budget);
+                // Drafters that learn from every row's candidates see the prompt's rows too,
+                // in chunks that bound the logits buffer.
+                let candidates = r.candidates_wanted();
+                let chunk = if candidates > 0 {
+                    self.config.prefill_chunk.min(CANDIDATE_PREFILL_ROWS)
+                } else {
+                    self.config.prefill_chunk
+                };
+                let n = left.min(chunk).min(budget);
                 if n == 0 {
                     continue;
                 }
@@ -925,11 +1037,19 @@ impl<'a> Scheduler<'a> {
                     tree_cap: 0,
                     tree: None,
                     proposal: None,
+                    candidates,
                 });
             }
         }
         for sl in plan.iter_mut().filter(|sl| sl.prefill == 0) {
-            let cap = self.running[sl.idx].tree_cap().min(budget);
+            let r = &self.running[sl.idx];
+            let mut cap = r.tree_cap().min(budget);
+            // Adaptive requests draft only what a pass worth verifying holds.
+            if let (Some(c), Some(sp)) = (self.cost.as_ref(), r.spec.as_ref()) {
+                if sp.policy == SpecPolicy::Adaptive && cap > 0 {
+                    cap = useful_budget(c, cap);
+                }
+            }
             budget -= cap;
             sl.tree_cap = cap;
         }
@@ -959,6 +1079,7 @@ impl<'a> Scheduler<'a> {
         // one model and pool in one pass per depth for all of them).
         let mut drafted: Vec<(usize, usize)> = Vec::new();
         let mut refs = Vec::new();
+        let rc = self.cost.as_ref().map_or(0.0, row_cost);
         for (i, r) in self.running.iter_mut().enumerate() {
             let Some(k) = slot_of[i] else { continue };
             let max_depth = r.draft_depth();
@@ -970,6 +1091,9 @@ impl<'a> Scheduler<'a> {
                     plan[k].proposal = Some(TokenTree::root_only(root));
                 }
                 continue;
+            }
+            if sp.policy == SpecPolicy::Adaptive {
+                sp.drafters.iter_mut().for_each(|d| d.set_row_cost(rc));
             }
             let ds: Vec<&mut dyn Drafter> = sp
                 .drafters
@@ -1111,7 +1235,13 @@ impl<'a> Scheduler<'a> {
                 tokens: r.seq[start..start + n].to_vec(),
                 positions: (start..start + n).collect(),
                 mask: None,
-                logit_rows: if sl.logits { vec![n - 1] } else { vec![] },
+                logit_rows: if sl.candidates > 0 {
+                    (0..n).collect()
+                } else if sl.logits {
+                    vec![n - 1]
+                } else {
+                    vec![]
+                },
             };
         }
         match &sl.tree {

@@ -277,6 +277,7 @@ fn ngram_spec<'a>(policy: SpecPolicy, budget: usize) -> RequestSpec<'a> {
         policy,
         mode: None,
         external: false,
+        candidates: 0,
     }
 }
 
@@ -372,6 +373,108 @@ fn speculating_requests_in_a_batch_keep_their_outputs() {
     }
     // Another seed, another output.
     assert_ne!(run(&[0], 1)[0], batched[0]);
+}
+
+/// Token Recycling drafters in the scheduler (fixed and adaptive, batched with plain requests,
+/// under preemption): outputs are each request's alone, the drafter sees the prompt's rows first
+/// (the warm start, a prefill chunk of candidates) and then every verified row, and its
+/// guesses are accepted.
+#[test]
+fn token_recycling_in_a_batch_keeps_outputs_and_warm_starts() {
+    use crate::draft::{RecycleDrafter, RowCandidates};
+    use crate::tree::TokenTree;
+    use std::sync::{Arc, Mutex};
+
+    /// A recycle drafter that logs the row count of every pass it observes.
+    struct Logged(RecycleDrafter, Arc<Mutex<Vec<usize>>>);
+    impl Drafter for Logged {
+        fn name(&self) -> &str {
+            "recycle"
+        }
+        fn propose(&mut self, req: &crate::draft::DraftRequest<'_>) -> Result<TokenTree> {
+            self.0.propose(req)
+        }
+        fn accept(&mut self, accepted: &[u32], bonus: u32) {
+            self.0.accept(accepted, bonus)
+        }
+        fn candidates_wanted(&self) -> usize {
+            self.0.candidates_wanted()
+        }
+        fn observe_candidates(&mut self, rows: &RowCandidates<'_>) {
+            self.1.lock().unwrap().push(rows.tokens.len());
+            self.0.observe_candidates(rows)
+        }
+        fn set_row_cost(&mut self, c: f64) {
+            self.0.set_row_cost(c)
+        }
+    }
+
+    let be = CpuBackend::new(2).unwrap();
+    let model = tiny_model(&spec("llama", GgmlType::Q8_0), 9).unwrap();
+    let vocab = model.config.vocab_size;
+    let prompts: Vec<Vec<u32>> = (0..5u32)
+        .map(|i| repetitive(vocab as u32, 20 + 9 * i as usize, i))
+        .collect();
+    let cost = StepCost::from_points(vec![(1, 0.010), (64, 0.012)]);
+    for blocks in [128usize, 12] {
+        let pool = KvPool::new(&model.config, model.config.n_layers, blocks);
+        let mut s = Scheduler::new(&model, None, pool.clone(), SchedConfig::default()).unwrap();
+        s.set_step_cost(cost.clone());
+        let mut want = Vec::new();
+        let mut logs = Vec::new();
+        for (i, p) in prompts.iter().enumerate() {
+            let params = GenerateParams {
+                max_tokens: 16 + 3 * i,
+                sampling: SamplingParams::greedy(),
+                ..GenerateParams::default()
+            };
+            want.push(alone(&model, &be, p, &params));
+            let log = Arc::new(Mutex::new(Vec::new()));
+            let sp = (i % 3 != 0).then(|| RequestSpec {
+                drafters: vec![Box::new(Logged(
+                    RecycleDrafter::new(vocab, 8).unwrap(),
+                    Arc::clone(&log),
+                )) as Box<dyn Drafter>],
+                budget: 8,
+                policy: if i % 3 == 1 {
+                    SpecPolicy::Fixed
+                } else {
+                    SpecPolicy::Adaptive
+                },
+                mode: None,
+                external: false,
+                candidates: 0,
+            });
+            logs.push((i, log));
+            s.submit_spec(p.clone(), params, sp).unwrap();
+        }
+        let done = s.run_to_completion(&be).unwrap();
+        let mut accepted = 0;
+        for (id, f) in &done {
+            assert_eq!(
+                done_tokens(f).0,
+                &want[*id as usize][..],
+                "pool {blocks} request {id}"
+            );
+            if id % 3 != 0 {
+                accepted += spec_metrics(f).accepted;
+            }
+        }
+        assert!(accepted > 0, "pool {blocks}: recycled guesses accepted");
+        for (i, log) in logs.iter().filter(|(i, _)| i % 3 != 0) {
+            let log = log.lock().unwrap();
+            assert_eq!(
+                log.first().copied(),
+                Some(prompts[*i].len().min(64)),
+                "request {i}: the prompt's first chunk comes first: {log:?}"
+            );
+            assert!(log.len() > 2, "request {i}: every pass observed: {log:?}");
+        }
+        if blocks == 12 {
+            assert!(s.stats().preemptions > 0);
+        }
+        assert_eq!(pool.stats().used, 0);
+    }
 }
 
 /// The adaptive policy verifies trees where drafts are accepted and rows are cheap, backs off
@@ -651,6 +754,7 @@ fn batched_model_drafters_keep_every_output() {
                 policy,
                 mode: None,
                 external: false,
+                candidates: 0,
             };
             let sp = match i % 4 {
                 0 => None,
@@ -741,6 +845,7 @@ fn counted_run(
         policy,
         mode: None,
         external: false,
+        candidates: 0,
     };
     s.submit_spec(prompt.to_vec(), params.clone(), Some(sp))
         .unwrap();

@@ -51,7 +51,7 @@ struct ServeArgs {
     #[command(flatten)]
     model: ModelArgs,
     /// Drafters requests may speculate with (comma-separated): ngram[:N] (prompt lookup),
-    /// early-exit:L (the LLM's first L layers), or a draft model (a known model name or a GGUF
+    /// recycle[:K] (Token Recycling), early-exit:L (the LLM's first L layers), or a draft model (a known model name or a GGUF
     /// path; its vocabulary must be the LLM's). Model drafters draft all of a step's requests in
     /// one pass per tree depth. Requests choose a subset and caps (`speculation` field); none by
     /// default.
@@ -61,6 +61,10 @@ struct ServeArgs {
     /// three branches at depth 3) or dynamic:N (EAGLE-2 dynamic tree of N nodes).
     #[arg(long, default_value = "1,1,3,1,1,1,1,1")]
     speculate_tree: String,
+    /// recycle drafters of all requests share one adjacency matrix (each request's verified
+    /// candidates feed every request's draft guesses; outputs are unaffected).
+    #[arg(long)]
+    recycle_shared: bool,
     /// Address to listen on (loopback by default).
     #[arg(long, default_value = "127.0.0.1:7070")]
     listen: String,
@@ -166,6 +170,7 @@ struct SpecArgs {
     /// Speculate with these drafters (repeatable or comma-separated; their trees are merged):
     /// a draft model with the LLM's vocabulary (registry name or GGUF path), ngram[:N] (prompt
     /// lookup), early-exit:L (the LLM's first L layers), space[:K] (SPACE, training-free),
+    /// recycle[:K] (Token Recycling: the LLM's own top-K candidates of every verified row),
     /// ngram[:N]-else:DRAFTER (prompt lookup on 2..N-token matches, DRAFTER at steps without
     /// one), oracle (knows the continuation: runs incremental generation first), random.
     #[arg(long, visible_alias = "draft", value_delimiter = ',')]
@@ -219,7 +224,8 @@ impl SpecArgs {
                     if !known && !std::path::Path::new(name).is_file() {
                         bail!(
                             "unknown drafter '{name}' (a known model or GGUF path, ngram[:N], \
-                             early-exit:L, space[:K], ngram[:N]-else:DRAFTER, oracle, random)"
+                             early-exit:L, space[:K], recycle[:K], ngram[:N]-else:DRAFTER, \
+                             oracle, random)"
                         );
                     }
                 }
@@ -395,6 +401,10 @@ enum BenchCmd {
         /// Temperatures for --suite (comma-separated; 0 = greedy, checked against incremental).
         #[arg(long, value_delimiter = ',', default_value = "0,0.7")]
         temperatures: Vec<f32>,
+        /// --suite: only the configurations whose names contain one of these (comma-separated,
+        /// e.g. recycle,prompt lookup); all by default.
+        #[arg(long, value_delimiter = ',')]
+        only: Vec<String>,
         #[arg(long, value_enum, default_value_t = Format::Text)]
         format: Format,
     },
@@ -592,6 +602,7 @@ fn run(cli: Cli) -> Result<()> {
                 draft_model,
                 early_exit,
                 temperatures,
+                only,
                 format,
                 ..
             } => cmd_bench_suite(
@@ -600,6 +611,7 @@ fn run(cli: Cli) -> Result<()> {
                 early_exit,
                 tokens,
                 &temperatures,
+                &only,
                 format,
             ),
             BenchCmd::Spec {
@@ -697,6 +709,7 @@ fn cmd_serve(a: ServeArgs) -> Result<()> {
         spec_budget: a.speculate_budget,
         spec_depth: a.speculate_depth,
         spec_tree: a.speculate_tree.clone(),
+        recycle_shared: a.recycle_shared,
     };
     serve::run(o)
 }
@@ -911,6 +924,7 @@ fn cmd_bench_suite(
     early_exit: usize,
     tokens: usize,
     temperatures: &[f32],
+    only: &[String],
     format: Format,
 ) -> Result<()> {
     if tokens == 0 || temperatures.is_empty() || temperatures.iter().any(|t| t.is_nan() || *t < 0.0)
@@ -934,6 +948,7 @@ fn cmd_bench_suite(
         early_exit,
         tokens,
         temperatures,
+        only,
     )?;
     match format {
         Format::Json => println!("{}", serde_json::to_string(&r)?),

@@ -1,0 +1,649 @@
+//! Token Recycling (Luo et al., "Turning Trash into Treasure", arXiv 2408.08696): an adjacency matrix of every token's K most recent likely successors, refilled from the top-K of each row the LLM computes, and draft trees built by BFS over it along a static template.
+//!
+//! Each verification pass already computes logits for the root and every tree node, accepted or
+//! not; decoding keeps one token per row and throws the rest away. Here the top-K tokens of row
+//! `i` replace the matrix row of node `i`'s token (the paper's update: the latest candidates win).
+//! A proposal walks the static template (the paper's Figure 5 tree, 80 nodes, depth 6)
+//! breadth-first: a template node with rank `r` under a node holding token `t` becomes the
+//! matrix's `r`-th successor of `t`. A budget smaller than the template keeps the template's
+//! most promising part: nodes scored by the product of per-rank acceptance rates along their
+//! path (learnt from the drafter's own verified proposals), the best `budget` of them, which is
+//! always a subtree. Proposals are picks (never samples), so greedy and MSS verification stay
+//! lossless.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::{DraftRequest, Drafter, RowCandidates};
+use crate::error::{EngineError, Result};
+use crate::tree::{Proposal, TokenTree, TreeBuilder};
+
+/// Successors kept per token by default (the paper's K).
+pub const DEFAULT_K: usize = 8;
+
+/// Most successors per token a matrix keeps.
+pub const MAX_K: usize = 32;
+
+/// Marks an unused successor slot.
+const EMPTY: u32 = u32::MAX;
+
+/// Token -> its K most recent likely successors, best first: `[vocab, K]` u32 (qwen's 151,936
+/// tokens at K = 8: 4.9 MB).
+#[derive(Clone, Debug)]
+pub struct RecycleMatrix {
+    k: usize,
+    vocab: usize,
+    /// `[vocab, k]`, `EMPTY`-padded rows.
+    next: Vec<u32>,
+}
+
+impl RecycleMatrix {
+    /// An empty matrix (every token without successors).
+    pub fn new(vocab: usize, k: usize) -> Result<RecycleMatrix> {
+        if k == 0 || k > MAX_K || vocab == 0 || vocab >= EMPTY as usize {
+            return Err(EngineError::InvalidArgument(format!(
+                "token recycling needs 1 <= K <= {MAX_K} successors per token and a vocabulary \
+                 (got K = {k}, vocabulary {vocab})"
+            )));
+        }
+        Ok(RecycleMatrix {
+            k,
+            vocab,
+            next: vec![EMPTY; vocab * k],
+        })
+    }
+
+    /// Successors kept per token.
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    /// Bytes of the successor table.
+    pub fn bytes(&self) -> usize {
+        self.next.len() * std::mem::size_of::<u32>()
+    }
+
+    /// The successors of `token`, best first (empty for tokens never seen or outside the
+    /// vocabulary).
+    pub fn successors(&self, token: u32) -> &[u32] {
+        let t = token as usize;
+        if t >= self.vocab {
+            return &[];
+        }
+        let row = &self.next[t * self.k..(t + 1) * self.k];
+        let n = row.iter().position(|&x| x == EMPTY).unwrap_or(self.k);
+        &row[..n]
+    }
+
+    /// Replace the successors of `token` by `candidates` (best first; the first K inside the
+    /// vocabulary are kept).
+    pub fn update(&mut self, token: u32, candidates: &[u32]) {
+        let t = token as usize;
+        if t >= self.vocab {
+            return;
+        }
+        let row = &mut self.next[t * self.k..(t + 1) * self.k];
+        let mut n = 0;
+        for &c in candidates {
+            if n == row.len() {
+                break;
+            }
+            if (c as usize) < self.vocab {
+                row[n] = c;
+                n += 1;
+            }
+        }
+        row[n..].fill(EMPTY);
+    }
+
+    /// Every row of a pass: `tokens[i]`'s successors become row `i`'s candidates.
+    pub fn observe(&mut self, rows: &RowCandidates<'_>) {
+        for (i, &t) in rows.tokens.iter().enumerate() {
+            self.update(t, rows.row(i));
+        }
+    }
+}
+
+/// The static tree of Token Recycling's Figure 5 (80 draft nodes, depth 6): for each depth, the
+/// number of children of every node of the depth above, in breadth-first order; a node's
+/// children are its token's candidates of rank 0, 1, ...
+const PAPER_TEMPLATE: [&[u8]; 6] = [
+    &[8],
+    &[8, 4, 3, 2, 1, 1, 1, 1],
+    &[
+        8, 3, 2, 1, 1, 1, 1, 1, 2, 1, 0, 0, 1, 0, 0, 1, 0, 1, 1, 0, 0,
+    ],
+    &[
+        5, 2, 1, 1, 1, 0, 0, 0, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 1, 0, 0, 1, 1, 0, 0,
+    ],
+    &[3, 1, 1, 0, 0, 1, 0, 0, 0, 0, 1, 0, 1, 0, 0],
+    &[2, 0, 0, 1, 0, 0, 0, 0],
+];
+
+/// One node of a template: index 0 is the root.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct TemplateNode {
+    /// Template index of the parent (0 for the root's children and the root itself).
+    parent: usize,
+    /// Which successor of the parent's token this node takes.
+    rank: usize,
+    depth: usize,
+}
+
+/// A static draft-tree template: draft nodes in breadth-first order, each the `rank`-th
+/// successor of its parent.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecycleTemplate {
+    nodes: Vec<TemplateNode>,
+}
+
+impl RecycleTemplate {
+    /// The paper's tree (80 draft nodes, depth 6, widest rank 8).
+    pub fn paper() -> RecycleTemplate {
+        RecycleTemplate::from_layers(&PAPER_TEMPLATE).expect("the paper's template is valid")
+    }
+
+    /// A template from its layers: `layers[d][j]` = children of the `j`-th node (breadth-first)
+    /// at depth `d` (depth 0 has the root only).
+    pub fn from_layers(layers: &[&[u8]]) -> Result<RecycleTemplate> {
+        let mut nodes = vec![TemplateNode {
+            parent: 0,
+            rank: 0,
+            depth: 0,
+        }];
+        let mut layer: Vec<usize> = vec![0];
+        for (d, counts) in layers.iter().enumerate() {
+            if counts.len() != layer.len() {
+                return Err(EngineError::InvalidArgument(format!(
+                    "template depth {d} lists {} child counts for {} nodes",
+                    counts.len(),
+                    layer.len()
+                )));
+            }
+            let mut next = Vec::new();
+            for (&parent, &c) in layer.iter().zip(counts.iter()) {
+                for rank in 0..c as usize {
+                    next.push(nodes.len());
+                    nodes.push(TemplateNode {
+                        parent,
+                        rank,
+                        depth: d + 1,
+                    });
+                }
+            }
+            layer = next;
+        }
+        Ok(RecycleTemplate { nodes })
+    }
+
+    /// Draft nodes (the root excluded).
+    pub fn len(&self) -> usize {
+        self.nodes.len() - 1
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn max_depth(&self) -> usize {
+        self.nodes.last().map_or(0, |n| n.depth)
+    }
+
+    /// Widest rank used (the most successors a proposal reads per token).
+    pub fn max_rank(&self) -> usize {
+        self.nodes
+            .iter()
+            .skip(1)
+            .map(|n| n.rank + 1)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The `budget` draft nodes of depth at most `max_depth` with the highest path scores
+    /// (product of `rate(depth, rank)` over the path), ties to the earlier node; in breadth-first
+    /// order. Rates in `(0, 1]` make a child never outscore its parent, so the result is a
+    /// subtree. Returns (template index, path score) pairs.
+    fn select(
+        &self,
+        budget: usize,
+        max_depth: usize,
+        rate: impl Fn(usize, usize) -> f64,
+    ) -> Vec<(usize, f64)> {
+        let mut score = vec![1.0f64; self.nodes.len()];
+        let mut cand: Vec<usize> = Vec::with_capacity(self.nodes.len());
+        for (i, n) in self.nodes.iter().enumerate().skip(1) {
+            score[i] = score[n.parent] * rate(n.depth, n.rank).clamp(1e-9, 1.0);
+            if n.depth <= max_depth {
+                cand.push(i);
+            }
+        }
+        cand.sort_by(|&a, &b| score[b].total_cmp(&score[a]).then(a.cmp(&b)));
+        cand.truncate(budget);
+        cand.sort_unstable();
+        cand.into_iter().map(|i| (i, score[i])).collect()
+    }
+}
+
+/// How often a candidate of each rank was right, per depth: `hits / tries` with a prior, the
+/// rates [`RecycleTemplate::select`] scores paths with.
+#[derive(Clone, Debug)]
+struct RankRates {
+    /// `[depth][rank]` (hits, tries); depths past the last share the last row.
+    counts: Vec<Vec<(f64, f64)>>,
+}
+
+/// Prior acceptance of a rank-`r` candidate (worth `PRIOR_WEIGHT` tries): the top candidate
+/// is right far more often than the others.
+const PRIOR: [f64; 8] = [0.45, 0.12, 0.06, 0.04, 0.03, 0.02, 0.015, 0.01];
+const PRIOR_WEIGHT: f64 = 8.0;
+/// Recent tries dominate: older counts decay by this factor per update.
+const DECAY: f64 = 0.995;
+
+impl RankRates {
+    fn new(depths: usize, ranks: usize) -> RankRates {
+        let row: Vec<(f64, f64)> = (0..ranks.max(1))
+            .map(|r| {
+                let p = PRIOR.get(r).copied().unwrap_or(PRIOR[PRIOR.len() - 1]);
+                (p * PRIOR_WEIGHT, PRIOR_WEIGHT)
+            })
+            .collect();
+        RankRates {
+            counts: vec![row; depths.max(1)],
+        }
+    }
+
+    fn rate(&self, depth: usize, rank: usize) -> f64 {
+        let row = &self.counts[depth.saturating_sub(1).min(self.counts.len() - 1)];
+        let (h, t) = row[rank.min(row.len() - 1)];
+        h / t.max(1e-9)
+    }
+
+    fn record(&mut self, depth: usize, rank: usize, hit: bool) {
+        let d = depth.saturating_sub(1).min(self.counts.len() - 1);
+        let row = &mut self.counts[d];
+        let r = rank.min(row.len() - 1);
+        let (h, t) = &mut row[r];
+        *h = *h * DECAY + if hit { 1.0 } else { 0.0 };
+        *t = *t * DECAY + 1.0;
+    }
+}
+
+/// A node of the last proposal: its builder parent, token, template rank and depth.
+#[derive(Clone, Copy, Debug)]
+struct Proposed {
+    parent: usize,
+    token: u32,
+    rank: usize,
+    depth: usize,
+}
+
+/// The Token Recycling drafter (`--draft recycle[:K]`). Its matrix is its own, or shared by
+/// every drafter built from one [`RecycleDrafter::shared`] handle (a server's requests): a
+/// shared matrix carries one request's candidates into another's draft guesses only, which
+/// verification checks like any other guess, never into outputs.
+#[derive(Clone, Debug)]
+pub struct RecycleDrafter {
+    matrix: Arc<Mutex<RecycleMatrix>>,
+    template: Arc<RecycleTemplate>,
+    rates: RankRates,
+    /// The last proposal's nodes (builder order: parents first); index 0 stands for the root.
+    last: Vec<Proposed>,
+    /// Least path score worth a row ([`Drafter::set_row_cost`]; 0: the budget alone decides).
+    min_score: f64,
+}
+
+impl RecycleDrafter {
+    /// A drafter with its own empty matrix of `k` successors per token, drafting along the
+    /// paper's template.
+    pub fn new(vocab: usize, k: usize) -> Result<RecycleDrafter> {
+        let matrix = Arc::new(Mutex::new(RecycleMatrix::new(vocab, k)?));
+        RecycleDrafter::shared(matrix, Arc::new(RecycleTemplate::paper()))
+    }
+
+    /// A drafter over a matrix shared with others, drafting along `template`.
+    pub fn shared(
+        matrix: Arc<Mutex<RecycleMatrix>>,
+        template: Arc<RecycleTemplate>,
+    ) -> Result<RecycleDrafter> {
+        if template.is_empty() {
+            return Err(EngineError::InvalidArgument(
+                "token recycling needs a template with draft nodes".into(),
+            ));
+        }
+        let rates = RankRates::new(template.max_depth(), template.max_rank());
+        Ok(RecycleDrafter {
+            matrix,
+            template,
+            rates,
+            last: Vec::new(),
+            min_score: 0.0,
+        })
+    }
+
+    /// The matrix (locked; a poisoned lock is taken over: the table is valid after any update).
+    pub fn matrix(&self) -> MutexGuard<'_, RecycleMatrix> {
+        self.matrix.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Drafter for RecycleDrafter {
+    fn name(&self) -> &str {
+        "recycle"
+    }
+
+    fn propose(&mut self, req: &DraftRequest<'_>) -> Result<TokenTree> {
+        let root = req.root();
+        let mut b = TreeBuilder::new(root);
+        self.last.clear();
+        self.last.push(Proposed {
+            parent: 0,
+            token: root,
+            rank: 0,
+            depth: 0,
+        });
+        if req.budget == 0 || req.max_depth == 0 || req.tokens.is_empty() {
+            return Ok(b.build());
+        }
+        let mut chosen = self
+            .template
+            .select(req.budget, req.max_depth, |d, r| self.rates.rate(d, r));
+        // A node's score estimates the chance its path is accepted, the tokens it is worth:
+        // nodes below the cost of their row are left out (scores fall along a path, so the rest
+        // stays a subtree).
+        chosen.retain(|&(_, score)| score >= self.min_score);
+        let matrix = self.matrix.lock().unwrap_or_else(|e| e.into_inner());
+        // Template index -> builder id (None: its parent's token had no such successor).
+        let mut at: Vec<Option<usize>> = vec![None; self.template.nodes.len()];
+        at[0] = Some(TreeBuilder::ROOT);
+        for (i, score) in chosen {
+            let n = self.template.nodes[i];
+            let Some(parent) = at[n.parent] else { continue };
+            let Some(&token) = matrix.successors(b.token(parent)).get(n.rank) else {
+                continue;
+            };
+            if token as usize >= req.vocab {
+                continue;
+            }
+            let before = b.len();
+            let id = b.add_child(
+                parent,
+                token,
+                Some(Proposal::picked(req.drafter, score as f32)),
+            );
+            if b.len() > before {
+                self.last.push(Proposed {
+                    parent,
+                    token,
+                    rank: n.rank,
+                    depth: n.depth,
+                });
+                at[i] = Some(id);
+            }
+        }
+        Ok(b.build())
+    }
+
+    fn accept(&mut self, accepted: &[u32], bonus: u32) {
+        // Along the LLM's path (accepted tokens, then the bonus), every proposed child of a node
+        // on the path was a try of its rank; the one with the path's next token was a hit.
+        let mut node = 0usize;
+        for &next in accepted.iter().chain(std::iter::once(&bonus)) {
+            let mut found = None;
+            for (id, p) in self.last.iter().enumerate().skip(1) {
+                if p.parent == node {
+                    let hit = p.token == next;
+                    self.rates.record(p.depth, p.rank, hit);
+                    if hit {
+                        found = Some(id);
+                    }
+                }
+            }
+            match found {
+                Some(id) => node = id,
+                None => break,
+            }
+        }
+        self.last.clear();
+    }
+
+    fn candidates_wanted(&self) -> usize {
+        self.matrix().k()
+    }
+
+    fn set_row_cost(&mut self, passes_per_row: f64) {
+        self.min_score = if passes_per_row.is_finite() {
+            passes_per_row.max(0.0)
+        } else {
+            0.0
+        };
+    }
+
+    fn observe_candidates(&mut self, rows: &RowCandidates<'_>) {
+        self.matrix().observe(rows);
+    }
+}
+
+/// The `k` highest logits of every row of `logits` (`[rows, vocab]`), best first, ties to the
+/// lower token id: `[rows, k]` token ids (rows shorter than `k` are padded with their last).
+pub fn top_k_rows(logits: &[f32], vocab: usize, k: usize) -> Vec<u32> {
+    if vocab == 0 || k == 0 {
+        return Vec::new();
+    }
+    let k = k.min(vocab);
+    let mut out = Vec::with_capacity(logits.len() / vocab * k);
+    let mut best: Vec<(f32, u32)> = Vec::with_capacity(k + 1);
+    for row in logits.chunks_exact(vocab) {
+        best.clear();
+        let mut floor = f32::NEG_INFINITY;
+        let insert = |best: &mut Vec<(f32, u32)>, x: f32, t: u32| {
+            // Keep `best` sorted by value descending, earlier ids first among equals.
+            let at = best.partition_point(|&(y, _)| y >= x);
+            if at < k {
+                best.insert(at, (x, t));
+                best.truncate(k);
+            }
+        };
+        const CHUNK: usize = 16;
+        for (c, chunk) in row.chunks(CHUNK).enumerate() {
+            // Most chunks hold nothing above the current k-th value: one vector compare each.
+            if best.len() == k && !chunk.iter().fold(false, |a, &x| a | (x > floor)) {
+                continue;
+            }
+            for (j, &x) in chunk.iter().enumerate() {
+                if best.len() < k || x > floor {
+                    if x.is_nan() {
+                        continue;
+                    }
+                    insert(&mut best, x, (c * CHUNK + j) as u32);
+                    if best.len() == k {
+                        floor = best[k - 1].0;
+                    }
+                }
+            }
+        }
+        let last = best.last().map_or(0, |b| b.1);
+        out.extend(best.iter().map(|b| b.1));
+        out.extend(std::iter::repeat_n(last, k - best.len()));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(tokens: &[u32], budget: usize, max_depth: usize) -> DraftRequest<'_> {
+        DraftRequest {
+            tokens,
+            budget,
+            max_depth,
+            drafter: 0,
+            vocab: 100,
+        }
+    }
+
+    #[test]
+    fn the_update_replaces_a_row_with_the_latest_candidates() {
+        let mut m = RecycleMatrix::new(100, 3).unwrap();
+        assert!(m.successors(7).is_empty());
+        m.update(7, &[1, 2, 3, 4]);
+        assert_eq!(m.successors(7), &[1, 2, 3]);
+        // Newer candidates replace older ones entirely; out-of-vocabulary ids are skipped.
+        m.update(7, &[9, 200, 8]);
+        assert_eq!(m.successors(7), &[9, 8]);
+        m.update(300, &[1]);
+        assert!(m.successors(300).is_empty());
+        // A pass: row i's candidates go to tokens[i]; a token seen twice keeps its last row.
+        let top = [10, 11, 12, 20, 21, 22, 30, 31, 32];
+        m.observe(&RowCandidates {
+            tokens: &[5, 6, 5],
+            k: 3,
+            top: &top,
+        });
+        assert_eq!(m.successors(5), &[30, 31, 32]);
+        assert_eq!(m.successors(6), &[20, 21, 22]);
+        assert!(RecycleMatrix::new(100, 0).is_err());
+        assert!(RecycleMatrix::new(100, MAX_K + 1).is_err());
+    }
+
+    #[test]
+    fn the_matrix_for_qwens_vocabulary_fits_in_five_megabytes() {
+        let m = RecycleMatrix::new(151_936, DEFAULT_K).unwrap();
+        assert_eq!(m.bytes(), 151_936 * 8 * 4);
+        assert!(m.bytes() < 5_000_000, "{} bytes", m.bytes());
+    }
+
+    #[test]
+    fn the_paper_template_has_80_nodes_6_deep() {
+        let t = RecycleTemplate::paper();
+        assert_eq!(t.len(), 80);
+        assert_eq!(t.max_depth(), 6);
+        assert_eq!(t.max_rank(), 8);
+        let per_depth: Vec<usize> = (1..=6)
+            .map(|d| t.nodes.iter().filter(|n| n.depth == d).count())
+            .collect();
+        assert_eq!(per_depth, vec![8, 21, 25, 15, 8, 3]);
+        assert!(RecycleTemplate::from_layers(&[&[2], &[1]]).is_err());
+    }
+
+    #[test]
+    fn bfs_over_a_hand_built_matrix_gives_the_exact_tree() {
+        // Template: root -> ranks 0,1; rank 0 -> ranks 0,1; (0,0) -> rank 0.
+        let template = RecycleTemplate::from_layers(&[&[2], &[2, 0], &[1, 0]]).unwrap();
+        let mut m = RecycleMatrix::new(100, 2).unwrap();
+        m.update(1, &[2, 3]);
+        m.update(2, &[4, 5]);
+        m.update(4, &[6, 7]);
+        m.update(3, &[8, 9]); // never reached: rank 1 of the root has no children here
+        let shared = Arc::new(Mutex::new(m));
+        let mut d = RecycleDrafter::shared(Arc::clone(&shared), Arc::new(template)).unwrap();
+        let t = d.propose(&req(&[9, 1], 10, 10)).unwrap();
+        t.validate(100).unwrap();
+        // Depth-first: 1 -> 2 -> 4 -> 6, 2 -> 5, 1 -> 3.
+        assert_eq!(t.tokens(), vec![1, 2, 4, 6, 5, 3]);
+        let parents: Vec<Option<usize>> = t.nodes().iter().map(|n| n.parent).collect();
+        assert_eq!(
+            parents,
+            vec![None, Some(0), Some(1), Some(2), Some(1), Some(0)]
+        );
+        // A budget of 3 keeps the best path scores under the prior rates: 2 (0.45), 2 -> 4
+        // (0.45 x 0.45), 3 (0.12); then a depth limit.
+        let t = d.propose(&req(&[9, 1], 3, 10)).unwrap();
+        assert_eq!(t.tokens(), vec![1, 2, 4, 3]);
+        let t = d.propose(&req(&[9, 1], 10, 1)).unwrap();
+        assert_eq!(t.tokens(), vec![1, 2, 3]);
+        // A row cost leaves out the nodes whose path scores fall below it.
+        d.set_row_cost(0.1);
+        let t = d.propose(&req(&[9, 1], 10, 10)).unwrap();
+        assert_eq!(t.tokens(), vec![1, 2, 4, 3]);
+        d.set_row_cost(0.0);
+        // A missing successor prunes its subtree; an unknown root proposes nothing.
+        shared.lock().unwrap().update(2, &[4]);
+        let t = d.propose(&req(&[9, 1], 10, 10)).unwrap();
+        assert_eq!(t.tokens(), vec![1, 2, 4, 6, 3]);
+        assert_eq!(d.propose(&req(&[9, 50], 10, 10)).unwrap().len(), 1);
+        // Successors outside the request's vocabulary are skipped.
+        let t = d
+            .propose(&DraftRequest {
+                vocab: 4,
+                ..req(&[9, 1], 10, 10)
+            })
+            .unwrap();
+        assert_eq!(t.tokens(), vec![1, 2, 3]);
+    }
+
+    #[test]
+    fn rank_rates_follow_what_verification_accepts() {
+        let template = RecycleTemplate::from_layers(&[&[2], &[1, 1]]).unwrap();
+        let mut m = RecycleMatrix::new(100, 2).unwrap();
+        m.update(1, &[2, 3]);
+        m.update(2, &[4]);
+        m.update(3, &[5]);
+        let mut d =
+            RecycleDrafter::shared(Arc::new(Mutex::new(m)), Arc::new(template.clone())).unwrap();
+        // Budget 2 under the prior: the rank-0 chain 1 -> 2 -> 4.
+        assert_eq!(d.propose(&req(&[1], 2, 4)).unwrap().tokens(), vec![1, 2, 4]);
+        // The LLM keeps choosing the rank-1 candidate: the budget moves to that branch.
+        for _ in 0..60 {
+            d.propose(&req(&[1], 4, 4)).unwrap();
+            d.accept(&[3, 5], 0);
+        }
+        assert_eq!(d.propose(&req(&[1], 2, 4)).unwrap().tokens(), vec![1, 3, 5]);
+    }
+
+    /// What the candidates of a verification pass cost over qwen's vocabulary (a figure, not an
+    /// assertion): `cargo test --release -p arbor-engine recycle::tests::top_k_timing --
+    /// --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn top_k_timing() {
+        let vocab = 151_936;
+        for rows in [1usize, 8, 16, 64] {
+            let mut s = 0x9E37_79B9_7F4A_7C15u64;
+            let logits: Vec<f32> = (0..rows * vocab)
+                .map(|_| {
+                    s ^= s << 13;
+                    s ^= s >> 7;
+                    s ^= s << 17;
+                    (s >> 40) as f32 / (1u64 << 20) as f32
+                })
+                .collect();
+            let reps = 20;
+            let t0 = std::time::Instant::now();
+            let mut n = 0;
+            for _ in 0..reps {
+                n += top_k_rows(std::hint::black_box(&logits), vocab, DEFAULT_K).len();
+            }
+            let ms = t0.elapsed().as_secs_f64() * 1e3 / reps as f64;
+            eprintln!(
+                "top-{DEFAULT_K} of {rows} rows x {vocab}: {ms:.3} ms ({:.2} ns per logit, {n})",
+                ms * 1e6 / (rows * vocab) as f64
+            );
+        }
+    }
+
+    #[test]
+    fn top_k_rows_are_the_largest_logits_best_first() {
+        let vocab = 40;
+        let mut logits = vec![0.0f32; 2 * vocab];
+        for (i, x) in logits.iter_mut().enumerate() {
+            *x = ((i * 7919) % 97) as f32 * 0.1 - 3.0;
+        }
+        logits[vocab + 33] = f32::NAN;
+        let top = top_k_rows(&logits, vocab, 5);
+        assert_eq!(top.len(), 10);
+        for (r, row) in logits.chunks(vocab).enumerate() {
+            let mut ids: Vec<u32> = (0..vocab as u32)
+                .filter(|&i| !row[i as usize].is_nan())
+                .collect();
+            ids.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
+            assert_eq!(&top[r * 5..r * 5 + 5], &ids[..5], "row {r}");
+        }
+        // Ties go to the lower id; k above the vocabulary is capped.
+        assert_eq!(top_k_rows(&[1.0, 2.0, 2.0, 0.5], 4, 2), vec![1, 2]);
+        assert_eq!(top_k_rows(&[1.0, 2.0], 2, 5), vec![1, 0]);
+    }
+}
