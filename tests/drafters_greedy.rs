@@ -23,6 +23,37 @@ fn params(max_tokens: usize) -> GenerateParams {
     }
 }
 
+/// Greedy speculative generation of `n` tokens after `prompt` on smollm2 with `drafters`.
+fn speculate(
+    prompt: &[u32],
+    n: usize,
+    drafters: &mut [Box<dyn Drafter + '_>],
+    budget: usize,
+    adaptive: bool,
+) -> spec::SpecOutput {
+    let m = common::smollm2();
+    let mut refs: Vec<&mut dyn Drafter> = drafters
+        .iter_mut()
+        .map(|d| d.as_mut() as &mut dyn Drafter)
+        .collect();
+    let sp = SpecParams {
+        budget,
+        mode: None,
+        adaptive,
+    };
+    spec::generate(
+        &m.model,
+        common::backend(),
+        &m.tok,
+        prompt,
+        &params(n),
+        &sp,
+        &mut refs,
+        |_| {},
+    )
+    .unwrap()
+}
+
 #[test]
 fn real_drafters_greedy_equal_incremental() {
     let m = common::smollm2();
@@ -72,26 +103,7 @@ fn real_drafters_greedy_equal_incremental() {
             ),
         ];
         for (name, mut ds) in runs {
-            let mut refs: Vec<&mut dyn Drafter> = ds
-                .iter_mut()
-                .map(|d| d.as_mut() as &mut dyn Drafter)
-                .collect();
-            let sp = SpecParams {
-                budget: 24,
-                mode: None,
-                adaptive: false,
-            };
-            let out = spec::generate(
-                &m.model,
-                be,
-                &m.tok,
-                &prompt,
-                &params(n),
-                &sp,
-                &mut refs,
-                |_| {},
-            )
-            .unwrap();
+            let out = speculate(&prompt, n, &mut ds, 24, false);
             assert_eq!(
                 out.output.tokens, reference.tokens,
                 "prompt {pi} drafter {name}"
@@ -147,26 +159,7 @@ fn recycle_adaptive_greedy_equals_incremental() {
         if with_ngram {
             ds.push(Box::new(NgramDrafter::default()));
         }
-        let mut refs: Vec<&mut dyn Drafter> = ds
-            .iter_mut()
-            .map(|d| d.as_mut() as &mut dyn Drafter)
-            .collect();
-        let sp = SpecParams {
-            budget: 64,
-            mode: None,
-            adaptive: true,
-        };
-        let out = spec::generate(
-            &m.model,
-            be,
-            &m.tok,
-            &prompt,
-            &params(n),
-            &sp,
-            &mut refs,
-            |_| {},
-        )
-        .unwrap();
+        let out = speculate(&prompt, n, &mut ds, 64, true);
         assert_eq!(out.output.tokens, reference.tokens, "ngram: {with_ngram}");
         assert_eq!(out.output.text, reference.text, "ngram: {with_ngram}");
     }

@@ -1072,8 +1072,17 @@ mod tests {
         assert!(d <= 1e-5, "K/V differ from incremental decoding by {d}");
     }
 
-    #[test]
-    fn greedy_session_equals_incremental_for_any_drafter() {
+    /// A 24-token tiny model, its prompt, and greedy incremental decoding's `n` tokens after it
+    /// (`truth`) and the whole sequence (`full`).
+    struct Tiny24 {
+        model: Model,
+        be: CpuBackend,
+        prompt: [u32; 5],
+        truth: Vec<u32>,
+        full: Vec<u32>,
+    }
+
+    fn tiny24(n: usize) -> Tiny24 {
         let model = tiny_model(
             &TinySpec {
                 vocab: 24,
@@ -1084,10 +1093,27 @@ mod tests {
         .unwrap();
         let be = CpuBackend::new(1).unwrap();
         let prompt = [3u32, 1, 4, 1, 5];
-        let n = 30;
         let (_, truth) = incremental(&model, &be, &prompt, n);
         let mut full = prompt.to_vec();
         full.extend(&truth);
+        Tiny24 {
+            model,
+            be,
+            prompt,
+            truth,
+            full,
+        }
+    }
+
+    #[test]
+    fn greedy_session_equals_incremental_for_any_drafter() {
+        let Tiny24 {
+            model,
+            be,
+            prompt,
+            truth,
+            full,
+        } = tiny24(30);
         for cfg in ["1,1,1,1", "6", "2,2,2,2,2", "1,1,3,1,1,1,1,1"] {
             let cfg: ExpansionConfig = cfg.parse().unwrap();
             let mut oracle = OracleDrafter::new(full.clone(), cfg.clone(), 1);
@@ -1122,20 +1148,13 @@ mod tests {
     #[test]
     fn greedy_session_with_token_recycling_equals_incremental() {
         use crate::draft::{NgramDrafter, RecycleDrafter};
-        let model = tiny_model(
-            &TinySpec {
-                vocab: 24,
-                ..TinySpec::default()
-            },
-            8,
-        )
-        .unwrap();
-        let be = CpuBackend::new(1).unwrap();
-        let prompt = [3u32, 1, 4, 1, 5];
-        let n = 40;
-        let (_, truth) = incremental(&model, &be, &prompt, n);
-        let mut full = prompt.to_vec();
-        full.extend(&truth);
+        let Tiny24 {
+            model,
+            be,
+            prompt,
+            truth,
+            full,
+        } = tiny24(40);
         for budget in [4, 16, 80] {
             let mut recycle = RecycleDrafter::new(24, 8).unwrap();
             let mut s = greedy_session(&model, &be, &prompt, truth[0], budget).unwrap();

@@ -1,4 +1,4 @@
-//! End-to-end tests of `arbor generate --draft …` with real drafters (SSM, prompt lookup, early exit, SPACE, prompt lookup with a fallback; merged and dynamic trees): same tokens as plain generation, acceptance reported.
+//! End-to-end tests of `arbor generate --draft …` with real drafters (SSM, prompt lookup, early exit, SPACE, Token Recycling, prompt lookup with a fallback; merged and dynamic trees): same tokens as plain generation, acceptance reported.
 
 mod common;
 
@@ -32,6 +32,8 @@ fn real_drafters_match_plain_generation_and_report_acceptance() {
         &["--space", "--space-k", "3"][..],
         &["--space", "--space-mask-token", "0", "--draft", "ngram"][..],
         &["--draft", "ngram-else:smollm2-135m", "--tree", "1,1,1,1"][..],
+        &["--draft", "recycle", "--draft", "ngram"][..],
+        &["--draft", "ngram-else:recycle:4", "--speculate-budget", "8"][..],
     ] {
         // Fixed trees (every drafted node verified) and the adaptive policy (the default: the
         // depth that pays): the same tokens either way.
@@ -70,6 +72,9 @@ fn bad_drafters_and_trees_are_refused() {
         &["--draft", "ngram", "--tree", "dynamic:0"][..],
         &["--draft", "oracle", "--tree", "dynamic:8"][..],
         &["--draft", "early-exit:999"][..],
+        &["--draft", "recycle:0"][..],
+        &["--draft", "recycle:33"][..],
+        &["--draft", "recycle:x"][..],
         &["--space", "--space-k", "0"][..],
         &["--space", "--space-mask-token", "99999999"][..],
         &["--space-k", "3"][..],

@@ -252,6 +252,26 @@ struct StepInput {
 
 /// Drop the drafters that failed (`(index, message)`, indices ascending): a failed drafter may
 /// be left in any state, so the request goes on without it.
+/// Run `f` on each of a request's drafters; one that panics is dropped and reported (`what`
+/// names the call), never the request.
+fn each_drafter(
+    id: u64,
+    sp: &mut SpecState<'_>,
+    what: &str,
+    stats: &mut SchedStats,
+    out: &mut Vec<DrafterFailure>,
+    mut f: impl FnMut(&mut dyn Drafter),
+) {
+    let mut broken = Vec::new();
+    for (i, d) in sp.drafters.iter_mut().enumerate() {
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut **d)));
+        if let Err(p) = r {
+            broken.push((i, format!("{what} {}", crate::spec::panic_message(&*p))));
+        }
+    }
+    drop_drafters(id, sp, broken, stats, out);
+}
+
 fn drop_drafters(
     id: u64,
     sp: &mut SpecState<'_>,
@@ -861,28 +881,16 @@ impl<'a> Scheduler<'a> {
                         });
                     }
                     sp.metrics.record(tree, &o);
-                    let mut broken = Vec::new();
-                    for (i, d) in sp.drafters.iter_mut().enumerate() {
-                        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                            d.observe(None);
-                            if let Some(c) = candidates.as_ref() {
-                                if d.candidates_wanted() > 0 {
-                                    d.observe_candidates(&c.rows());
-                                }
+                    let (stats, failures) = (&mut self.stats, &mut self.drafter_failures);
+                    each_drafter(r.id, sp, "accept", stats, failures, |d| {
+                        d.observe(None);
+                        if let Some(c) = candidates.as_ref() {
+                            if d.candidates_wanted() > 0 {
+                                d.observe_candidates(&c.rows());
                             }
-                            d.accept(&o.tokens, o.bonus);
-                        }));
-                        if let Err(p) = r {
-                            broken.push((i, format!("accept {}", crate::spec::panic_message(&*p))));
                         }
-                    }
-                    drop_drafters(
-                        r.id,
-                        sp,
-                        broken,
-                        &mut self.stats,
-                        &mut self.drafter_failures,
-                    );
+                        d.accept(&o.tokens, o.bonus);
+                    });
                     emitted
                 }
                 _ if sl.prefill > 0 && sl.candidates > 0 => {
@@ -890,29 +898,12 @@ impl<'a> Scheduler<'a> {
                     // last row when this chunk ends the prompt.
                     let c = PassCandidates::of(x.tokens.clone(), lg, vocab, sl.candidates);
                     if let Some(sp) = r.spec.as_mut() {
-                        let mut broken = Vec::new();
-                        for (i, d) in sp.drafters.iter_mut().enumerate() {
-                            if d.candidates_wanted() == 0 {
-                                continue;
+                        let (stats, failures) = (&mut self.stats, &mut self.drafter_failures);
+                        each_drafter(r.id, sp, "observe", stats, failures, |d| {
+                            if d.candidates_wanted() > 0 {
+                                d.observe_candidates(&c.rows());
                             }
-                            let res =
-                                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                                    d.observe_candidates(&c.rows())
-                                }));
-                            if let Err(p) = res {
-                                broken.push((
-                                    i,
-                                    format!("observe {}", crate::spec::panic_message(&*p)),
-                                ));
-                            }
-                        }
-                        drop_drafters(
-                            r.id,
-                            sp,
-                            broken,
-                            &mut self.stats,
-                            &mut self.drafter_failures,
-                        );
+                        });
                         if sp.external && sp.candidates > 0 {
                             self.commits.push(Commit {
                                 id: r.id,
