@@ -98,6 +98,14 @@ fn real_drafters_greedy_equal_incremental() {
             ),
             ("recycle", vec![recycle(8)]),
             (
+                "recycle, prompt rows' candidates",
+                vec![Box::new(
+                    RecycleDrafter::new(vocab, 8)
+                        .unwrap()
+                        .with_prompt_logits(true),
+                )],
+            ),
+            (
                 "recycle + ngram merged",
                 vec![recycle(4), Box::new(NgramDrafter::default())],
             ),

@@ -577,6 +577,7 @@ fn batched_adaptive_speculation_keeps_the_llm_distribution() {
             mode: Some(VerifyMode::Mss),
             external: false,
             candidates: 0,
+            prompt_candidates: 0,
         };
         s.submit_spec(PROMPT.to_vec(), params, Some(spec)).unwrap();
     }

@@ -598,10 +598,11 @@ fn a_failing_drafter_does_not_change_greedy_output() {
 #[test]
 fn served_token_recycling_keeps_greedy_output() {
     let vocab = common::smollm2().model.config.vocab_size;
+    // Per request with the prompt rows' candidates; shared, from the prompts' successors.
     for shared in [false, true] {
         let server = TestServer::start(
             engine_config(vec![
-                DrafterFactory::recycle(vocab, 8, shared).expect("recycle"),
+                DrafterFactory::recycle(vocab, 8, shared, !shared).expect("recycle"),
                 DrafterFactory::ngram(3).expect("ngram"),
             ]),
             ServerConfig::default(),

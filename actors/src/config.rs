@@ -32,6 +32,8 @@ pub struct DrafterFactory {
     /// Top candidates per verified row its drafters want with each commit (Token Recycling;
     /// 0: none).
     pub candidates: usize,
+    /// Top candidates per prompt row its drafters want from the prefill (0: none).
+    pub prompt_candidates: usize,
     build: Arc<BuildFn>,
 }
 
@@ -51,6 +53,7 @@ impl DrafterFactory {
         DrafterFactory {
             name: name.into(),
             candidates: 0,
+            prompt_candidates: 0,
             build: Arc::new(build),
         }
     }
@@ -59,7 +62,14 @@ impl DrafterFactory {
     /// successors per token, refilled from the top-`k` candidates of its verified rows. With
     /// `shared`, one matrix serves every request of the server (one request's candidates become
     /// other requests' draft guesses, checked by verification like any guess; never output).
-    pub fn recycle(vocab: usize, k: usize, shared: bool) -> Result<DrafterFactory> {
+    /// Each request's drafter starts from its prompt's own successors, and with `prompt_logits`
+    /// also from every prompt row's top-`k` (the output head over the whole prompt).
+    pub fn recycle(
+        vocab: usize,
+        k: usize,
+        shared: bool,
+        prompt_logits: bool,
+    ) -> Result<DrafterFactory> {
         let template = Arc::new(RecycleTemplate::paper());
         let matrix = Arc::new(std::sync::Mutex::new(
             RecycleMatrix::new(vocab, k).map_err(ServeError::from)?,
@@ -70,12 +80,13 @@ impl DrafterFactory {
             } else {
                 Arc::new(std::sync::Mutex::new(RecycleMatrix::new(vocab, k)?))
             };
-            Ok(
-                Box::new(RecycleDrafter::shared(matrix, Arc::clone(&template))?)
-                    as Box<dyn Drafter>,
-            )
+            Ok(Box::new(
+                RecycleDrafter::shared(matrix, Arc::clone(&template))?
+                    .with_prompt_logits(prompt_logits),
+            ) as Box<dyn Drafter>)
         });
         f.candidates = k;
+        f.prompt_candidates = if prompt_logits { k } else { 0 };
         Ok(f)
     }
 

@@ -143,7 +143,7 @@ impl Handler<CommitDrafts> for DrafterActor {
                 if let (true, Some(cands), true) = (
                     c.prefill,
                     c.candidates.as_ref(),
-                    self.factory.candidates > 0,
+                    self.factory.prompt_candidates > 0,
                 ) {
                     self.early_candidates
                         .entry(c.id)

@@ -23,8 +23,9 @@ pub struct Verifier {
     backend: CpuBackend,
     tokenizer: Arc<Tokenizer>,
     n_drafters: usize,
-    /// Per drafter, the candidates per verified row it wants (Token Recycling).
-    drafter_candidates: Vec<usize>,
+    /// Per drafter, the candidates per verified row and per prompt row it wants (Token
+    /// Recycling).
+    drafter_candidates: Vec<(usize, usize)>,
     max_prompt_tokens: usize,
     /// Request id → its scheduler id and speculation; scheduler id → request id.
     requests: HashMap<RequestId, Tracked>,
@@ -91,7 +92,11 @@ impl Verifier {
             backend,
             tokenizer: Arc::clone(&config.tokenizer),
             n_drafters: config.drafters.len(),
-            drafter_candidates: config.drafters.iter().map(|d| d.candidates).collect(),
+            drafter_candidates: config
+                .drafters
+                .iter()
+                .map(|d| (d.candidates, d.prompt_candidates))
+                .collect(),
             max_prompt_tokens,
             requests: HashMap::new(),
             to_req: HashMap::new(),
@@ -169,7 +174,13 @@ impl Verifier {
                     candidates: sp
                         .drafters
                         .iter()
-                        .map(|&i| self.drafter_candidates[i])
+                        .map(|&i| self.drafter_candidates[i].0)
+                        .max()
+                        .unwrap_or(0),
+                    prompt_candidates: sp
+                        .drafters
+                        .iter()
+                        .map(|&i| self.drafter_candidates[i].1)
                         .max()
                         .unwrap_or(0),
                 })

@@ -858,16 +858,15 @@ pub fn generate<B: Backend>(
     );
     let mut sink = TokenSink::new(tokenizer, params, on_text);
     // Prefill exactly as incremental generation does; the first token comes from its logits.
-    // Drafters that learn from every row's candidates (Token Recycling) are warm-started from
-    // the prompt's rows.
+    // Drafters that ask for the prompt rows' candidates (Token Recycling's warm start) get them.
     let wanted = drafters
         .iter()
-        .map(|d| d.candidates_wanted())
+        .map(|d| d.prompt_candidates())
         .max()
         .unwrap_or(0);
     let (logits, prefill_secs) = if wanted > 0 {
         let (logits, secs, rows) = prefill_candidates(model, backend, &mut cache, prompt, wanted)?;
-        for d in drafters.iter_mut().filter(|d| d.candidates_wanted() > 0) {
+        for d in drafters.iter_mut().filter(|d| d.prompt_candidates() > 0) {
             d.observe_candidates(&rows.rows());
         }
         (logits, secs)

@@ -316,6 +316,7 @@ fn run_mode(
                 mode: None,
                 external: false,
                 candidates: 0,
+                prompt_candidates: 0,
             }),
         };
         s.submit_spec(set[i % set.len()].clone(), params, spec)?;

@@ -42,9 +42,9 @@ pub fn check_drafters(specs: &[String]) -> anyhow::Result<Vec<DraftSpec>> {
                 DraftSpec::Ngram(_)
                 | DraftSpec::EarlyExit(_)
                 | DraftSpec::Model(_)
-                | DraftSpec::Recycle(_) => Ok(spec),
+                | DraftSpec::Recycle { .. } => Ok(spec),
                 _ => anyhow::bail!(
-                    "the server runs ngram[:N], recycle[:K], early-exit:L and draft models (got '{d}': \
+                    "the server runs ngram[:N], recycle[:K][:logits], early-exit:L and draft models (got '{d}': \
                      SPACE and fallback drafters are not served yet)"
                 ),
             }
@@ -62,9 +62,12 @@ pub fn engine_config(o: &ServeOptions) -> anyhow::Result<EngineConfig> {
     for spec in &specs {
         drafters.push(match spec {
             DraftSpec::Ngram(n) => DrafterFactory::ngram(*n)?,
-            DraftSpec::Recycle(k) => {
-                DrafterFactory::recycle(config.model.config.vocab_size, *k, o.recycle_shared)?
-            }
+            DraftSpec::Recycle { k, prompt_logits } => DrafterFactory::recycle(
+                config.model.config.vocab_size,
+                *k,
+                o.recycle_shared,
+                *prompt_logits,
+            )?,
             DraftSpec::EarlyExit(l) => DrafterFactory::early_exit(
                 &config.model,
                 *l,

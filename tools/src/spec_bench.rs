@@ -210,8 +210,13 @@ pub enum DraftSpec {
     /// `ngram[:N]-else:SPEC`: prompt lookup on matches of 2 to N tokens, and at steps without
     /// such a match the drafter `SPEC` (`FallbackDrafter`).
     NgramElse(usize, Box<DraftSpec>),
-    /// `recycle[:K]`: Token Recycling with K successors per token (`RecycleDrafter`).
-    Recycle(usize),
+    /// `recycle[:K][:logits]`: Token Recycling with K successors per token (`RecycleDrafter`),
+    /// warm-started from the prompt's successors, and with `logits` from every prompt row's
+    /// top-K too.
+    Recycle {
+        k: usize,
+        prompt_logits: bool,
+    },
 }
 
 impl DraftSpec {
@@ -261,18 +266,27 @@ impl std::str::FromStr for DraftSpec {
         if let Some(l) = s.strip_prefix("early-exit:") {
             return Ok(DraftSpec::EarlyExit(num(l, "expected early-exit:LAYERS")?));
         }
-        if s == "recycle" {
-            return Ok(DraftSpec::Recycle(recycle::DEFAULT_K));
-        }
-        if let Some(k) = s.strip_prefix("recycle:") {
-            let k = num(k, "expected recycle:K with K >= 1")?;
+        if s == "recycle" || s.starts_with("recycle:") {
+            let what = "expected recycle[:K][:logits] with K >= 1";
+            let parts: Vec<&str> = s.split(':').skip(1).collect();
+            let (k, prompt_logits) = match parts.as_slice() {
+                [] => (recycle::DEFAULT_K, false),
+                ["logits"] => (recycle::DEFAULT_K, true),
+                [k] => (num(k, what)?, false),
+                [k, "logits"] => (num(k, what)?, true),
+                _ => {
+                    return Err(EngineError::InvalidArgument(format!(
+                        "drafter '{s}': {what}"
+                    )))
+                }
+            };
             if k > recycle::MAX_K {
                 return Err(EngineError::InvalidArgument(format!(
                     "drafter '{s}': at most {} successors per token",
                     recycle::MAX_K
                 )));
             }
-            return Ok(DraftSpec::Recycle(k));
+            return Ok(DraftSpec::Recycle { k, prompt_logits });
         }
         if s == "space" {
             return Ok(DraftSpec::Space { k: 4, mask: None });
@@ -340,7 +354,9 @@ fn build_drafter<'m>(
             DraftSampling::TopK,
             seed,
         )?),
-        DraftSpec::Recycle(k) => Box::new(RecycleDrafter::new(llm.config.vocab_size, *k)?),
+        DraftSpec::Recycle { k, prompt_logits } => Box::new(
+            RecycleDrafter::new(llm.config.vocab_size, *k)?.with_prompt_logits(*prompt_logits),
+        ),
         DraftSpec::Space { k, mask } => {
             let mode = mask.map_or(SpaceMode::Jacobi, SpaceMode::MaskToken);
             Box::new(SpaceDrafter::new(
@@ -541,7 +557,10 @@ pub fn suite_bench(
     let mut configs: Vec<SuiteConfig> = Vec::new();
     let ee = DraftSpec::EarlyExit(early_exit_layers);
     let ng = DraftSpec::Ngram(3);
-    let rc = DraftSpec::Recycle(recycle::DEFAULT_K);
+    let rc = DraftSpec::Recycle {
+        k: recycle::DEFAULT_K,
+        prompt_logits: false,
+    };
     let tree = "1,1,3,1,1,1,1,1";
     if let Some(n) = &ssm_name {
         let m = || DraftSpec::Model(n.clone());
@@ -697,7 +716,7 @@ pub fn suite_bench(
                 let mut ds = build_drafters(&cfg.specs, llm, &ssm_models, backend, &cfg.shape, 1)?;
                 if cfg.shared_recycle {
                     for (d, spec) in ds.iter_mut().zip(&cfg.specs) {
-                        if matches!(spec, DraftSpec::Recycle(_)) {
+                        if matches!(spec, DraftSpec::Recycle { .. }) {
                             *d = Box::new(RecycleDrafter::shared(
                                 std::sync::Arc::clone(&matrix),
                                 std::sync::Arc::clone(&template),

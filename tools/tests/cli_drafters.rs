@@ -34,6 +34,7 @@ fn real_drafters_match_plain_generation_and_report_acceptance() {
         &["--draft", "ngram-else:smollm2-135m", "--tree", "1,1,1,1"][..],
         &["--draft", "recycle", "--draft", "ngram"][..],
         &["--draft", "ngram-else:recycle:4", "--speculate-budget", "8"][..],
+        &["--draft", "recycle:logits"][..],
     ] {
         // Fixed trees (every drafted node verified) and the adaptive policy (the default: the
         // depth that pays): the same tokens either way.
@@ -75,6 +76,9 @@ fn bad_drafters_and_trees_are_refused() {
         &["--draft", "recycle:0"][..],
         &["--draft", "recycle:33"][..],
         &["--draft", "recycle:x"][..],
+        &["--draft", "recycle:logits:4"][..],
+        &["--draft", "recycle:4:logits:logits"][..],
+        &["--draft", "recycle:8:9"][..],
         &["--space", "--space-k", "0"][..],
         &["--space", "--space-mask-token", "99999999"][..],
         &["--space-k", "3"][..],

@@ -85,6 +85,12 @@ impl Drafter for FallbackDrafter<'_> {
             .max(self.second.candidates_wanted())
     }
 
+    fn prompt_candidates(&self) -> usize {
+        self.first
+            .prompt_candidates()
+            .max(self.second.prompt_candidates())
+    }
+
     fn set_row_cost(&mut self, passes_per_row: f64) {
         self.first.set_row_cost(passes_per_row);
         self.second.set_row_cost(passes_per_row);

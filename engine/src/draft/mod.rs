@@ -101,9 +101,15 @@ pub trait Drafter: Send {
         0
     }
 
+    /// How many top candidates per prompt row this drafter wants from the prefill (a warm start:
+    /// the output head then runs over every prompt row); 0 (the default): none.
+    fn prompt_candidates(&self) -> usize {
+        0
+    }
+
     /// After a pass of the LLM over this sequence (a verification pass, before
-    /// [`Drafter::accept`], and the prompt's prefill where the caller computes its rows): every
-    /// row's input token and the top candidates of its logits.
+    /// [`Drafter::accept`], and the prompt's prefill when [`Drafter::prompt_candidates`] asks):
+    /// every row's input token and the top candidates of its logits.
     fn observe_candidates(&mut self, _rows: &RowCandidates<'_>) {}
 
     /// What one more verified row costs, in plain passes (with the adaptive policy's hurdle), as

@@ -9,7 +9,9 @@
 //! most promising part: nodes scored by the product of per-rank acceptance rates along their
 //! path (learnt from the drafter's own verified proposals), the best `budget` of them, which is
 //! always a subtree. Proposals are picks (never samples), so greedy and MSS verification stay
-//! lossless.
+//! lossless. The matrix starts from the sequence's own successors (token `i` -> token `i + 1` of
+//! the prompt), or, with [`RecycleDrafter::with_prompt_logits`], also from the top-K of every
+//! prompt row (the paper's warm start, which costs the output head over the whole prompt).
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -293,6 +295,11 @@ pub struct RecycleDrafter {
     last: Vec<Proposed>,
     /// Least path score worth a row ([`Drafter::set_row_cost`]; 0: the budget alone decides).
     min_score: f64,
+    /// The sequence's own successors are in the matrix (done at the first proposal).
+    warm: bool,
+    /// Also warm up from the top candidates of every prompt row (costs the output head over the
+    /// whole prompt).
+    prompt_logits: bool,
 }
 
 impl RecycleDrafter {
@@ -320,7 +327,17 @@ impl RecycleDrafter {
             rates,
             last: Vec::new(),
             min_score: 0.0,
+            warm: false,
+            prompt_logits: false,
         })
+    }
+
+    /// Also warm the matrix up from every prompt row's top candidates
+    /// ([`Drafter::prompt_candidates`]): the paper's warm start, at the cost of the output head
+    /// over the whole prompt (about doubles qwen2.5-coder-1.5b's prefill on 2 cores).
+    pub fn with_prompt_logits(mut self, on: bool) -> RecycleDrafter {
+        self.prompt_logits = on;
+        self
     }
 
     /// The matrix (locked; a poisoned lock is taken over: the table is valid after any update).
@@ -335,6 +352,18 @@ impl Drafter for RecycleDrafter {
     }
 
     fn propose(&mut self, req: &DraftRequest<'_>) -> Result<TokenTree> {
+        if !self.warm {
+            // Warm start from the sequence itself: each token's successor in it, where the
+            // matrix knows nothing better (free; as good as the prompt rows' candidates on the
+            // benchmark prompts, see docs/benchmarks.md).
+            self.warm = true;
+            let mut m = self.matrix.lock().unwrap_or_else(|e| e.into_inner());
+            for w in req.tokens.windows(2) {
+                if m.successors(w[0]).is_empty() {
+                    m.update(w[0], &w[1..]);
+                }
+            }
+        }
         let root = req.root();
         let mut b = TreeBuilder::new(root);
         self.last.clear();
@@ -411,6 +440,14 @@ impl Drafter for RecycleDrafter {
 
     fn candidates_wanted(&self) -> usize {
         self.matrix().k()
+    }
+
+    fn prompt_candidates(&self) -> usize {
+        if self.prompt_logits {
+            self.candidates_wanted()
+        } else {
+            0
+        }
     }
 
     fn set_row_cost(&mut self, passes_per_row: f64) {

@@ -131,6 +131,8 @@ pub struct RequestSpec<'a> {
     /// (Token Recycling; 0: none). In-process drafters say so themselves
     /// ([`Drafter::candidates_wanted`]).
     pub candidates: usize,
+    /// Top candidates per prompt row the outside drafters want (a warm start; 0: none).
+    pub prompt_candidates: usize,
 }
 
 /// A tree to draft outside the scheduler for one request of a planned step.
@@ -186,8 +188,9 @@ struct SpecState<'a> {
     draft_secs: f64,
     metrics: SpecMetrics,
     external: bool,
-    /// Candidates per row the outside drafters want.
+    /// Candidates per row the outside drafters want, of verified rows and of prompt rows.
     candidates: usize,
+    prompt_candidates: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -326,16 +329,17 @@ impl Request<'_> {
         self.seq.len() - self.prompt_len
     }
 
-    /// Top candidates per computed row this request's drafters want (Token Recycling).
-    fn candidates_wanted(&self) -> usize {
+    /// Top candidates per prompt row this request's drafters want (Token Recycling's warm
+    /// start).
+    fn prompt_candidates(&self) -> usize {
         self.spec.as_ref().map_or(0, |sp| {
             let own = sp
                 .drafters
                 .iter()
-                .map(|d| d.candidates_wanted())
+                .map(|d| d.prompt_candidates())
                 .max()
                 .unwrap_or(0);
-            own.max(if sp.external { sp.candidates } else { 0 })
+            own.max(if sp.external { sp.prompt_candidates } else { 0 })
         })
     }
 
@@ -588,6 +592,7 @@ impl<'a> Scheduler<'a> {
                     metrics: SpecMetrics::default(),
                     external: rs.external,
                     candidates: rs.candidates,
+                    prompt_candidates: rs.prompt_candidates,
                 })
             }
             None => None,
@@ -900,11 +905,11 @@ impl<'a> Scheduler<'a> {
                     if let Some(sp) = r.spec.as_mut() {
                         let (stats, failures) = (&mut self.stats, &mut self.drafter_failures);
                         each_drafter(r.id, sp, "observe", stats, failures, |d| {
-                            if d.candidates_wanted() > 0 {
+                            if d.prompt_candidates() > 0 {
                                 d.observe_candidates(&c.rows());
                             }
                         });
-                        if sp.external && sp.candidates > 0 {
+                        if sp.external && sp.prompt_candidates > 0 {
                             self.commits.push(Commit {
                                 id: r.id,
                                 accepted: Vec::new(),
@@ -1009,7 +1014,7 @@ impl<'a> Scheduler<'a> {
             {
                 // Drafters that learn from every row's candidates see the prompt's rows too,
                 // in chunks that bound the logits buffer.
-                let candidates = r.candidates_wanted();
+                let candidates = r.prompt_candidates();
                 let chunk = if candidates > 0 {
                     self.config.prefill_chunk.min(CANDIDATE_PREFILL_ROWS)
                 } else {

@@ -278,6 +278,7 @@ fn ngram_spec<'a>(policy: SpecPolicy, budget: usize) -> RequestSpec<'a> {
         mode: None,
         external: false,
         candidates: 0,
+        prompt_candidates: 0,
     }
 }
 
@@ -400,6 +401,9 @@ fn token_recycling_in_a_batch_keeps_outputs_and_warm_starts() {
         fn candidates_wanted(&self) -> usize {
             self.0.candidates_wanted()
         }
+        fn prompt_candidates(&self) -> usize {
+            self.0.prompt_candidates()
+        }
         fn observe_candidates(&mut self, rows: &RowCandidates<'_>) {
             self.1.lock().unwrap().push(rows.tokens.len());
             self.0.observe_candidates(rows)
@@ -432,7 +436,9 @@ fn token_recycling_in_a_batch_keeps_outputs_and_warm_starts() {
             let log = Arc::new(Mutex::new(Vec::new()));
             let sp = (i % 3 != 0).then(|| RequestSpec {
                 drafters: vec![Box::new(Logged(
-                    RecycleDrafter::new(vocab, 8).unwrap(),
+                    RecycleDrafter::new(vocab, 8)
+                        .unwrap()
+                        .with_prompt_logits(true),
                     Arc::clone(&log),
                 )) as Box<dyn Drafter>],
                 budget: 8,
@@ -444,6 +450,7 @@ fn token_recycling_in_a_batch_keeps_outputs_and_warm_starts() {
                 mode: None,
                 external: false,
                 candidates: 0,
+                prompt_candidates: 0,
             });
             logs.push((i, log));
             s.submit_spec(p.clone(), params, sp).unwrap();
@@ -755,6 +762,7 @@ fn batched_model_drafters_keep_every_output() {
                 mode: None,
                 external: false,
                 candidates: 0,
+                prompt_candidates: 0,
             };
             let sp = match i % 4 {
                 0 => None,
@@ -846,6 +854,7 @@ fn counted_run(
         mode: None,
         external: false,
         candidates: 0,
+        prompt_candidates: 0,
     };
     s.submit_spec(prompt.to_vec(), params.clone(), Some(sp))
         .unwrap();

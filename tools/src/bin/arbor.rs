@@ -170,7 +170,9 @@ struct SpecArgs {
     /// Speculate with these drafters (repeatable or comma-separated; their trees are merged):
     /// a draft model with the LLM's vocabulary (registry name or GGUF path), ngram[:N] (prompt
     /// lookup), early-exit:L (the LLM's first L layers), space[:K] (SPACE, training-free),
-    /// recycle[:K] (Token Recycling: the LLM's own top-K candidates of every verified row),
+    /// recycle[:K][:logits] (Token Recycling: the LLM's own top-K candidates of every verified
+    /// row; `logits` also warms up from every prompt row's, at the cost of the output head over
+    /// the prompt),
     /// ngram[:N]-else:DRAFTER (prompt lookup on 2..N-token matches, DRAFTER at steps without
     /// one), oracle (knows the continuation: runs incremental generation first), random.
     #[arg(long, visible_alias = "draft", value_delimiter = ',')]
