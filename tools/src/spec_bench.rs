@@ -220,6 +220,15 @@ pub enum DraftSpec {
 }
 
 impl DraftSpec {
+    /// Whether this drafter is (or falls back to) Token Recycling.
+    pub fn recycles(&self) -> bool {
+        match self {
+            DraftSpec::Recycle { .. } => true,
+            DraftSpec::NgramElse(_, second) => second.recycles(),
+            _ => false,
+        }
+    }
+
     /// The draft model this drafter loads (a known model name or a GGUF path), if any.
     pub fn model(&self) -> Option<&str> {
         match self {

@@ -181,9 +181,11 @@ struct SpecArgs {
     /// (EAGLE-2 dynamic tree of N nodes by cumulative draft probability).
     #[arg(long, visible_alias = "tree", default_value = "1,1,3,1,1,1,1,1")]
     speculate_tree: String,
-    /// Most draft nodes per verification pass (all drafters together).
-    #[arg(long, default_value_t = 64)]
-    speculate_budget: usize,
+    /// Most draft nodes per verification pass (all drafters together). Default: 64, or 8 per
+    /// drafter when Token Recycling is among them (its template fills any budget, and about 8
+    /// nodes pay on a 2-core CPU; docs/benchmarks.md).
+    #[arg(long)]
+    speculate_budget: Option<usize>,
     /// Verification: auto (greedy when --temperature 0, else mss), greedy, mss, naive.
     #[arg(long, default_value = "auto")]
     speculate_verify: String,
@@ -873,8 +875,15 @@ fn speculate(
             _ => {}
         }
     }
+    let budget = a
+        .speculate_budget
+        .unwrap_or(if real.iter().any(DraftSpec::recycles) {
+            8 * drafters.len().max(1)
+        } else {
+            64
+        });
     let sp = SpecParams {
-        budget: a.speculate_budget,
+        budget,
         mode,
         adaptive: match a.speculate_policy.as_str() {
             "auto" => params.sampling.is_greedy(),
