@@ -253,8 +253,6 @@ struct StepInput {
     logit_rows: Vec<usize>,
 }
 
-/// Drop the drafters that failed (`(index, message)`, indices ascending): a failed drafter may
-/// be left in any state, so the request goes on without it.
 /// Run `f` on each of a request's drafters; one that panics is dropped and reported (`what`
 /// names the call), never the request.
 fn each_drafter(
@@ -275,6 +273,8 @@ fn each_drafter(
     drop_drafters(id, sp, broken, stats, out);
 }
 
+/// Drop the drafters that failed (`(index, message)`, indices ascending): a failed drafter may
+/// be left in any state, so the request goes on without it.
 fn drop_drafters(
     id: u64,
     sp: &mut SpecState<'_>,
