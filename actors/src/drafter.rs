@@ -160,7 +160,12 @@ impl Handler<CommitDrafts> for DrafterActor {
                     d.observe(None);
                 }
                 if let Some(cands) = c.candidates.as_ref() {
-                    if d.candidates_wanted() > 0 {
+                    let wanted = if c.prefill {
+                        d.prompt_candidates()
+                    } else {
+                        d.candidates_wanted()
+                    };
+                    if wanted > 0 {
                         d.observe_candidates(&cands.rows());
                     }
                 }

@@ -793,21 +793,16 @@ pub fn prefill_candidates<B: Backend>(
     let vocab = model.config.vocab_size;
     let mut top = Vec::new();
     let mut last = Vec::new();
-    let mut k_out = k;
     for start in (0..prompt.len()).step_by(CANDIDATE_ROWS) {
-        let end = (start + CANDIDATE_ROWS).min(prompt.len());
-        let rows: Vec<usize> = (start..end).collect();
+        let rows: Vec<usize> = (start..(start + CANDIDATE_ROWS).min(prompt.len())).collect();
         let logits = model.logits_of(backend, &hidden, &rows)?; // [rows, vocab]
-        let c = PassCandidates::of(prompt[start..end].to_vec(), &logits, vocab, k);
-        k_out = c.k;
-        top.extend_from_slice(&c.top);
-        if rows.last() == Some(&(prompt.len() - 1)) {
-            last = logits[(rows.len() - 1) * vocab..].to_vec();
-        }
+        top.extend(crate::draft::recycle::top_k_rows(&logits, vocab, k));
+        last = logits; // the chunk holding the prompt's last row comes last
     }
+    let last = last.split_off(last.len().saturating_sub(vocab)); // [vocab]
     let rows = PassCandidates {
         tokens: prompt.to_vec(),
-        k: k_out,
+        k: k.min(vocab),
         top,
     };
     Ok((last, t0.elapsed().as_secs_f64(), rows))

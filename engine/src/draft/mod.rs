@@ -263,13 +263,11 @@ pub struct PassCandidates {
 impl PassCandidates {
     /// The top `k` of every row of `logits` (`[tokens.len(), vocab]`).
     pub fn of(tokens: Vec<u32>, logits: &[f32], vocab: usize, k: usize) -> PassCandidates {
-        let top = recycle::top_k_rows(logits, vocab, k);
-        let k = if tokens.is_empty() {
-            k
-        } else {
-            top.len() / tokens.len()
-        };
-        PassCandidates { tokens, k, top }
+        PassCandidates {
+            top: recycle::top_k_rows(logits, vocab, k),
+            k: k.min(vocab),
+            tokens,
+        }
     }
 
     pub fn rows(&self) -> RowCandidates<'_> {

@@ -340,10 +340,15 @@ impl RecycleDrafter {
         self
     }
 
-    /// The matrix (locked; a poisoned lock is taken over: the table is valid after any update).
+    /// The matrix, locked.
     pub fn matrix(&self) -> MutexGuard<'_, RecycleMatrix> {
-        self.matrix.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.matrix)
     }
+}
+
+/// Lock a matrix; a poisoned lock is taken over (the table is valid after any update).
+fn lock(m: &Mutex<RecycleMatrix>) -> MutexGuard<'_, RecycleMatrix> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Drafter for RecycleDrafter {
@@ -357,7 +362,7 @@ impl Drafter for RecycleDrafter {
             // matrix knows nothing better (free; as good as the prompt rows' candidates on the
             // benchmark prompts, see docs/benchmarks.md).
             self.warm = true;
-            let mut m = self.matrix.lock().unwrap_or_else(|e| e.into_inner());
+            let mut m = lock(&self.matrix);
             for w in req.tokens.windows(2) {
                 if m.successors(w[0]).is_empty() {
                     m.update(w[0], &w[1..]);
@@ -383,7 +388,7 @@ impl Drafter for RecycleDrafter {
         // nodes below the cost of their row are left out (scores fall along a path, so the rest
         // stays a subtree).
         chosen.retain(|&(_, score)| score >= self.min_score);
-        let matrix = self.matrix.lock().unwrap_or_else(|e| e.into_inner());
+        let matrix = lock(&self.matrix);
         // Template index -> builder id (None: its parent's token had no such successor).
         let mut at: Vec<Option<usize>> = vec![None; self.template.nodes.len()];
         at[0] = Some(TreeBuilder::ROOT);

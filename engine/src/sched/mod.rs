@@ -253,6 +253,26 @@ struct StepInput {
     logit_rows: Vec<usize>,
 }
 
+impl SpecState<'_> {
+    /// Top candidates per row the request's drafters want, in-process and outside, of a
+    /// verification pass's rows or (`prompt`) of the prompt's.
+    fn candidates_wanted(&self, prompt: bool) -> usize {
+        let own = self.drafters.iter().map(|d| {
+            if prompt {
+                d.prompt_candidates()
+            } else {
+                d.candidates_wanted()
+            }
+        });
+        let outside = match (self.external, prompt) {
+            (false, _) => 0,
+            (true, false) => self.candidates,
+            (true, true) => self.prompt_candidates,
+        };
+        own.max().unwrap_or(0).max(outside)
+    }
+}
+
 /// Run `f` on each of a request's drafters; one that panics is dropped and reported (`what`
 /// names the call), never the request.
 fn each_drafter(
@@ -332,15 +352,9 @@ impl Request<'_> {
     /// Top candidates per prompt row this request's drafters want (Token Recycling's warm
     /// start).
     fn prompt_candidates(&self) -> usize {
-        self.spec.as_ref().map_or(0, |sp| {
-            let own = sp
-                .drafters
-                .iter()
-                .map(|d| d.prompt_candidates())
-                .max()
-                .unwrap_or(0);
-            own.max(if sp.external { sp.prompt_candidates } else { 0 })
-        })
+        self.spec
+            .as_ref()
+            .map_or(0, |sp| sp.candidates_wanted(true))
     }
 
     fn root(&self) -> u32 {
@@ -863,27 +877,12 @@ impl<'a> Scheduler<'a> {
                     let o = sp.verifier.verify(tree, lg, vocab)?;
                     cache.commit_rows(x.positions[0], &o.kv_rows())?;
                     // Token Recycling: the top candidates of every row of this pass.
-                    let wanted = sp
-                        .drafters
-                        .iter()
-                        .map(|d| d.candidates_wanted())
-                        .max()
-                        .unwrap_or(0)
-                        .max(if sp.external { sp.candidates } else { 0 });
+                    let wanted = sp.candidates_wanted(false);
                     let candidates =
                         (wanted > 0).then(|| PassCandidates::of(tree.tokens(), lg, vocab, wanted));
                     let emitted = o.emitted();
                     if let Some(p) = &sl.proposal {
                         sp.acceptance.record(p, &emitted);
-                    }
-                    if sp.external {
-                        self.commits.push(Commit {
-                            id: r.id,
-                            accepted: o.tokens.clone(),
-                            bonus: o.bonus,
-                            candidates: candidates.clone().filter(|_| sp.candidates > 0),
-                            prefill: false,
-                        });
                     }
                     sp.metrics.record(tree, &o);
                     let (stats, failures) = (&mut self.stats, &mut self.drafter_failures);
@@ -896,6 +895,15 @@ impl<'a> Scheduler<'a> {
                         }
                         d.accept(&o.tokens, o.bonus);
                     });
+                    if sp.external {
+                        self.commits.push(Commit {
+                            id: r.id,
+                            accepted: o.tokens,
+                            bonus: o.bonus,
+                            candidates: candidates.filter(|_| sp.candidates > 0),
+                            prefill: false,
+                        });
+                    }
                     emitted
                 }
                 _ if sl.prefill > 0 && sl.candidates > 0 => {

@@ -271,8 +271,21 @@ fn repetitive(vocab: u32, n: usize, salt: u32) -> Vec<u32> {
 }
 
 fn ngram_spec<'a>(policy: SpecPolicy, budget: usize) -> RequestSpec<'a> {
+    in_process_spec(
+        vec![Box::new(crate::draft::NgramDrafter::default())],
+        policy,
+        budget,
+    )
+}
+
+/// In-process speculation with `drafters`.
+fn in_process_spec<'a>(
+    drafters: Vec<Box<dyn Drafter + 'a>>,
+    policy: SpecPolicy,
+    budget: usize,
+) -> RequestSpec<'a> {
     RequestSpec {
-        drafters: vec![Box::new(crate::draft::NgramDrafter::default())],
+        drafters,
         budget,
         policy,
         mode: None,
@@ -289,6 +302,57 @@ fn spec_metrics(f: &Finish) -> SpecMetrics {
     }
 }
 
+/// Five repetitive prompts (request `i`: greedy, `base_tokens + 3 i` tokens) in one scheduler over
+/// `blocks` KV blocks with the step cost of a machine where rows are cheap; request `i % 3 == 0`
+/// plain, 1 with fixed and 2 with adaptive speculation from `spec(i, policy)`. Every output must
+/// equal the request's alone, 12 blocks must preempt, the pool must be full again. Returns the
+/// speculating requests' metrics.
+fn mixed_batch_keeps_outputs<'a>(
+    model: &'a Model,
+    be: &CpuBackend,
+    blocks: usize,
+    base_tokens: usize,
+    mut spec: impl FnMut(usize, SpecPolicy) -> RequestSpec<'a>,
+) -> Vec<SpecMetrics> {
+    let vocab = model.config.vocab_size as u32;
+    let pool = KvPool::new(&model.config, model.config.n_layers, blocks);
+    let mut s = Scheduler::new(model, None, pool.clone(), SchedConfig::default()).unwrap();
+    s.set_step_cost(StepCost::from_points(vec![(1, 0.010), (64, 0.012)]));
+    let mut want = Vec::new();
+    for i in 0..5usize {
+        let p = repetitive(vocab, 20 + 9 * i, i as u32);
+        let params = GenerateParams {
+            max_tokens: base_tokens + 3 * i,
+            sampling: SamplingParams::greedy(),
+            ..GenerateParams::default()
+        };
+        want.push(alone(model, be, &p, &params));
+        let sp = match i % 3 {
+            0 => None,
+            1 => Some(spec(i, SpecPolicy::Fixed)),
+            _ => Some(spec(i, SpecPolicy::Adaptive)),
+        };
+        s.submit_spec(p, params, sp).unwrap();
+    }
+    let done = s.run_to_completion(be).unwrap();
+    let mut metrics = Vec::new();
+    for (id, f) in &done {
+        assert_eq!(
+            done_tokens(f).0,
+            &want[*id as usize][..],
+            "pool {blocks} request {id}"
+        );
+        if id % 3 != 0 {
+            metrics.push(spec_metrics(f));
+        }
+    }
+    if blocks == 12 {
+        assert!(s.stats().preemptions > 0);
+    }
+    assert_eq!(pool.stats().used, 0);
+    metrics
+}
+
 /// Speculating requests (prompt lookup; fixed trees and the adaptive policy) batched with
 /// plain ones give every request its incremental greedy tokens, also under preemption; with
 /// seeded sampling and fixed trees each request's tokens are the same alone or batched.
@@ -300,44 +364,11 @@ fn speculating_requests_in_a_batch_keep_their_outputs() {
     let prompts: Vec<Vec<u32>> = (0..5u32)
         .map(|i| repetitive(vocab, 20 + 9 * i as usize, i))
         .collect();
-    let greedy = |m| GenerateParams {
-        max_tokens: m,
-        sampling: SamplingParams::greedy(),
-        ..GenerateParams::default()
-    };
-    let cost = StepCost::from_points(vec![(1, 0.010), (64, 0.012)]);
     for blocks in [128usize, 12] {
-        let pool = KvPool::new(&model.config, model.config.n_layers, blocks);
-        let mut s = Scheduler::new(&model, None, pool.clone(), SchedConfig::default()).unwrap();
-        s.set_step_cost(cost.clone());
-        let mut want = Vec::new();
-        for (i, p) in prompts.iter().enumerate() {
-            let params = greedy(10 + 3 * i);
-            want.push(alone(&model, &be, p, &params));
-            let sp = match i % 3 {
-                0 => None,
-                1 => Some(ngram_spec(SpecPolicy::Fixed, 8)),
-                _ => Some(ngram_spec(SpecPolicy::Adaptive, 8)),
-            };
-            s.submit_spec(p.clone(), params, sp).unwrap();
-        }
-        let done = s.run_to_completion(&be).unwrap();
-        let mut drafted = 0;
-        for (id, f) in &done {
-            assert_eq!(
-                done_tokens(f).0,
-                &want[*id as usize][..],
-                "pool {blocks} request {id}"
-            );
-            if id % 3 != 0 {
-                drafted += spec_metrics(f).drafted;
-            }
-        }
+        let metrics =
+            mixed_batch_keeps_outputs(&model, &be, blocks, 10, |_, policy| ngram_spec(policy, 8));
+        let drafted: usize = metrics.iter().map(|m| m.drafted).sum();
         assert!(drafted > 0, "trees were verified");
-        if blocks == 12 {
-            assert!(s.stats().preemptions > 0);
-        }
-        assert_eq!(pool.stats().used, 0);
     }
     // Sampling, fixed trees: alone (a scheduler of one) or batched, the same tokens.
     let sampled = |i: usize| GenerateParams {
@@ -416,71 +447,27 @@ fn token_recycling_in_a_batch_keeps_outputs_and_warm_starts() {
     let be = CpuBackend::new(2).unwrap();
     let model = tiny_model(&spec("llama", GgmlType::Q8_0), 9).unwrap();
     let vocab = model.config.vocab_size;
-    let prompts: Vec<Vec<u32>> = (0..5u32)
-        .map(|i| repetitive(vocab as u32, 20 + 9 * i as usize, i))
-        .collect();
-    let cost = StepCost::from_points(vec![(1, 0.010), (64, 0.012)]);
     for blocks in [128usize, 12] {
-        let pool = KvPool::new(&model.config, model.config.n_layers, blocks);
-        let mut s = Scheduler::new(&model, None, pool.clone(), SchedConfig::default()).unwrap();
-        s.set_step_cost(cost.clone());
-        let mut want = Vec::new();
         let mut logs = Vec::new();
-        for (i, p) in prompts.iter().enumerate() {
-            let params = GenerateParams {
-                max_tokens: 16 + 3 * i,
-                sampling: SamplingParams::greedy(),
-                ..GenerateParams::default()
-            };
-            want.push(alone(&model, &be, p, &params));
+        let metrics = mixed_batch_keeps_outputs(&model, &be, blocks, 16, |i, policy| {
             let log = Arc::new(Mutex::new(Vec::new()));
-            let sp = (i % 3 != 0).then(|| RequestSpec {
-                drafters: vec![Box::new(Logged(
-                    RecycleDrafter::new(vocab, 8)
-                        .unwrap()
-                        .with_prompt_logits(true),
-                    Arc::clone(&log),
-                )) as Box<dyn Drafter>],
-                budget: 8,
-                policy: if i % 3 == 1 {
-                    SpecPolicy::Fixed
-                } else {
-                    SpecPolicy::Adaptive
-                },
-                mode: None,
-                external: false,
-                candidates: 0,
-                prompt_candidates: 0,
-            });
-            logs.push((i, log));
-            s.submit_spec(p.clone(), params, sp).unwrap();
-        }
-        let done = s.run_to_completion(&be).unwrap();
-        let mut accepted = 0;
-        for (id, f) in &done {
-            assert_eq!(
-                done_tokens(f).0,
-                &want[*id as usize][..],
-                "pool {blocks} request {id}"
-            );
-            if id % 3 != 0 {
-                accepted += spec_metrics(f).accepted;
-            }
-        }
+            logs.push((i, Arc::clone(&log)));
+            let d = RecycleDrafter::new(vocab, 8)
+                .unwrap()
+                .with_prompt_logits(true);
+            in_process_spec(vec![Box::new(Logged(d, log))], policy, 8)
+        });
+        let accepted: usize = metrics.iter().map(|m| m.accepted).sum();
         assert!(accepted > 0, "pool {blocks}: recycled guesses accepted");
-        for (i, log) in logs.iter().filter(|(i, _)| i % 3 != 0) {
+        for (i, log) in &logs {
             let log = log.lock().unwrap();
             assert_eq!(
                 log.first().copied(),
-                Some(prompts[*i].len().min(64)),
-                "request {i}: the prompt's first chunk comes first: {log:?}"
+                Some(20 + 9 * i),
+                "request {i}: the prompt's first chunk (all its rows) comes first: {log:?}"
             );
             assert!(log.len() > 2, "request {i}: every pass observed: {log:?}");
         }
-        if blocks == 12 {
-            assert!(s.stats().preemptions > 0);
-        }
-        assert_eq!(pool.stats().used, 0);
     }
 }
 
