@@ -31,22 +31,29 @@ fn main() {
             abs.display().to_string()
         ));
         table.push_str(&format!("    ({stem:?}, {name}),\n"));
-        match Command::new(&ptxas)
-            .args(["-arch=sm_80", "-o"])
-            .arg(out_dir.join(format!("{stem}.cubin")))
-            .arg(&abs)
-            .output()
-        {
-            Ok(o) if o.status.success() => {}
-            Ok(o) => panic!(
-                "ptxas rejected {}:\n{}",
-                path.display(),
-                String::from_utf8_lossy(&o.stderr)
-            ),
-            Err(_) => println!(
-                "cargo:warning=ptxas not found; {} embedded unchecked",
-                path.display()
-            ),
+        // Both targets the verifier is meant for (A100-class sm_80, H100/H200 sm_90).
+        for arch in ["sm_80", "sm_90"] {
+            match Command::new(&ptxas)
+                .arg(format!("-arch={arch}"))
+                .arg("-o")
+                .arg(out_dir.join(format!("{stem}.{arch}.cubin")))
+                .arg(&abs)
+                .output()
+            {
+                Ok(o) if o.status.success() => {}
+                Ok(o) => panic!(
+                    "ptxas rejected {} for {arch}:\n{}",
+                    path.display(),
+                    String::from_utf8_lossy(&o.stderr)
+                ),
+                Err(_) => {
+                    println!(
+                        "cargo:warning=ptxas not found; {} embedded unchecked",
+                        path.display()
+                    );
+                    break;
+                }
+            }
         }
     }
     table.push_str("];\n");

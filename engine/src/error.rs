@@ -29,6 +29,12 @@ pub enum EngineError {
     InvalidArgument(String),
     #[error("KV cache pool exhausted: {needed} more blocks needed")]
     KvPoolExhausted { needed: usize },
+    #[error("not compiled with CUDA: rebuild with `--features cuda` to use --device cuda")]
+    NotCompiledWithCuda,
+    #[error("no CUDA device: {0}")]
+    NoCudaDevice(String),
+    #[error("GPU error: {0}")]
+    Gpu(String),
 }
 
 impl EngineError {
@@ -45,6 +51,9 @@ impl EngineError {
             EngineError::ContextOverflow { .. } => "context_overflow",
             EngineError::InvalidArgument(_) => "invalid_argument",
             EngineError::KvPoolExhausted { .. } => "kv_pool_exhausted",
+            EngineError::NotCompiledWithCuda => "not_compiled_with_cuda",
+            EngineError::NoCudaDevice(_) => "no_cuda_device",
+            EngineError::Gpu(_) => "gpu_error",
         }
     }
 
@@ -52,6 +61,18 @@ impl EngineError {
         EngineError::Io {
             path: path.into(),
             source,
+        }
+    }
+}
+
+impl From<arbor_kernels_gpu::KernelError> for EngineError {
+    fn from(e: arbor_kernels_gpu::KernelError) -> Self {
+        use arbor_kernels_gpu::KernelError as K;
+        match e {
+            K::NotCompiledWithCuda => EngineError::NotCompiledWithCuda,
+            K::InvalidPlan(m) => EngineError::InvalidArgument(m),
+            K::UnknownModule(m) => EngineError::Gpu(format!("unknown kernel module '{m}'")),
+            K::Cuda(m) => EngineError::Gpu(m),
         }
     }
 }

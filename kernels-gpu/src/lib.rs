@@ -4,6 +4,7 @@ include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
 
 #[cfg(feature = "cuda")]
 pub mod launch;
+pub mod plan;
 
 /// Errors of the GPU kernel crate.
 #[derive(Debug, thiserror::Error)]
@@ -14,6 +15,8 @@ pub enum KernelError {
     UnknownModule(String),
     #[error("CUDA error: {0}")]
     Cuda(String),
+    #[error("invalid launch plan: {0}")]
+    InvalidPlan(String),
 }
 
 impl KernelError {
@@ -22,6 +25,7 @@ impl KernelError {
             KernelError::NotCompiledWithCuda => "not_compiled_with_cuda",
             KernelError::UnknownModule(_) => "unknown_kernel_module",
             KernelError::Cuda(_) => "cuda_error",
+            KernelError::InvalidPlan(_) => "invalid_launch_plan",
         }
     }
 }
@@ -44,6 +48,17 @@ mod tests {
         assert!(MODULES.len() >= 2);
         for (name, src) in MODULES {
             assert!(src.contains(".version"), "{name} lacks a PTX version");
+            let header: String = src
+                .lines()
+                .take_while(|l| l.starts_with("//"))
+                .collect::<Vec<_>>()
+                .join("\n");
+            for part in ["Launch:", "Args:", "Shared memory:", "Reference:"] {
+                assert!(
+                    header.contains(part),
+                    "{name}.ptx's opening comment lacks {part}"
+                );
+            }
             assert!(
                 src.contains(&format!(".visible .entry {name}(")),
                 "{name}.ptx must define an entry named after the file"
@@ -68,17 +83,20 @@ mod tests {
             std::fs::create_dir_all(&dir).unwrap();
             let p = dir.join(format!("{name}.ptx"));
             std::fs::write(&p, src).unwrap();
-            let out = std::process::Command::new(&ptxas)
-                .args(["-arch=sm_80", "-o"])
-                .arg(dir.join(format!("{name}.cubin")))
-                .arg(&p)
-                .output()
-                .expect("ptxas runs");
-            assert!(
-                out.status.success(),
-                "{name}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
+            for arch in ["sm_80", "sm_90"] {
+                let out = std::process::Command::new(&ptxas)
+                    .arg(format!("-arch={arch}"))
+                    .arg("-o")
+                    .arg(dir.join(format!("{name}.{arch}.cubin")))
+                    .arg(&p)
+                    .output()
+                    .expect("ptxas runs");
+                assert!(
+                    out.status.success(),
+                    "{name} ({arch}): {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
         }
     }
 }

@@ -455,14 +455,14 @@ fn add_in_place(x: &mut [f32], y: &[f32]) {
 }
 
 /// cos/sin of every (token, frequency) pair, computed like ggml: theta_i = pos * base^(-2i/d).
-struct RopeTable {
+pub(crate) struct RopeTable {
     half: usize,
-    cos: Vec<f32>, // [n_tok, half]
-    sin: Vec<f32>, // [n_tok, half]
+    pub(crate) cos: Vec<f32>, // [n_tok, half]
+    pub(crate) sin: Vec<f32>, // [n_tok, half]
 }
 
 impl RopeTable {
-    fn new(base: f32, rope_dim: usize, positions: &[usize]) -> RopeTable {
+    pub(crate) fn new(base: f32, rope_dim: usize, positions: &[usize]) -> RopeTable {
         let half = rope_dim / 2;
         let theta_scale = base.powf(-2.0 / rope_dim as f32);
         let mut cos = Vec::with_capacity(positions.len() * half);

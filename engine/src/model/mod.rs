@@ -6,6 +6,8 @@ mod forward;
 mod tests;
 
 pub use config::{Arch, ModelConfig, RopeStyle};
+#[cfg(feature = "cuda")]
+pub(crate) use forward::RopeTable;
 pub use forward::{BatchMask, SeqBatch};
 
 use crate::error::{EngineError, Result};
@@ -134,6 +136,11 @@ impl Model {
 
     pub(crate) fn output_norm(&self) -> &[f32] {
         &self.output_norm
+    }
+
+    #[cfg(feature = "cuda")]
+    pub(crate) fn embedding_matrix(&self) -> QMatrix<'_> {
+        self.mat(&self.tok_embd)
     }
 
     pub(crate) fn output_matrix(&self) -> QMatrix<'_> {

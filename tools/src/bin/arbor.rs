@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+use arbor_engine::backend::cuda::{self, Device};
 use arbor_engine::draft::{DraftShape, Drafter, OracleDrafter, RandomDrafter};
 use arbor_engine::sample::verify::VerifyMode;
 use arbor_engine::spec::{self, SpecMetrics, SpecParams};
@@ -123,6 +124,33 @@ struct ModelArgs {
     /// Worker threads (0 = one per core).
     #[arg(long, default_value_t = 0)]
     threads: usize,
+    /// Where the model runs: cpu, cuda or cuda:N (a build with `--features cuda` and an NVIDIA
+    /// GPU; `generate` with greedy decoding only, so far).
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    device: Device,
+}
+
+fn parse_device(s: &str) -> Result<Device, String> {
+    s.parse::<Device>().map_err(|e| e.to_string())
+}
+
+/// Check `--device` for a command that runs on the CPU only: `cpu` passes; `cuda[:N]` fails with
+/// the reason and its stable code (not_compiled_with_cuda, no_cuda_device), or, where a GPU is
+/// usable, says what does not run on it yet.
+fn cpu_only(m: &ModelArgs, what: &str) -> Result<()> {
+    if m.device == Device::Cpu {
+        return Ok(());
+    }
+    check_device(m.device)?;
+    bail!(
+        "{what} does not run on --device {} yet: only `arbor generate` (greedy) runs on a GPU",
+        m.device
+    )
+}
+
+/// A device check's error, with its stable code.
+fn check_device(device: Device) -> Result<()> {
+    cuda::check_device(device).map_err(|e| anyhow::anyhow!("{e} [{}]", e.error_type()))
 }
 
 #[derive(Args)]
@@ -540,6 +568,7 @@ fn run(cli: Cli) -> Result<()> {
                 reps,
                 ngram,
             } => {
+                cpu_only(&model, "bench serve")?;
                 let path = fetch::resolve_model(&model.model)?;
                 let r = arbor_tools::serve_bench::serve_bench(
                     &path,
@@ -672,6 +701,7 @@ fn parse_bytes(s: &str) -> Result<usize> {
 }
 
 fn load(m: &ModelArgs) -> Result<(Model, Tokenizer, CpuBackend, PathBuf)> {
+    cpu_only(m, "this command")?;
     let path = fetch::resolve_model(&m.model)?;
     let model = Model::open(&path).with_context(|| format!("loading {}", path.display()))?;
     let tok = Tokenizer::from_gguf(model.gguf()).context("building the tokenizer")?;
@@ -681,6 +711,7 @@ fn load(m: &ModelArgs) -> Result<(Model, Tokenizer, CpuBackend, PathBuf)> {
 
 fn cmd_serve(a: ServeArgs) -> Result<()> {
     use arbor_tools::serve;
+    cpu_only(&a.model, "serve")?;
     serve::init_logging(a.log_format == Format::Json);
     serve::check_drafters(&a.draft)?;
     a.speculate_tree.parse::<DraftShape>()?;
@@ -718,6 +749,102 @@ fn cmd_serve(a: ServeArgs) -> Result<()> {
     serve::run(o)
 }
 
+/// `generate --device cuda[:N]`: greedy decoding on the GPU, incremental or speculative with
+/// prompt lookup (`--draft ngram[:N]`), the token trees verified on the device. The text is
+/// printed when generation ends (no streaming yet), then the same summary line as on the CPU.
+fn cuda_generate(a: &GenerateArgs, params: &GenerateParams, ordinal: usize) -> Result<()> {
+    check_device(Device::Cuda(ordinal))?;
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (a, params);
+        bail!("--device cuda: this build has no CUDA support [not_compiled_with_cuda]")
+    }
+    #[cfg(feature = "cuda")]
+    {
+        use arbor_engine::draft::ngram::NgramDrafter;
+        if params.sampling.temperature != 0.0 {
+            bail!("--device cuda decodes greedily only so far: use --temperature 0");
+        }
+        let mut drafter: Option<NgramDrafter> = None;
+        for d in &a.spec.speculate {
+            match d.parse::<DraftSpec>()? {
+                DraftSpec::Ngram(n) if drafter.is_none() => {
+                    drafter = Some(NgramDrafter::new(n, 1, 8, 3)?);
+                }
+                _ => bail!(
+                    "--device cuda speculates with one ngram[:N] drafter only so far, not '{d}'"
+                ),
+            }
+        }
+        if a.spec.space {
+            bail!("--device cuda does not run SPACE yet");
+        }
+        let path = fetch::resolve_model(&a.model.model)?;
+        let model = Model::open(&path).with_context(|| format!("loading {}", path.display()))?;
+        let tok = Tokenizer::from_gguf(model.gguf()).context("building the tokenizer")?;
+        let prompt = tok.encode_prompt(&prompt_text(a, &tok))?;
+        let budget = a.spec.speculate_budget.unwrap_or(16);
+        let blocks = (prompt.len() + params.max_tokens + budget + 1).div_ceil(16) + 1;
+        let dev = cuda::CudaModel::new(&model, ordinal, blocks)?;
+        let run = dev.greedy(
+            &prompt,
+            params.max_tokens,
+            drafter.as_mut().map(|d| d as &mut dyn Drafter),
+            budget,
+        )?;
+        // End at the first end-of-generation token past --min-tokens, like the CPU path.
+        let mut ids = run.tokens.clone();
+        if !params.ignore_eos {
+            if let Some(i) = ids
+                .iter()
+                .enumerate()
+                .position(|(i, &t)| i >= params.min_tokens && tok.is_eog(t))
+            {
+                ids.truncate(i);
+            }
+        }
+        let mut text = tok.decode(&ids, true);
+        if let Some(cut) = params
+            .stop
+            .iter()
+            .filter_map(|st| text.find(st.as_str()))
+            .min()
+        {
+            text.truncate(cut);
+        }
+        let mut stdout = std::io::stdout().lock();
+        writeln!(
+            stdout,
+            "{text}\n[arbor] device: cuda:{ordinal}, prompt tokens: {}, generated tokens: {}, prefill: {:.1} tok/s, decode: {:.1} tok/s, passes: {}",
+            prompt.len(),
+            ids.len(),
+            (prompt.len() - 1) as f64 / run.prefill_s.max(1e-9),
+            run.tokens.len() as f64 / run.decode_s.max(1e-9),
+            run.passes
+        )?;
+        Ok(())
+    }
+}
+
+/// The prompt text: `--prompt`, wrapped in the chat template with `--chat`.
+fn prompt_text(a: &GenerateArgs, tok: &Tokenizer) -> String {
+    if !a.chat {
+        return a.prompt.clone();
+    }
+    let mut msgs = Vec::new();
+    if let Some(s) = &a.system {
+        msgs.push(ChatMessage {
+            role: "system".into(),
+            content: s.clone(),
+        });
+    }
+    msgs.push(ChatMessage {
+        role: "user".into(),
+        content: a.prompt.clone(),
+    });
+    tok.apply_chat_template(&msgs, true)
+}
+
 fn cmd_generate(a: GenerateArgs) -> Result<()> {
     if a.prompt.is_empty() {
         bail!("--prompt must not be empty");
@@ -736,24 +863,11 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     };
     params.sampling.validate()?;
     a.spec.validate()?;
+    if let Device::Cuda(ordinal) = a.model.device {
+        return cuda_generate(&a, &params, ordinal);
+    }
     let (model, tok, backend, _) = load(&a.model)?;
-    let text = if a.chat {
-        let mut msgs = Vec::new();
-        if let Some(s) = &a.system {
-            msgs.push(ChatMessage {
-                role: "system".into(),
-                content: s.clone(),
-            });
-        }
-        msgs.push(ChatMessage {
-            role: "user".into(),
-            content: a.prompt.clone(),
-        });
-        tok.apply_chat_template(&msgs, true)
-    } else {
-        a.prompt.clone()
-    };
-    let prompt = tok.encode_prompt(&text)?;
+    let prompt = tok.encode_prompt(&prompt_text(&a, &tok))?;
     let stream = a.format == Format::Text;
     let mut stdout = std::io::stdout().lock();
     let on_text = |piece: &str| {

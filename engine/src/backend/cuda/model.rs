@@ -1,0 +1,651 @@
+//! The decoder forward pass on a CUDA device over a ragged batch (prefill chunks, decode tokens,
+//! token trees) with weights, activations and the paged f16 KV pool in device memory.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use arbor_kernels_gpu::launch::{Kernels, Ptr};
+use arbor_kernels_gpu::plan::{AttentionPlan, KvCommitPlan, SeqMask, SeqRows, BLOCK_SLOTS};
+use cust::context::Context;
+use cust::memory::{CopyDestination, DeviceBuffer, DeviceCopy};
+use cust::stream::{Stream, StreamFlags};
+use half::f16;
+
+use crate::draft::{DraftRequest, Drafter};
+use crate::error::{EngineError, Result};
+use crate::kv::BlockAllocator;
+use crate::model::{Model, ModelConfig, RopeStyle, RopeTable};
+use crate::quant::{self, QMatrix};
+use crate::tree::TokenTree;
+
+fn gpu(e: cust::error::CudaError) -> EngineError {
+    EngineError::Gpu(e.to_string())
+}
+
+/// Rows of one causal pass when a prompt is prefilled (longer prompts run in chunks).
+const PREFILL_ROWS: usize = 512;
+
+/// One f16 weight matrix on the device: `[n_out, n_in]`.
+struct DeviceMatrix {
+    data: DeviceBuffer<u16>,
+    n_out: usize,
+    n_in: usize,
+}
+
+impl DeviceMatrix {
+    /// Dequantize a GGUF matrix and upload it as f16 (converted once, at load).
+    fn upload(m: &QMatrix<'_>) -> Result<DeviceMatrix> {
+        let row_bytes = m.data.len() / m.n_out.max(1);
+        let mut row = vec![0.0f32; m.n_in];
+        let mut bits = Vec::with_capacity(m.n_out * m.n_in);
+        for r in 0..m.n_out {
+            quant::dequantize_row(m.ty, &m.data[r * row_bytes..(r + 1) * row_bytes], &mut row)?;
+            bits.extend(row.iter().map(|&x| f16::from_f32(x).to_bits()));
+        }
+        Ok(DeviceMatrix {
+            data: DeviceBuffer::from_slice(&bits).map_err(gpu)?,
+            n_out: m.n_out,
+            n_in: m.n_in,
+        })
+    }
+
+    fn ptr(&self) -> Ptr<u16> {
+        self.data.as_device_ptr()
+    }
+}
+
+struct DeviceLayer {
+    attn_norm: DeviceBuffer<f32>,
+    ffn_norm: DeviceBuffer<f32>,
+    wq: DeviceMatrix,
+    wk: DeviceMatrix,
+    wv: DeviceMatrix,
+    wo: DeviceMatrix,
+    w_gate: DeviceMatrix,
+    w_up: DeviceMatrix,
+    w_down: DeviceMatrix,
+    bq: Option<DeviceBuffer<f32>>,
+    bk: Option<DeviceBuffer<f32>>,
+    bv: Option<DeviceBuffer<f32>>,
+}
+
+fn upload<T: DeviceCopy>(v: &[T]) -> Result<DeviceBuffer<T>> {
+    DeviceBuffer::from_slice(v).map_err(gpu)
+}
+
+fn zeroed<T: DeviceCopy + cust::memory::bytemuck::Zeroable>(n: usize) -> Result<DeviceBuffer<T>> {
+    DeviceBuffer::zeroed(n.max(1)).map_err(gpu)
+}
+
+/// The block allocator behind a lock that a panicking holder cannot poison for everyone else
+/// (its state is only ever changed by whole operations).
+fn lock(pool: &Mutex<BlockAllocator>) -> MutexGuard<'_, BlockAllocator> {
+    pool.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// One sequence's rows in a device forward pass ([`CudaModel::forward`]).
+pub struct CudaSeq<'a> {
+    /// New tokens `[n]` and their RoPE positions `[n]`.
+    pub tokens: &'a [u32],
+    pub positions: &'a [usize],
+    /// Committed slots; the new rows go to slots `n_past..n_past + n`.
+    pub n_past: usize,
+    /// The sequence's block table (blocks of the model's device pool).
+    pub blocks: &'a [u32],
+    /// Which new rows each new row sees (the committed prefix always).
+    pub mask: SeqMask<'a>,
+    /// Rows (within this sequence) whose logits (or argmax) are returned.
+    pub logit_rows: &'a [usize],
+}
+
+/// What the output head returns for the logit rows.
+enum Head {
+    Logits,
+    Argmax,
+}
+
+enum HeadOut {
+    Logits(Vec<f32>),
+    Argmax(Vec<u32>),
+}
+
+/// A model on one CUDA device: f16 weights, the paged f16 KV pool (`[n_layers * 2, pool rows,
+/// kv_dim]`: layer l's K is plane 2l, its V plane 2l + 1), one stream, the kernels.
+pub struct CudaModel {
+    pub config: ModelConfig,
+    kernels: Kernels,
+    embed: DeviceMatrix,
+    output: DeviceMatrix,
+    output_norm: DeviceBuffer<f32>,
+    layers: Vec<DeviceLayer>,
+    biases: bool,
+    kv: DeviceBuffer<u16>,
+    pool_rows: usize,
+    blocks: Arc<Mutex<BlockAllocator>>,
+    stream: Stream,
+    // Dropped last: every buffer above belongs to this context.
+    _ctx: Context,
+}
+
+impl CudaModel {
+    /// Upload `model` to CUDA device `ordinal` with a KV pool of `kv_blocks` blocks of
+    /// `BLOCK_SLOTS` slots.
+    pub fn new(model: &Model, ordinal: usize, kv_blocks: usize) -> Result<CudaModel> {
+        super::check_device(super::Device::Cuda(ordinal))?;
+        let device = cust::device::Device::get_device(ordinal as u32).map_err(gpu)?;
+        let ctx = Context::new(device).map_err(gpu)?;
+        // A blocking stream: it waits for the legacy default stream, where cust's uploads and
+        // `zeroed` memsets run, so a kernel never reads a buffer before it is filled.
+        let stream = Stream::new(StreamFlags::DEFAULT, None).map_err(gpu)?;
+        let kernels = Kernels::new();
+        kernels.load_all()?;
+        let c = model.config.clone();
+        if c.head_dim > 128 || !c.head_dim.is_multiple_of(32) || !c.kv_dim().is_multiple_of(2) {
+            return Err(EngineError::InvalidArgument(format!(
+                "the CUDA kernels need head_dim a multiple of 32 up to 128, got {}",
+                c.head_dim
+            )));
+        }
+        let mut layers = Vec::with_capacity(model.layers.len());
+        let mut biases = false;
+        for w in &model.layers {
+            let opt = |b: &Option<Vec<f32>>| b.as_deref().map(upload).transpose();
+            biases |= w.bq.is_some();
+            layers.push(DeviceLayer {
+                attn_norm: upload(&w.attn_norm)?,
+                ffn_norm: upload(&w.ffn_norm)?,
+                wq: DeviceMatrix::upload(&model.mat(&w.wq))?,
+                wk: DeviceMatrix::upload(&model.mat(&w.wk))?,
+                wv: DeviceMatrix::upload(&model.mat(&w.wv))?,
+                wo: DeviceMatrix::upload(&model.mat(&w.wo))?,
+                w_gate: DeviceMatrix::upload(&model.mat(&w.w_gate))?,
+                w_up: DeviceMatrix::upload(&model.mat(&w.w_up))?,
+                w_down: DeviceMatrix::upload(&model.mat(&w.w_down))?,
+                bq: opt(&w.bq)?,
+                bk: opt(&w.bk)?,
+                bv: opt(&w.bv)?,
+            });
+        }
+        let pool_rows = kv_blocks * BLOCK_SLOTS;
+        let kv = zeroed::<u16>(c.n_layers * 2 * pool_rows * c.kv_dim())?;
+        Ok(CudaModel {
+            embed: DeviceMatrix::upload(&model.embedding_matrix())?,
+            output: DeviceMatrix::upload(&model.output_matrix())?,
+            output_norm: upload(model.output_norm())?,
+            layers,
+            biases,
+            kv,
+            pool_rows,
+            blocks: Arc::new(Mutex::new(BlockAllocator::new(kv_blocks))),
+            kernels,
+            stream,
+            config: c,
+            _ctx: ctx,
+        })
+    }
+
+    /// Bytes of device memory the weights take.
+    pub fn weight_bytes(&self) -> usize {
+        let m = |d: &DeviceMatrix| d.n_out * d.n_in * 2;
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
+                    .into_iter()
+                    .map(m)
+                    .sum::<usize>()
+            })
+            .sum();
+        layers + m(&self.embed) + m(&self.output)
+    }
+
+    /// A new, empty sequence whose blocks come from this model's pool.
+    pub fn sequence(&self) -> CudaSequence {
+        CudaSequence {
+            blocks: Vec::new(),
+            len: 0,
+            pool: self.blocks.clone(),
+        }
+    }
+
+    fn plane(&self, layer: usize, v: bool) -> Ptr<u16> {
+        let off = (2 * layer + v as usize) * self.pool_rows * self.config.kv_dim();
+        // SAFETY: the offset stays inside the pool buffer (planes are n_layers * 2 of pool_rows).
+        unsafe { self.kv.as_device_ptr().add(off) }
+    }
+
+    /// One forward pass over the batch: each sequence's logits `[logit_rows.len(), vocab]`.
+    pub fn forward(&self, seqs: &[CudaSeq<'_>]) -> Result<Vec<Vec<f32>>> {
+        let vocab = self.config.vocab_size;
+        let HeadOut::Logits(all) = self.run(seqs, Head::Logits)? else {
+            unreachable!("logits asked")
+        };
+        Ok(split(seqs, &all, vocab))
+    }
+
+    /// One forward pass over the batch: each sequence's greedy token per logit row.
+    pub fn forward_argmax(&self, seqs: &[CudaSeq<'_>]) -> Result<Vec<Vec<u32>>> {
+        let HeadOut::Argmax(all) = self.run(seqs, Head::Argmax)? else {
+            unreachable!("argmax asked")
+        };
+        Ok(split(seqs, &all, 1))
+    }
+
+    fn run(&self, seqs: &[CudaSeq<'_>], head: Head) -> Result<HeadOut> {
+        let c = &self.config;
+        let (d, hd, kv_dim, n_ff) = (c.n_embd, c.head_dim, c.kv_dim(), c.n_ff);
+        let q_dim = c.n_head * hd;
+        // Validate at the edge: nothing below reads outside a buffer.
+        let mut tokens = Vec::new();
+        let mut positions = Vec::new();
+        let mut logit_rows = Vec::new();
+        let mut rows = Vec::with_capacity(seqs.len());
+        for sq in seqs {
+            if sq.tokens.is_empty() || sq.positions.len() != sq.tokens.len() {
+                return Err(EngineError::InvalidArgument(
+                    "forward needs one position per token and at least one token".into(),
+                ));
+            }
+            if let Some(&t) = sq.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+                return Err(EngineError::InvalidArgument(format!(
+                    "token id {t} is outside the vocabulary (size {})",
+                    c.vocab_size
+                )));
+            }
+            if let Some(&r) = sq.logit_rows.iter().find(|&&r| r >= sq.tokens.len()) {
+                return Err(EngineError::InvalidArgument(format!(
+                    "logit row {r} is outside the batch of {}",
+                    sq.tokens.len()
+                )));
+            }
+            logit_rows.extend(sq.logit_rows.iter().map(|&r| (tokens.len() + r) as u32));
+            tokens.extend_from_slice(sq.tokens);
+            positions.extend_from_slice(sq.positions);
+            rows.push(SeqRows {
+                n_past: sq.n_past,
+                n_new: sq.tokens.len(),
+                blocks: sq.blocks,
+                mask: sq.mask,
+            });
+        }
+        let n = tokens.len();
+        if n == 0 {
+            return Ok(match head {
+                Head::Logits => HeadOut::Logits(Vec::new()),
+                Head::Argmax => HeadOut::Argmax(Vec::new()),
+            });
+        }
+        let plan = AttentionPlan::new(&rows, c.n_head, c.n_head_kv, hd, self.pool_rows)?;
+        let rope = RopeTable::new(c.rope_base, c.rope_dim, &positions);
+        let s = &self.stream;
+        let k = &self.kernels;
+
+        // Per-pass inputs.
+        let tokens_d = upload(&tokens)?;
+        let cos_d = upload(&rope.cos)?;
+        let sin_d = upload(&rope.sin)?;
+        let new_rows_d = upload(&plan.new_pool_rows())?;
+        let plan_d = (
+            upload(&plan.rows)?,
+            upload(&plan.seqs)?,
+            upload(&plan.blocks)?,
+            upload(if plan.mask.is_empty() {
+                &[0u64]
+            } else {
+                &plan.mask[..]
+            })?,
+        );
+        let plan_ptrs = (
+            plan_d.0.as_device_ptr(),
+            plan_d.1.as_device_ptr(),
+            plan_d.2.as_device_ptr(),
+            plan_d.3.as_device_ptr(),
+        );
+        // Activations.
+        let x = zeroed::<f32>(n * d)?; // [n, n_embd] residual stream
+        let xn = zeroed::<f32>(n * d)?; // [n, n_embd]
+        let q = zeroed::<f32>(n * q_dim)?; // [n, n_head * hd]
+        let kn = zeroed::<f32>(n * kv_dim)?; // [n, kv_dim]
+        let vn = zeroed::<f32>(n * kv_dim)?; // [n, kv_dim]
+        let att = zeroed::<f32>(n * q_dim)?; // [n, n_head * hd]
+        let proj = zeroed::<f32>(n * d)?; // [n, n_embd]
+        let gate = zeroed::<f32>(n * n_ff)?; // [n, n_ff]
+        let up = zeroed::<f32>(n * n_ff)?; // [n, n_ff]
+        let p = |b: &DeviceBuffer<f32>| b.as_device_ptr();
+        let half = c.rope_dim / 2;
+        let neox = c.rope_style == RopeStyle::Neox;
+
+        k.embed_rows_f16(
+            s,
+            self.embed.ptr(),
+            tokens_d.as_device_ptr(),
+            p(&x),
+            n,
+            d,
+            c.vocab_size,
+        )?;
+        for (l, w) in self.layers.iter().enumerate() {
+            // Attention block.
+            k.rms_norm_f32(s, p(&x), p(&w.attn_norm), p(&xn), n, d, c.rms_eps)?;
+            k.matmul_f16(s, w.wq.ptr(), p(&xn), p(&q), n, w.wq.n_out, d)?;
+            k.matmul_f16(s, w.wk.ptr(), p(&xn), p(&kn), n, w.wk.n_out, d)?;
+            k.matmul_f16(s, w.wv.ptr(), p(&xn), p(&vn), n, w.wv.n_out, d)?;
+            if self.biases {
+                for (b, y, width) in [
+                    (&w.bq, &q, q_dim),
+                    (&w.bk, &kn, kv_dim),
+                    (&w.bv, &vn, kv_dim),
+                ] {
+                    if let Some(b) = b {
+                        k.add_f32(s, p(y), p(b), n, width, 0)?;
+                    }
+                }
+            }
+            k.rope_f32(s, p(&q), p(&cos_d), p(&sin_d), n, c.n_head, hd, half, neox)?;
+            k.rope_f32(
+                s,
+                p(&kn),
+                p(&cos_d),
+                p(&sin_d),
+                n,
+                c.n_head_kv,
+                hd,
+                half,
+                neox,
+            )?;
+            let (kl, vl) = (self.plane(l, false), self.plane(l, true));
+            k.kv_write_f16(
+                s,
+                kl,
+                vl,
+                p(&kn),
+                p(&vn),
+                new_rows_d.as_device_ptr(),
+                n,
+                kv_dim,
+            )?;
+            k.tree_attention_f16(s, &plan, plan_ptrs, p(&q), kl, vl, p(&att))?;
+            k.matmul_f16(s, w.wo.ptr(), p(&att), p(&proj), n, d, q_dim)?;
+            k.add_f32(s, p(&x), p(&proj), n, d, d)?;
+            // Feed-forward block (SwiGLU).
+            k.rms_norm_f32(s, p(&x), p(&w.ffn_norm), p(&xn), n, d, c.rms_eps)?;
+            k.matmul_f16(s, w.w_gate.ptr(), p(&xn), p(&gate), n, n_ff, d)?;
+            k.matmul_f16(s, w.w_up.ptr(), p(&xn), p(&up), n, n_ff, d)?;
+            k.silu_mul_f32(s, p(&gate), p(&up), n * n_ff)?;
+            k.matmul_f16(s, w.w_down.ptr(), p(&gate), p(&proj), n, d, n_ff)?;
+            k.add_f32(s, p(&x), p(&proj), n, d, d)?;
+        }
+        // Output head over the logit rows only.
+        let n_out = logit_rows.len();
+        if n_out == 0 {
+            s.synchronize().map_err(gpu)?;
+            return Ok(match head {
+                Head::Logits => HeadOut::Logits(Vec::new()),
+                Head::Argmax => HeadOut::Argmax(Vec::new()),
+            });
+        }
+        let rows_d = upload(&logit_rows)?;
+        let sel = zeroed::<f32>(n_out * d)?; // [n_out, n_embd]
+        let seln = zeroed::<f32>(n_out * d)?;
+        let logits = zeroed::<f32>(n_out * c.vocab_size)?; // [n_out, vocab]
+        k.gather_rows_f32(s, p(&x), rows_d.as_device_ptr(), p(&sel), n_out, d)?;
+        k.rms_norm_f32(
+            s,
+            p(&sel),
+            p(&self.output_norm),
+            p(&seln),
+            n_out,
+            d,
+            c.rms_eps,
+        )?;
+        k.matmul_f16(
+            s,
+            self.output.ptr(),
+            p(&seln),
+            p(&logits),
+            n_out,
+            c.vocab_size,
+            d,
+        )?;
+        let out = match head {
+            Head::Logits => {
+                s.synchronize().map_err(gpu)?;
+                let mut host = vec![0.0f32; n_out * c.vocab_size];
+                logits.copy_to(&mut host[..]).map_err(gpu)?;
+                HeadOut::Logits(host)
+            }
+            Head::Argmax => {
+                let best = zeroed::<u32>(n_out)?;
+                k.argmax_f32(s, p(&logits), best.as_device_ptr(), n_out, c.vocab_size)?;
+                s.synchronize().map_err(gpu)?;
+                let mut host = vec![0u32; n_out];
+                best.copy_to(&mut host[..]).map_err(gpu)?;
+                HeadOut::Argmax(host)
+            }
+        };
+        Ok(out)
+    }
+
+    /// Move K/V pool rows `src -> dst` in order in every layer (an accepted path's commit).
+    pub fn commit(&self, plan: &KvCommitPlan) -> Result<()> {
+        if plan.is_empty() {
+            return Ok(());
+        }
+        let limit = self.pool_rows as u32;
+        if plan.src.iter().chain(&plan.dst).any(|&r| r >= limit) {
+            return Err(EngineError::InvalidArgument(
+                "commit row outside the KV pool".into(),
+            ));
+        }
+        let (src, dst) = (upload(&plan.src)?, upload(&plan.dst)?);
+        self.kernels.kv_copy_rows_f16(
+            &self.stream,
+            self.kv.as_device_ptr(),
+            src.as_device_ptr(),
+            dst.as_device_ptr(),
+            plan.src.len(),
+            self.config.n_layers * 2,
+            self.pool_rows,
+            self.config.kv_dim(),
+        )?;
+        self.stream.synchronize().map_err(gpu)
+    }
+
+    /// Feed `tokens` (causal, in chunks) to `seq` without computing logits; returns nothing.
+    pub fn prefill(&self, seq: &mut CudaSequence, tokens: &[u32]) -> Result<()> {
+        for chunk in tokens.chunks(PREFILL_ROWS) {
+            seq.reserve(chunk.len())?;
+            let positions: Vec<usize> = (seq.len..seq.len + chunk.len()).collect();
+            self.run(
+                &[CudaSeq {
+                    tokens: chunk,
+                    positions: &positions,
+                    n_past: seq.len,
+                    blocks: &seq.blocks,
+                    mask: SeqMask::Causal,
+                    logit_rows: &[],
+                }],
+                Head::Argmax,
+            )?;
+            seq.len += chunk.len();
+        }
+        Ok(())
+    }
+
+    /// Greedy decoding of `n` tokens after `prompt` (at least one token) on the device:
+    /// incremental with `drafter = None`, else speculative (the drafter's tree, up to `budget`
+    /// nodes, verified in one pass; the longest path the model agrees with is kept).
+    pub fn greedy(
+        &self,
+        prompt: &[u32],
+        n: usize,
+        mut drafter: Option<&mut dyn Drafter>,
+        budget: usize,
+    ) -> Result<GreedyRun> {
+        let Some((_, head)) = prompt.split_last() else {
+            return Err(EngineError::InvalidArgument("empty prompt".into()));
+        };
+        let mut seq = self.sequence();
+        let t0 = std::time::Instant::now();
+        self.prefill(&mut seq, head)?;
+        let prefill_s = t0.elapsed().as_secs_f64();
+        let mut ctx = prompt.to_vec();
+        let mut out = Vec::with_capacity(n);
+        let mut passes = 0;
+        let t1 = std::time::Instant::now();
+        while out.len() < n {
+            let tree = match drafter.as_deref_mut() {
+                Some(d) => d.propose(&DraftRequest {
+                    tokens: &ctx,
+                    budget,
+                    max_depth: budget.max(1),
+                    drafter: 0,
+                    vocab: self.config.vocab_size,
+                })?,
+                None => TokenTree::root_only(*ctx.last().unwrap_or(&0)),
+            };
+            let (accepted, bonus) = self.verify_tree(&mut seq, &tree)?;
+            passes += 1;
+            for &t in accepted.iter().chain(std::iter::once(&bonus)) {
+                if out.len() < n {
+                    out.push(t);
+                }
+                ctx.push(t);
+            }
+            if let Some(d) = drafter.as_deref_mut() {
+                d.accept(&accepted, bonus);
+            }
+        }
+        Ok(GreedyRun {
+            tokens: out,
+            passes,
+            prefill_s,
+            decode_s: t1.elapsed().as_secs_f64(),
+        })
+    }
+
+    /// Verify `tree` (root = the last sampled token, not yet fed) after `seq`'s committed
+    /// slots: one pass, greedy walk, commit of the accepted path. Returns the accepted tokens
+    /// (after the root) and the model's next token.
+    pub fn verify_tree(&self, seq: &mut CudaSequence, tree: &TokenTree) -> Result<(Vec<u32>, u32)> {
+        let tokens = tree.tokens();
+        let positions = tree.positions(seq.len);
+        let mask = tree.mask();
+        let crate::backend::BatchMask::Bits {
+            words_per_row,
+            bits,
+        } = mask.as_batch_mask()
+        else {
+            unreachable!("tree masks are bitsets")
+        };
+        seq.reserve(tokens.len())?;
+        let all: Vec<usize> = (0..tokens.len()).collect();
+        let best = self
+            .forward_argmax(&[CudaSeq {
+                tokens: &tokens,
+                positions: &positions,
+                n_past: seq.len,
+                blocks: &seq.blocks,
+                mask: SeqMask::Bits {
+                    words_per_row,
+                    bits,
+                },
+                logit_rows: &all,
+            }])?
+            .pop()
+            .unwrap_or_default();
+        let (mut node, mut accepted) = (0usize, Vec::new());
+        let bonus = loop {
+            let t = best[node];
+            match tree.child_with_token(node, t) {
+                Some(child) => {
+                    accepted.push(t);
+                    node = child;
+                }
+                None => break t,
+            }
+        };
+        // Keep the root's row and the accepted path's rows, moved to consecutive slots.
+        let path = tree.path(node);
+        let pairs = path.iter().enumerate().map(|(i, &row)| {
+            (
+                seq.pool_row(seq.len + row) as u32,
+                seq.pool_row(seq.len + 1 + i) as u32,
+            )
+        });
+        self.commit(&KvCommitPlan::new(pairs))?;
+        seq.len += 1 + path.len();
+        seq.shrink();
+        Ok((accepted, bonus))
+    }
+}
+
+/// Split `[Σ rows, width]` results per sequence.
+fn split<T: Copy>(seqs: &[CudaSeq<'_>], all: &[T], width: usize) -> Vec<Vec<T>> {
+    let mut at = 0;
+    seqs.iter()
+        .map(|sq| {
+            let n = sq.logit_rows.len() * width;
+            at += n;
+            all[at - n..at].to_vec()
+        })
+        .collect()
+}
+
+/// A greedy run's tokens and timings.
+#[derive(Clone, Debug)]
+pub struct GreedyRun {
+    pub tokens: Vec<u32>,
+    /// Verification passes (one per generated token when incremental).
+    pub passes: usize,
+    pub prefill_s: f64,
+    pub decode_s: f64,
+}
+
+/// One sequence's committed length and block table in a [`CudaModel`]'s pool; its blocks go back
+/// to the pool on drop.
+pub struct CudaSequence {
+    pub blocks: Vec<u32>,
+    pub len: usize,
+    pool: Arc<Mutex<BlockAllocator>>,
+}
+
+impl CudaSequence {
+    /// Make room for `n` more slots after `len`.
+    pub fn reserve(&mut self, n: usize) -> Result<()> {
+        let need = (self.len + n).div_ceil(BLOCK_SLOTS);
+        let mut pool = lock(&self.pool);
+        while self.blocks.len() < need {
+            let Some(b) = pool.allocate() else {
+                return Err(EngineError::KvPoolExhausted {
+                    needed: need - self.blocks.len(),
+                });
+            };
+            self.blocks.push(b);
+        }
+        Ok(())
+    }
+
+    /// Give back blocks past the committed slots.
+    pub fn shrink(&mut self) {
+        let keep = self.len.div_ceil(BLOCK_SLOTS);
+        let mut pool = lock(&self.pool);
+        for b in self.blocks.drain(keep..) {
+            let _ = pool.release(b);
+        }
+    }
+
+    /// The pool row of slot `slot`.
+    pub fn pool_row(&self, slot: usize) -> usize {
+        self.blocks[slot / BLOCK_SLOTS] as usize * BLOCK_SLOTS + slot % BLOCK_SLOTS
+    }
+}
+
+impl Drop for CudaSequence {
+    fn drop(&mut self) {
+        let mut pool = lock(&self.pool);
+        for b in self.blocks.drain(..) {
+            let _ = pool.release(b);
+        }
+    }
+}

@@ -1,0 +1,217 @@
+//! Host-side checks of the GPU path that need no GPU: device selection errors, and the attention
+//! launch plan (block tables, masks, row maps) against the CPU backend's attention.
+
+use half::f16;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+use super::*;
+use crate::backend::{AttentionShape, AttnSeq, Backend, BatchMask, CpuBackend, KvLayer};
+use crate::kv::BLOCK_SLOTS;
+use crate::tree::TreeMask;
+
+#[test]
+fn devices_parse_and_report_stable_errors() {
+    assert_eq!("cpu".parse::<Device>().unwrap(), Device::Cpu);
+    assert_eq!("cuda".parse::<Device>().unwrap(), Device::Cuda(0));
+    assert_eq!("cuda:3".parse::<Device>().unwrap(), Device::Cuda(3));
+    for bad in ["gpu", "cuda:", "cuda:x", "cuda:-1", ""] {
+        let e = bad.parse::<Device>().unwrap_err();
+        assert_eq!(e.error_type(), "invalid_argument", "{bad}");
+    }
+    assert_eq!(Device::Cuda(2).to_string(), "cuda:2");
+    assert!(check_device(Device::Cpu).is_ok());
+    match check_device(Device::Cuda(0)) {
+        Ok(()) => assert!(is_compiled(), "a CUDA device without the cuda feature"),
+        Err(e) if !is_compiled() => assert_eq!(e.error_type(), "not_compiled_with_cuda"),
+        Err(e) => {
+            assert_eq!(e.error_type(), "no_cuda_device");
+            eprintln!("no CUDA device here: {e}");
+        }
+    }
+    // A device number past the driver's count is never usable.
+    let e = check_device(Device::Cuda(1 << 20)).unwrap_err();
+    let want = if is_compiled() {
+        "no_cuda_device"
+    } else {
+        "not_compiled_with_cuda"
+    };
+    assert_eq!(e.error_type(), want);
+    assert!(kernel_names().contains(&"tree_attention_f16"));
+}
+
+#[test]
+fn kernel_block_size_is_the_pools() {
+    assert_eq!(arbor_kernels_gpu::plan::BLOCK_SLOTS, BLOCK_SLOTS);
+}
+
+/// A random tree over `n` nodes as parent links (each parent precedes its child).
+fn random_parents(rng: &mut rand::rngs::StdRng, n: usize) -> Vec<Option<usize>> {
+    (0..n)
+        .map(|i| {
+            if i == 0 {
+                None
+            } else {
+                Some(rng.gen_range(0..i))
+            }
+        })
+        .collect()
+}
+
+/// The attention plan the kernel reads, interpreted on the CPU, agrees with the CPU backend on
+/// ragged batches of decode rows, causal chunks and token trees (up to 70 nodes: two mask words),
+/// grouped-query heads and shuffled block tables.
+#[test]
+fn attention_plan_matches_cpu_attention_on_ragged_trees() {
+    let backend = CpuBackend::new(2).unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    for (case, &(n_head, n_head_kv, hd)) in [(4, 2, 64), (6, 1, 32), (8, 8, 128), (9, 3, 64)]
+        .iter()
+        .enumerate()
+    {
+        let kv_dim = n_head_kv * hd;
+        let width = n_head * hd;
+        let pool_blocks = 64;
+        let pool_rows = pool_blocks * BLOCK_SLOTS;
+        let k: Vec<f16> = (0..pool_rows * kv_dim)
+            .map(|_| f16::from_f32(rng.gen_range(-1.0..1.0)))
+            .collect();
+        let v: Vec<f16> = (0..pool_rows * kv_dim)
+            .map(|_| f16::from_f32(rng.gen_range(-1.0..1.0)))
+            .collect();
+        let mut free: Vec<u32> = (0..pool_blocks as u32).collect();
+        free.shuffle(&mut rng);
+        // (n_past, n_new, tree?) per sequence.
+        let shapes: [(usize, usize, bool); 5] = [
+            (37, 1, false),
+            (0, 20, false),
+            (50, 70, true),
+            (16, 9, true),
+            (5, 3, false),
+        ];
+        let mut tables = Vec::new();
+        let mut masks = Vec::new();
+        for &(n_past, n_new, tree) in &shapes {
+            let used = (n_past + n_new).div_ceil(BLOCK_SLOTS);
+            tables.push(free.split_off(free.len() - used));
+            masks.push(tree.then(|| TreeMask::from_parents(&random_parents(&mut rng, n_new))));
+        }
+        let n_rows: usize = shapes.iter().map(|s| s.1).sum();
+        let q: Vec<f32> = (0..n_rows * width)
+            .map(|_| rng.gen_range(-2.0..2.0))
+            .collect();
+        let mut seq_rows = Vec::new();
+        let mut attn = Vec::new();
+        let mut row0 = 0;
+        for (i, &(n_past, n_new, _)) in shapes.iter().enumerate() {
+            let (mask, seq_mask) = match &masks[i] {
+                Some(m) => {
+                    let BatchMask::Bits {
+                        words_per_row,
+                        bits,
+                    } = m.as_batch_mask()
+                    else {
+                        unreachable!()
+                    };
+                    (
+                        m.as_batch_mask(),
+                        SeqMask::Bits {
+                            words_per_row,
+                            bits,
+                        },
+                    )
+                }
+                None => (BatchMask::Causal, SeqMask::Causal),
+            };
+            seq_rows.push(SeqRows {
+                n_past,
+                n_new,
+                blocks: &tables[i],
+                mask: seq_mask,
+            });
+            attn.push(AttnSeq {
+                shape: AttentionShape {
+                    n_tok: n_new,
+                    n_past,
+                    n_head,
+                    n_head_kv,
+                    head_dim: hd,
+                },
+                mask,
+                kv: KvLayer {
+                    k: &k,
+                    v: &v,
+                    blocks: &tables[i],
+                },
+                row0,
+            });
+            row0 += n_new;
+        }
+        let mut want = vec![0.0f32; q.len()];
+        backend.attention_batch(&attn, &q, &mut want).unwrap();
+        let plan = AttentionPlan::new(&seq_rows, n_head, n_head_kv, hd, pool_rows).unwrap();
+        let kf: Vec<f32> = k.iter().map(|x| x.to_f32()).collect();
+        let vf: Vec<f32> = v.iter().map(|x| x.to_f32()).collect();
+        let got = plan.reference(&q, &kf, &vf);
+        let worst = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        // The CPU rounds probabilities to f16 (llama.cpp's f16 attention); the plan keeps f32.
+        assert!(worst < 2e-3, "case {case}: worst difference {worst}");
+        // The pool rows new K/V go to: each new token's slot through its own block table.
+        let rows = plan.new_pool_rows();
+        let mut r = 0;
+        for (i, &(n_past, n_new, _)) in shapes.iter().enumerate() {
+            for t in 0..n_new {
+                let s = n_past + t;
+                let want_row = tables[i][s / BLOCK_SLOTS] as usize * BLOCK_SLOTS + s % BLOCK_SLOTS;
+                assert_eq!(rows[r] as usize, want_row);
+                r += 1;
+            }
+        }
+    }
+}
+
+/// Breaking the plan's mask packing must break the agreement (the test above can fail).
+#[test]
+fn attention_plan_mask_is_what_decides() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+    let (n_head, n_head_kv, hd) = (2, 1, 32);
+    let kv_dim = n_head_kv * hd;
+    let pool_rows = 4 * BLOCK_SLOTS;
+    let k: Vec<f32> = (0..pool_rows * kv_dim)
+        .map(|_| rng.gen_range(-1.0..1.0))
+        .collect();
+    let v: Vec<f32> = (0..pool_rows * kv_dim)
+        .map(|_| rng.gen_range(-1.0..1.0))
+        .collect();
+    let q: Vec<f32> = (0..3 * n_head * hd)
+        .map(|_| rng.gen_range(-1.0..1.0))
+        .collect();
+    let chain = [0b001u64, 0b011, 0b111];
+    let fork = [0b001u64, 0b011, 0b101];
+    let run = |bits: &[u64]| {
+        let seq = SeqRows {
+            n_past: 10,
+            n_new: 3,
+            blocks: &[2],
+            mask: SeqMask::Bits {
+                words_per_row: 1,
+                bits,
+            },
+        };
+        AttentionPlan::new(&[seq], n_head, n_head_kv, hd, pool_rows)
+            .unwrap()
+            .reference(&q, &k, &v)
+    };
+    let (a, b) = (run(&chain), run(&fork));
+    let w = n_head * hd;
+    assert_eq!(a[..2 * w], b[..2 * w], "rows 0 and 1 see the same slots");
+    assert_ne!(
+        a[2 * w..],
+        b[2 * w..],
+        "row 2 sees node 1 only in the chain"
+    );
+}
