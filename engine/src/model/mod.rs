@@ -6,7 +6,6 @@ mod forward;
 mod tests;
 
 pub use config::{Arch, ModelConfig, RopeStyle};
-#[cfg(feature = "cuda")]
 pub(crate) use forward::RopeTable;
 pub use forward::{BatchMask, SeqBatch};
 
@@ -138,7 +137,6 @@ impl Model {
         &self.output_norm
     }
 
-    #[cfg(feature = "cuda")]
     pub(crate) fn embedding_matrix(&self) -> QMatrix<'_> {
         self.mat(&self.tok_embd)
     }

@@ -1,15 +1,22 @@
-//! GPU verifier entry point: `--device cpu|cuda[:N]`, and with feature `cuda` a [`CudaModel`]
-//! running the decoder over ragged token-tree batches on our PTX kernels (SpecInfer's tree
-//! verification on the device); without the feature the same API returns `NotCompiledWithCuda`
-//! (candle's dummy-backend pattern).
+//! GPU verifier entry point: `--device cpu|cuda[:N]`, and a [`DeviceModel`] running the decoder
+//! over ragged token-tree batches (SpecInfer's tree verification on the device) on our PTX
+//! kernels with feature `cuda` (`CudaModel`), or on their host reference ([`HostOps`]) in tests;
+//! without the feature `--device cuda` returns `NotCompiledWithCuda` (candle's dummy backend).
 
+pub mod check;
 #[cfg(feature = "cuda")]
+mod cuda_ops;
 mod model;
+mod ops;
 #[cfg(test)]
 mod tests;
 
 #[cfg(feature = "cuda")]
-pub use model::{CudaModel, CudaSeq, CudaSequence, GreedyRun};
+pub use cuda_ops::CudaOps;
+#[cfg(feature = "cuda")]
+pub use model::CudaModel;
+pub use model::{DeviceModel, DeviceSeq, DeviceSequence, GreedyRun};
+pub use ops::{DeviceOps, Elem, HostOps, PlanBufs};
 
 use crate::error::{EngineError, Result};
 

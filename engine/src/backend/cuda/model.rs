@@ -1,14 +1,13 @@
-//! The decoder forward pass on a CUDA device over a ragged batch (prefill chunks, decode tokens,
-//! token trees) with weights, activations and the paged f16 KV pool in device memory.
+//! The decoder forward pass on a device over a ragged batch (prefill chunks, decode tokens,
+//! token trees) with weights, activations and the paged f16 KV pool in the device's memory,
+//! written once over [`DeviceOps`] (CUDA kernels, or their host reference in tests).
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use arbor_kernels_gpu::launch::{Kernels, Ptr};
 use arbor_kernels_gpu::plan::{AttentionPlan, KvCommitPlan, SeqMask, SeqRows, BLOCK_SLOTS};
-use cust::context::Context;
-use cust::memory::{CopyDestination, DeviceBuffer, DeviceCopy};
-use cust::stream::{Stream, StreamFlags};
 use half::f16;
+
+use super::ops::{DeviceOps, HostOps, PlanBufs};
 
 use crate::draft::{DraftRequest, Drafter};
 use crate::error::{EngineError, Result};
@@ -17,23 +16,19 @@ use crate::model::{Model, ModelConfig, RopeStyle, RopeTable};
 use crate::quant::{self, QMatrix};
 use crate::tree::TokenTree;
 
-fn gpu(e: cust::error::CudaError) -> EngineError {
-    EngineError::Gpu(e.to_string())
-}
-
 /// Rows of one causal pass when a prompt is prefilled (longer prompts run in chunks).
 const PREFILL_ROWS: usize = 512;
 
 /// One f16 weight matrix on the device: `[n_out, n_in]`.
-struct DeviceMatrix {
-    data: DeviceBuffer<u16>,
+struct DeviceMatrix<O: DeviceOps> {
+    data: O::Buf<u16>,
     n_out: usize,
     n_in: usize,
 }
 
-impl DeviceMatrix {
+impl<O: DeviceOps> DeviceMatrix<O> {
     /// Dequantize a GGUF matrix and upload it as f16 (converted once, at load).
-    fn upload(m: &QMatrix<'_>) -> Result<DeviceMatrix> {
+    fn upload(ops: &O, m: &QMatrix<'_>) -> Result<DeviceMatrix<O>> {
         let row_bytes = m.data.len() / m.n_out.max(1);
         let mut row = vec![0.0f32; m.n_in];
         let mut bits = Vec::with_capacity(m.n_out * m.n_in);
@@ -42,38 +37,26 @@ impl DeviceMatrix {
             bits.extend(row.iter().map(|&x| f16::from_f32(x).to_bits()));
         }
         Ok(DeviceMatrix {
-            data: DeviceBuffer::from_slice(&bits).map_err(gpu)?,
+            data: ops.upload(&bits)?,
             n_out: m.n_out,
             n_in: m.n_in,
         })
     }
-
-    fn ptr(&self) -> Ptr<u16> {
-        self.data.as_device_ptr()
-    }
 }
 
-struct DeviceLayer {
-    attn_norm: DeviceBuffer<f32>,
-    ffn_norm: DeviceBuffer<f32>,
-    wq: DeviceMatrix,
-    wk: DeviceMatrix,
-    wv: DeviceMatrix,
-    wo: DeviceMatrix,
-    w_gate: DeviceMatrix,
-    w_up: DeviceMatrix,
-    w_down: DeviceMatrix,
-    bq: Option<DeviceBuffer<f32>>,
-    bk: Option<DeviceBuffer<f32>>,
-    bv: Option<DeviceBuffer<f32>>,
-}
-
-fn upload<T: DeviceCopy>(v: &[T]) -> Result<DeviceBuffer<T>> {
-    DeviceBuffer::from_slice(v).map_err(gpu)
-}
-
-fn zeroed<T: DeviceCopy + cust::memory::bytemuck::Zeroable>(n: usize) -> Result<DeviceBuffer<T>> {
-    DeviceBuffer::zeroed(n.max(1)).map_err(gpu)
+struct DeviceLayer<O: DeviceOps> {
+    attn_norm: O::Buf<f32>,
+    ffn_norm: O::Buf<f32>,
+    wq: DeviceMatrix<O>,
+    wk: DeviceMatrix<O>,
+    wv: DeviceMatrix<O>,
+    wo: DeviceMatrix<O>,
+    w_gate: DeviceMatrix<O>,
+    w_up: DeviceMatrix<O>,
+    w_down: DeviceMatrix<O>,
+    bq: Option<O::Buf<f32>>,
+    bk: Option<O::Buf<f32>>,
+    bv: Option<O::Buf<f32>>,
 }
 
 /// The block allocator behind a lock that a panicking holder cannot poison for everyone else
@@ -82,8 +65,8 @@ fn lock(pool: &Mutex<BlockAllocator>) -> MutexGuard<'_, BlockAllocator> {
     pool.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// One sequence's rows in a device forward pass ([`CudaModel::forward`]).
-pub struct CudaSeq<'a> {
+/// One sequence's rows in a device forward pass ([`DeviceModel::forward`]).
+pub struct DeviceSeq<'a> {
     /// New tokens `[n]` and their RoPE positions `[n]`.
     pub tokens: &'a [u32],
     pub positions: &'a [usize],
@@ -108,84 +91,92 @@ enum HeadOut {
     Argmax(Vec<u32>),
 }
 
-/// A model on one CUDA device: f16 weights, the paged f16 KV pool (`[n_layers * 2, pool rows,
-/// kv_dim]`: layer l's K is plane 2l, its V plane 2l + 1), one stream, the kernels.
-pub struct CudaModel {
+/// A model on one device: f16 weights, the paged f16 KV pool (`[n_layers * 2, pool rows,
+/// kv_dim]`: layer l's K is plane 2l, its V plane 2l + 1), the operations that run on it.
+pub struct DeviceModel<O: DeviceOps> {
     pub config: ModelConfig,
-    kernels: Kernels,
-    embed: DeviceMatrix,
-    output: DeviceMatrix,
-    output_norm: DeviceBuffer<f32>,
-    layers: Vec<DeviceLayer>,
+    embed: DeviceMatrix<O>,
+    output: DeviceMatrix<O>,
+    output_norm: O::Buf<f32>,
+    layers: Vec<DeviceLayer<O>>,
     biases: bool,
-    kv: DeviceBuffer<u16>,
+    kv: O::Buf<u16>,
     pool_rows: usize,
     blocks: Arc<Mutex<BlockAllocator>>,
-    stream: Stream,
-    // Dropped last: every buffer above belongs to this context.
-    _ctx: Context,
+    // Dropped last: on a GPU every buffer above belongs to its context.
+    ops: O,
 }
 
-impl CudaModel {
-    /// Upload `model` to CUDA device `ordinal` with a KV pool of `kv_blocks` blocks of
-    /// `BLOCK_SLOTS` slots.
-    pub fn new(model: &Model, ordinal: usize, kv_blocks: usize) -> Result<CudaModel> {
-        super::check_device(super::Device::Cuda(ordinal))?;
-        let device = cust::device::Device::get_device(ordinal as u32).map_err(gpu)?;
-        let ctx = Context::new(device).map_err(gpu)?;
-        // A blocking stream: it waits for the legacy default stream, where cust's uploads and
-        // `zeroed` memsets run, so a kernel never reads a buffer before it is filled.
-        let stream = Stream::new(StreamFlags::DEFAULT, None).map_err(gpu)?;
-        let kernels = Kernels::new();
-        kernels.load_all()?;
+/// The device model on a CUDA device.
+#[cfg(feature = "cuda")]
+pub type CudaModel = DeviceModel<super::cuda_ops::CudaOps>;
+
+#[cfg(feature = "cuda")]
+impl DeviceModel<super::cuda_ops::CudaOps> {
+    /// Upload `model` to CUDA device `ordinal` with a KV pool of `kv_blocks` blocks.
+    pub fn new(model: &Model, ordinal: usize, kv_blocks: usize) -> Result<Self> {
+        DeviceModel::with_ops(super::cuda_ops::CudaOps::new(ordinal)?, model, kv_blocks)
+    }
+}
+
+impl DeviceModel<HostOps> {
+    /// The device model on the host reference of the kernels (tests: the device path's
+    /// orchestration without a GPU).
+    pub fn on_host(model: &Model, kv_blocks: usize) -> Result<Self> {
+        DeviceModel::with_ops(HostOps, model, kv_blocks)
+    }
+}
+
+impl<O: DeviceOps> DeviceModel<O> {
+    /// Upload `model` through `ops` with a KV pool of `kv_blocks` blocks of `BLOCK_SLOTS` slots.
+    pub fn with_ops(ops: O, model: &Model, kv_blocks: usize) -> Result<Self> {
         let c = model.config.clone();
         if c.head_dim > 128 || !c.head_dim.is_multiple_of(32) || !c.kv_dim().is_multiple_of(2) {
             return Err(EngineError::InvalidArgument(format!(
-                "the CUDA kernels need head_dim a multiple of 32 up to 128, got {}",
+                "the device kernels need head_dim a multiple of 32 up to 128, got {}",
                 c.head_dim
             )));
         }
         let mut layers = Vec::with_capacity(model.layers.len());
         let mut biases = false;
         for w in &model.layers {
-            let opt = |b: &Option<Vec<f32>>| b.as_deref().map(upload).transpose();
+            let opt = |b: &Option<Vec<f32>>| b.as_deref().map(|v| ops.upload(v)).transpose();
             biases |= w.bq.is_some();
+            let mat = |t| DeviceMatrix::upload(&ops, &model.mat(t));
             layers.push(DeviceLayer {
-                attn_norm: upload(&w.attn_norm)?,
-                ffn_norm: upload(&w.ffn_norm)?,
-                wq: DeviceMatrix::upload(&model.mat(&w.wq))?,
-                wk: DeviceMatrix::upload(&model.mat(&w.wk))?,
-                wv: DeviceMatrix::upload(&model.mat(&w.wv))?,
-                wo: DeviceMatrix::upload(&model.mat(&w.wo))?,
-                w_gate: DeviceMatrix::upload(&model.mat(&w.w_gate))?,
-                w_up: DeviceMatrix::upload(&model.mat(&w.w_up))?,
-                w_down: DeviceMatrix::upload(&model.mat(&w.w_down))?,
+                attn_norm: ops.upload(&w.attn_norm)?,
+                ffn_norm: ops.upload(&w.ffn_norm)?,
+                wq: mat(&w.wq)?,
+                wk: mat(&w.wk)?,
+                wv: mat(&w.wv)?,
+                wo: mat(&w.wo)?,
+                w_gate: mat(&w.w_gate)?,
+                w_up: mat(&w.w_up)?,
+                w_down: mat(&w.w_down)?,
                 bq: opt(&w.bq)?,
                 bk: opt(&w.bk)?,
                 bv: opt(&w.bv)?,
             });
         }
         let pool_rows = kv_blocks * BLOCK_SLOTS;
-        let kv = zeroed::<u16>(c.n_layers * 2 * pool_rows * c.kv_dim())?;
-        Ok(CudaModel {
-            embed: DeviceMatrix::upload(&model.embedding_matrix())?,
-            output: DeviceMatrix::upload(&model.output_matrix())?,
-            output_norm: upload(model.output_norm())?,
+        let kv = ops.zeroed::<u16>(c.n_layers * 2 * pool_rows * c.kv_dim())?;
+        Ok(DeviceModel {
+            embed: DeviceMatrix::upload(&ops, &model.embedding_matrix())?,
+            output: DeviceMatrix::upload(&ops, &model.output_matrix())?,
+            output_norm: ops.upload(model.output_norm())?,
             layers,
             biases,
             kv,
             pool_rows,
             blocks: Arc::new(Mutex::new(BlockAllocator::new(kv_blocks))),
-            kernels,
-            stream,
             config: c,
-            _ctx: ctx,
+            ops,
         })
     }
 
     /// Bytes of device memory the weights take.
     pub fn weight_bytes(&self) -> usize {
-        let m = |d: &DeviceMatrix| d.n_out * d.n_in * 2;
+        let m = |d: &DeviceMatrix<O>| d.n_out * d.n_in * 2;
         let layers: usize = self
             .layers
             .iter()
@@ -199,23 +190,27 @@ impl CudaModel {
         layers + m(&self.embed) + m(&self.output)
     }
 
+    /// Blocks of the KV pool no sequence holds.
+    pub fn free_blocks(&self) -> usize {
+        lock(&self.blocks).available()
+    }
+
     /// A new, empty sequence whose blocks come from this model's pool.
-    pub fn sequence(&self) -> CudaSequence {
-        CudaSequence {
+    pub fn sequence(&self) -> DeviceSequence {
+        DeviceSequence {
             blocks: Vec::new(),
             len: 0,
             pool: self.blocks.clone(),
         }
     }
 
-    fn plane(&self, layer: usize, v: bool) -> Ptr<u16> {
-        let off = (2 * layer + v as usize) * self.pool_rows * self.config.kv_dim();
-        // SAFETY: the offset stays inside the pool buffer (planes are n_layers * 2 of pool_rows).
-        unsafe { self.kv.as_device_ptr().add(off) }
+    /// Element offset of layer `layer`'s K (or V) plane in the pool.
+    fn plane(&self, layer: usize, v: bool) -> usize {
+        (2 * layer + v as usize) * self.pool_rows * self.config.kv_dim()
     }
 
     /// One forward pass over the batch: each sequence's logits `[logit_rows.len(), vocab]`.
-    pub fn forward(&self, seqs: &[CudaSeq<'_>]) -> Result<Vec<Vec<f32>>> {
+    pub fn forward(&self, seqs: &[DeviceSeq<'_>]) -> Result<Vec<Vec<f32>>> {
         let vocab = self.config.vocab_size;
         let HeadOut::Logits(all) = self.run(seqs, Head::Logits)? else {
             unreachable!("logits asked")
@@ -224,14 +219,14 @@ impl CudaModel {
     }
 
     /// One forward pass over the batch: each sequence's greedy token per logit row.
-    pub fn forward_argmax(&self, seqs: &[CudaSeq<'_>]) -> Result<Vec<Vec<u32>>> {
+    pub fn forward_argmax(&self, seqs: &[DeviceSeq<'_>]) -> Result<Vec<Vec<u32>>> {
         let HeadOut::Argmax(all) = self.run(seqs, Head::Argmax)? else {
             unreachable!("argmax asked")
         };
         Ok(split(seqs, &all, 1))
     }
 
-    fn run(&self, seqs: &[CudaSeq<'_>], head: Head) -> Result<HeadOut> {
+    fn run(&self, seqs: &[DeviceSeq<'_>], head: Head) -> Result<HeadOut> {
         let c = &self.config;
         let (d, hd, kv_dim, n_ff) = (c.n_embd, c.head_dim, c.kv_dim(), c.n_ff);
         let q_dim = c.n_head * hd;
@@ -277,59 +272,34 @@ impl CudaModel {
         }
         let plan = AttentionPlan::new(&rows, c.n_head, c.n_head_kv, hd, self.pool_rows)?;
         let rope = RopeTable::new(c.rope_base, c.rope_dim, &positions);
-        let s = &self.stream;
-        let k = &self.kernels;
+        let o = &self.ops;
 
         // Per-pass inputs.
-        let tokens_d = upload(&tokens)?;
-        let cos_d = upload(&rope.cos)?;
-        let sin_d = upload(&rope.sin)?;
-        let new_rows_d = upload(&plan.new_pool_rows())?;
-        let plan_d = (
-            upload(&plan.rows)?,
-            upload(&plan.seqs)?,
-            upload(&plan.blocks)?,
-            upload(if plan.mask.is_empty() {
-                &[0u64]
-            } else {
-                &plan.mask[..]
-            })?,
-        );
-        let plan_ptrs = (
-            plan_d.0.as_device_ptr(),
-            plan_d.1.as_device_ptr(),
-            plan_d.2.as_device_ptr(),
-            plan_d.3.as_device_ptr(),
-        );
+        let tokens_d = o.upload(&tokens)?;
+        let cos_d = o.upload(&rope.cos)?;
+        let sin_d = o.upload(&rope.sin)?;
+        let new_rows_d = o.upload(&plan.new_pool_rows())?;
+        let plan_d = PlanBufs::upload(o, &plan)?;
         // Activations.
-        let x = zeroed::<f32>(n * d)?; // [n, n_embd] residual stream
-        let xn = zeroed::<f32>(n * d)?; // [n, n_embd]
-        let q = zeroed::<f32>(n * q_dim)?; // [n, n_head * hd]
-        let kn = zeroed::<f32>(n * kv_dim)?; // [n, kv_dim]
-        let vn = zeroed::<f32>(n * kv_dim)?; // [n, kv_dim]
-        let att = zeroed::<f32>(n * q_dim)?; // [n, n_head * hd]
-        let proj = zeroed::<f32>(n * d)?; // [n, n_embd]
-        let gate = zeroed::<f32>(n * n_ff)?; // [n, n_ff]
-        let up = zeroed::<f32>(n * n_ff)?; // [n, n_ff]
-        let p = |b: &DeviceBuffer<f32>| b.as_device_ptr();
+        let x = o.zeroed::<f32>(n * d)?; // [n, n_embd] residual stream
+        let xn = o.zeroed::<f32>(n * d)?; // [n, n_embd]
+        let q = o.zeroed::<f32>(n * q_dim)?; // [n, n_head * hd]
+        let kn = o.zeroed::<f32>(n * kv_dim)?; // [n, kv_dim]
+        let vn = o.zeroed::<f32>(n * kv_dim)?; // [n, kv_dim]
+        let att = o.zeroed::<f32>(n * q_dim)?; // [n, n_head * hd]
+        let proj = o.zeroed::<f32>(n * d)?; // [n, n_embd]
+        let gate = o.zeroed::<f32>(n * n_ff)?; // [n, n_ff]
+        let up = o.zeroed::<f32>(n * n_ff)?; // [n, n_ff]
         let half = c.rope_dim / 2;
         let neox = c.rope_style == RopeStyle::Neox;
 
-        k.embed_rows_f16(
-            s,
-            self.embed.ptr(),
-            tokens_d.as_device_ptr(),
-            p(&x),
-            n,
-            d,
-            c.vocab_size,
-        )?;
+        o.embed_rows(&self.embed.data, &tokens_d, &x, n, d, c.vocab_size)?;
         for (l, w) in self.layers.iter().enumerate() {
             // Attention block.
-            k.rms_norm_f32(s, p(&x), p(&w.attn_norm), p(&xn), n, d, c.rms_eps)?;
-            k.matmul_f16(s, w.wq.ptr(), p(&xn), p(&q), n, w.wq.n_out, d)?;
-            k.matmul_f16(s, w.wk.ptr(), p(&xn), p(&kn), n, w.wk.n_out, d)?;
-            k.matmul_f16(s, w.wv.ptr(), p(&xn), p(&vn), n, w.wv.n_out, d)?;
+            o.rms_norm(&x, &w.attn_norm, &xn, n, d, c.rms_eps)?;
+            o.matmul(&w.wq.data, &xn, &q, n, w.wq.n_out, d)?;
+            o.matmul(&w.wk.data, &xn, &kn, n, w.wk.n_out, d)?;
+            o.matmul(&w.wv.data, &xn, &vn, n, w.wv.n_out, d)?;
             if self.biases {
                 for (b, y, width) in [
                     (&w.bq, &q, q_dim),
@@ -337,89 +307,52 @@ impl CudaModel {
                     (&w.bv, &vn, kv_dim),
                 ] {
                     if let Some(b) = b {
-                        k.add_f32(s, p(y), p(b), n, width, 0)?;
+                        o.add(y, b, n, width, 0)?;
                     }
                 }
             }
-            k.rope_f32(s, p(&q), p(&cos_d), p(&sin_d), n, c.n_head, hd, half, neox)?;
-            k.rope_f32(
-                s,
-                p(&kn),
-                p(&cos_d),
-                p(&sin_d),
-                n,
-                c.n_head_kv,
-                hd,
-                half,
-                neox,
-            )?;
-            let (kl, vl) = (self.plane(l, false), self.plane(l, true));
-            k.kv_write_f16(
-                s,
-                kl,
-                vl,
-                p(&kn),
-                p(&vn),
-                new_rows_d.as_device_ptr(),
-                n,
-                kv_dim,
-            )?;
-            k.tree_attention_f16(s, &plan, plan_ptrs, p(&q), kl, vl, p(&att))?;
-            k.matmul_f16(s, w.wo.ptr(), p(&att), p(&proj), n, d, q_dim)?;
-            k.add_f32(s, p(&x), p(&proj), n, d, d)?;
+            o.rope(&q, &cos_d, &sin_d, n, c.n_head, hd, half, neox)?;
+            o.rope(&kn, &cos_d, &sin_d, n, c.n_head_kv, hd, half, neox)?;
+            let (k_off, v_off) = (self.plane(l, false), self.plane(l, true));
+            o.kv_write(&self.kv, k_off, v_off, &kn, &vn, &new_rows_d, n, kv_dim)?;
+            o.attention(&plan, &plan_d, &q, &self.kv, k_off, v_off, &att)?;
+            o.matmul(&w.wo.data, &att, &proj, n, d, q_dim)?;
+            o.add(&x, &proj, n, d, d)?;
             // Feed-forward block (SwiGLU).
-            k.rms_norm_f32(s, p(&x), p(&w.ffn_norm), p(&xn), n, d, c.rms_eps)?;
-            k.matmul_f16(s, w.w_gate.ptr(), p(&xn), p(&gate), n, n_ff, d)?;
-            k.matmul_f16(s, w.w_up.ptr(), p(&xn), p(&up), n, n_ff, d)?;
-            k.silu_mul_f32(s, p(&gate), p(&up), n * n_ff)?;
-            k.matmul_f16(s, w.w_down.ptr(), p(&gate), p(&proj), n, d, n_ff)?;
-            k.add_f32(s, p(&x), p(&proj), n, d, d)?;
+            o.rms_norm(&x, &w.ffn_norm, &xn, n, d, c.rms_eps)?;
+            o.matmul(&w.w_gate.data, &xn, &gate, n, n_ff, d)?;
+            o.matmul(&w.w_up.data, &xn, &up, n, n_ff, d)?;
+            o.silu_mul(&gate, &up, n * n_ff)?;
+            o.matmul(&w.w_down.data, &gate, &proj, n, d, n_ff)?;
+            o.add(&x, &proj, n, d, d)?;
         }
         // Output head over the logit rows only.
         let n_out = logit_rows.len();
         if n_out == 0 {
-            s.synchronize().map_err(gpu)?;
+            o.sync()?;
             return Ok(match head {
                 Head::Logits => HeadOut::Logits(Vec::new()),
                 Head::Argmax => HeadOut::Argmax(Vec::new()),
             });
         }
-        let rows_d = upload(&logit_rows)?;
-        let sel = zeroed::<f32>(n_out * d)?; // [n_out, n_embd]
-        let seln = zeroed::<f32>(n_out * d)?;
-        let logits = zeroed::<f32>(n_out * c.vocab_size)?; // [n_out, vocab]
-        k.gather_rows_f32(s, p(&x), rows_d.as_device_ptr(), p(&sel), n_out, d)?;
-        k.rms_norm_f32(
-            s,
-            p(&sel),
-            p(&self.output_norm),
-            p(&seln),
-            n_out,
-            d,
-            c.rms_eps,
-        )?;
-        k.matmul_f16(
-            s,
-            self.output.ptr(),
-            p(&seln),
-            p(&logits),
-            n_out,
-            c.vocab_size,
-            d,
-        )?;
+        let rows_d = o.upload(&logit_rows)?;
+        let sel = o.zeroed::<f32>(n_out * d)?; // [n_out, n_embd]
+        let seln = o.zeroed::<f32>(n_out * d)?;
+        let logits = o.zeroed::<f32>(n_out * c.vocab_size)?; // [n_out, vocab]
+        o.gather_rows(&x, &rows_d, &sel, n_out, d)?;
+        o.rms_norm(&sel, &self.output_norm, &seln, n_out, d, c.rms_eps)?;
+        o.matmul(&self.output.data, &seln, &logits, n_out, c.vocab_size, d)?;
         let out = match head {
             Head::Logits => {
-                s.synchronize().map_err(gpu)?;
                 let mut host = vec![0.0f32; n_out * c.vocab_size];
-                logits.copy_to(&mut host[..]).map_err(gpu)?;
+                o.download(&logits, &mut host)?;
                 HeadOut::Logits(host)
             }
             Head::Argmax => {
-                let best = zeroed::<u32>(n_out)?;
-                k.argmax_f32(s, p(&logits), best.as_device_ptr(), n_out, c.vocab_size)?;
-                s.synchronize().map_err(gpu)?;
+                let best = o.zeroed::<u32>(n_out)?;
+                o.argmax(&logits, &best, n_out, c.vocab_size)?;
                 let mut host = vec![0u32; n_out];
-                best.copy_to(&mut host[..]).map_err(gpu)?;
+                o.download(&best, &mut host)?;
                 HeadOut::Argmax(host)
             }
         };
@@ -437,27 +370,23 @@ impl CudaModel {
                 "commit row outside the KV pool".into(),
             ));
         }
-        let (src, dst) = (upload(&plan.src)?, upload(&plan.dst)?);
-        self.kernels.kv_copy_rows_f16(
-            &self.stream,
-            self.kv.as_device_ptr(),
-            src.as_device_ptr(),
-            dst.as_device_ptr(),
-            plan.src.len(),
+        self.ops.kv_copy_rows(
+            &self.kv,
+            plan,
             self.config.n_layers * 2,
             self.pool_rows,
             self.config.kv_dim(),
         )?;
-        self.stream.synchronize().map_err(gpu)
+        self.ops.sync()
     }
 
     /// Feed `tokens` (causal, in chunks) to `seq` without computing logits; returns nothing.
-    pub fn prefill(&self, seq: &mut CudaSequence, tokens: &[u32]) -> Result<()> {
+    pub fn prefill(&self, seq: &mut DeviceSequence, tokens: &[u32]) -> Result<()> {
         for chunk in tokens.chunks(PREFILL_ROWS) {
             seq.reserve(chunk.len())?;
             let positions: Vec<usize> = (seq.len..seq.len + chunk.len()).collect();
             self.run(
-                &[CudaSeq {
+                &[DeviceSeq {
                     tokens: chunk,
                     positions: &positions,
                     n_past: seq.len,
@@ -527,7 +456,11 @@ impl CudaModel {
     /// Verify `tree` (root = the last sampled token, not yet fed) after `seq`'s committed
     /// slots: one pass, greedy walk, commit of the accepted path. Returns the accepted tokens
     /// (after the root) and the model's next token.
-    pub fn verify_tree(&self, seq: &mut CudaSequence, tree: &TokenTree) -> Result<(Vec<u32>, u32)> {
+    pub fn verify_tree(
+        &self,
+        seq: &mut DeviceSequence,
+        tree: &TokenTree,
+    ) -> Result<(Vec<u32>, u32)> {
         let tokens = tree.tokens();
         let positions = tree.positions(seq.len);
         let mask = tree.mask();
@@ -541,7 +474,7 @@ impl CudaModel {
         seq.reserve(tokens.len())?;
         let all: Vec<usize> = (0..tokens.len()).collect();
         let best = self
-            .forward_argmax(&[CudaSeq {
+            .forward_argmax(&[DeviceSeq {
                 tokens: &tokens,
                 positions: &positions,
                 n_past: seq.len,
@@ -581,7 +514,7 @@ impl CudaModel {
 }
 
 /// Split `[Σ rows, width]` results per sequence.
-fn split<T: Copy>(seqs: &[CudaSeq<'_>], all: &[T], width: usize) -> Vec<Vec<T>> {
+fn split<T: Copy>(seqs: &[DeviceSeq<'_>], all: &[T], width: usize) -> Vec<Vec<T>> {
     let mut at = 0;
     seqs.iter()
         .map(|sq| {
@@ -602,15 +535,15 @@ pub struct GreedyRun {
     pub decode_s: f64,
 }
 
-/// One sequence's committed length and block table in a [`CudaModel`]'s pool; its blocks go back
+/// One sequence's committed length and block table in a [`DeviceModel`]'s pool; its blocks go back
 /// to the pool on drop.
-pub struct CudaSequence {
+pub struct DeviceSequence {
     pub blocks: Vec<u32>,
     pub len: usize,
     pool: Arc<Mutex<BlockAllocator>>,
 }
 
-impl CudaSequence {
+impl DeviceSequence {
     /// Make room for `n` more slots after `len`.
     pub fn reserve(&mut self, n: usize) -> Result<()> {
         let need = (self.len + n).div_ceil(BLOCK_SLOTS);
@@ -641,7 +574,7 @@ impl CudaSequence {
     }
 }
 
-impl Drop for CudaSequence {
+impl Drop for DeviceSequence {
     fn drop(&mut self) {
         let mut pool = lock(&self.pool);
         for b in self.blocks.drain(..) {
