@@ -3,6 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use arbor_engine::backend::cuda::Device;
 use arbor_engine::draft::ngram::NgramDrafter;
 use arbor_engine::draft::{
     check_same_vocab, DraftSampling, DraftShape, Drafter, ModelDrafter, RecycleDrafter,
@@ -246,6 +247,9 @@ pub struct EngineConfig {
     pub tokenizer: Arc<Tokenizer>,
     /// Compute threads (0: all cores).
     pub threads: usize,
+    /// Where the verification passes run (`cuda:N`: the LLM and the K/V values on a GPU; the
+    /// host keeps the block bookkeeping and runs the drafters).
+    pub device: Device,
     /// Bytes of KV cache (f16 blocks); `None`: a quarter of the available memory, 256 MiB to 4 GiB.
     pub kv_memory: Option<usize>,
     pub sched: SchedConfig,
@@ -264,6 +268,7 @@ impl EngineConfig {
             model,
             tokenizer,
             threads: 0,
+            device: Device::Cpu,
             kv_memory: None,
             sched: SchedConfig::default(),
             drafters: Vec::new(),

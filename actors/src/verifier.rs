@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use actix::{Actor, Handler, Recipient, SyncContext};
+use arbor_engine::backend::cuda::open_device;
 use arbor_engine::sched::{PlannedStep, RequestSpec, Scheduler, SpecPolicy, StepCost};
 use arbor_engine::{CpuBackend, KvPool, Tokenizer};
 
@@ -61,6 +62,8 @@ impl Verifier {
         let model = Arc::clone(&config.model);
         let backend = CpuBackend::new(config.threads).map_err(ServeError::from)?;
         let pool = KvPool::with_memory(&model.config, config.kv_bytes());
+        let device =
+            open_device(&model, config.device, pool.max_blocks()).map_err(ServeError::from)?;
         let ctx = model.config.context_length;
         let cost = if config.drafters.is_empty() {
             None
@@ -82,6 +85,9 @@ impl Verifier {
         )?;
         if let Some(c) = cost {
             sched.set_step_cost(c);
+        }
+        if let Some(d) = device {
+            sched.set_device(d);
         }
         let max_prompt_tokens = match config.limits.max_prompt_tokens {
             0 => ctx,

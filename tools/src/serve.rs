@@ -16,6 +16,8 @@ use crate::spec_bench::DraftSpec;
 pub struct ServeOptions {
     pub model_path: std::path::PathBuf,
     pub threads: usize,
+    /// Where the verification passes run (`--device`).
+    pub device: arbor_engine::backend::cuda::Device,
     pub drafters: Vec<String>,
     pub listen: String,
     pub kv_memory: usize,
@@ -92,6 +94,7 @@ pub fn engine_config(o: &ServeOptions) -> anyhow::Result<EngineConfig> {
         });
     }
     config.threads = o.threads;
+    config.device = o.device;
     config.kv_memory = Some(o.kv_memory);
     config.drafters = drafters;
     config.limits = o.limits.clone();

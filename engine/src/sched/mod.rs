@@ -15,6 +15,7 @@ pub use adaptive::{
     DraftBackoff, StepCost,
 };
 
+use crate::backend::cuda::DeviceForward;
 use crate::backend::{Backend, BatchMask};
 use crate::draft::{Drafter, PassCandidates};
 use crate::error::{EngineError, Result};
@@ -438,6 +439,9 @@ pub struct Scheduler<'a> {
     drafter_failures: Vec<DrafterFailure>,
     /// Outcomes of externally drafted requests not yet taken by [`Scheduler::take_commits`].
     commits: Vec<Commit>,
+    /// Where the forward passes run when not on the backend: a device keeping the K/V of the
+    /// pool's blocks ([`Scheduler::set_device`]).
+    device: Option<Arc<dyn DeviceForward>>,
 }
 
 impl<'a> Scheduler<'a> {
@@ -494,7 +498,15 @@ impl<'a> Scheduler<'a> {
             freeze_step_cost: false,
             drafter_failures: Vec::new(),
             commits: Vec::new(),
+            device: None,
         })
+    }
+
+    /// Run every forward pass (and K/V commit) on `device` instead of the backend passed to
+    /// [`Scheduler::step`] (which in-process model drafters still use). The pool's blocks keep
+    /// their ids on the device; the device must hold at least as many.
+    pub fn set_device(&mut self, device: Arc<dyn DeviceForward>) {
+        self.device = Some(device);
     }
 
     pub fn pool(&self) -> &KvPool {
@@ -834,6 +846,7 @@ impl<'a> Scheduler<'a> {
         plan.sort_by_key(|sl| sl.idx);
         let inputs: Vec<StepInput> = plan.iter().map(|sl| self.input(sl)).collect();
         let n_rows: usize = inputs.iter().map(|x| x.tokens.len()).sum();
+        let device = self.device.clone();
         let t0 = Instant::now();
         let logits = {
             // `plan` is sorted by index: the chosen requests in running order.
@@ -859,7 +872,10 @@ impl<'a> Scheduler<'a> {
                     logit_rows: &x.logit_rows,
                 })
                 .collect();
-            self.model.forward_batch(backend, &mut batch)?
+            match &device {
+                Some(d) => d.forward_batch(&mut batch)?,
+                None => self.model.forward_batch(backend, &mut batch)?,
+            }
         };
         if let (Some(c), false) = (self.cost.as_mut(), self.freeze_step_cost) {
             c.record(n_rows, t0.elapsed().as_secs_f64());
@@ -875,7 +891,10 @@ impl<'a> Scheduler<'a> {
                 (Some(tree), Some(sp)) => {
                     let cache = r.cache.as_mut().expect("running requests have a cache");
                     let o = sp.verifier.verify(tree, lg, vocab)?;
-                    cache.commit_rows(x.positions[0], &o.kv_rows())?;
+                    match &device {
+                        Some(d) => d.commit_rows(cache, x.positions[0], &o.kv_rows())?,
+                        None => cache.commit_rows(x.positions[0], &o.kv_rows())?,
+                    }
                     // Token Recycling: the top candidates of every row of this pass.
                     let wanted = sp.candidates_wanted(false);
                     let candidates =

@@ -125,7 +125,8 @@ struct ModelArgs {
     #[arg(long, default_value_t = 0)]
     threads: usize,
     /// Where the model runs: cpu, cuda or cuda:N (a build with `--features cuda` and an NVIDIA
-    /// GPU; `generate` with greedy decoding only, so far).
+    /// GPU): `serve` verifies on the GPU (drafters stay on the CPU), `generate` decodes greedily
+    /// there (alone or with --draft ngram); benchmarks run on the CPU only.
     #[arg(long, default_value = "cpu", value_parser = parse_device)]
     device: Device,
 }
@@ -143,7 +144,7 @@ fn cpu_only(m: &ModelArgs, what: &str) -> Result<()> {
     }
     check_device(m.device)?;
     bail!(
-        "{what} does not run on --device {} yet: only `arbor generate` (greedy) runs on a GPU",
+        "{what} does not run on --device {} yet: `arbor generate` (greedy) and `arbor serve` do",
         m.device
     )
 }
@@ -711,7 +712,7 @@ fn load(m: &ModelArgs) -> Result<(Model, Tokenizer, CpuBackend, PathBuf)> {
 
 fn cmd_serve(a: ServeArgs) -> Result<()> {
     use arbor_tools::serve;
-    cpu_only(&a.model, "serve")?;
+    check_device(a.model.device)?;
     serve::init_logging(a.log_format == Format::Json);
     serve::check_drafters(&a.draft)?;
     a.speculate_tree.parse::<DraftShape>()?;
@@ -723,6 +724,7 @@ fn cmd_serve(a: ServeArgs) -> Result<()> {
     let o = serve::ServeOptions {
         model_path: fetch::resolve_model(&a.model.model)?,
         threads: a.model.threads,
+        device: a.model.device,
         drafters: a.draft.clone(),
         listen: a.listen.clone(),
         kv_memory: parse_bytes(&a.kv_memory)?,

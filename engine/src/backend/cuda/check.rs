@@ -116,14 +116,22 @@ impl Drafter for SiblingsFirstDrafter {
         let vocab = req.vocab.max(1) as u32;
         let mut at = TreeBuilder::ROOT;
         let depth = 1 + self.rng.next_u64() % req.max_depth.clamp(1, 6) as u64;
+        // At most `req.budget` nodes besides the root (the drafter contract).
+        let room = |b: &TreeBuilder| b.len() <= req.budget;
         for i in 0..depth as usize {
             for _ in 0..self.wrong {
+                if !room(&b) {
+                    return Ok(b.build());
+                }
                 let t = (self.rng.next_u64() % vocab as u64) as u32;
                 b.add_child(at, t, Some(Proposal::picked(req.drafter, 0.1)));
             }
             let Some(&t) = self.truth.get(done + i) else {
                 break;
             };
+            if !room(&b) {
+                break;
+            }
             let t = if self.rng.next_f64() < 0.15 {
                 (t + 1) % vocab
             } else {

@@ -53,6 +53,10 @@ fn at(b: &DeviceBuffer<u16>, off: usize) -> Result<Ptr<u16>> {
 impl DeviceOps for CudaOps {
     type Buf<T: Elem> = DeviceBuffer<T>;
 
+    fn activate(&self) -> Result<()> {
+        cust::context::CurrentContext::set_current(&self._ctx).map_err(gpu)
+    }
+
     fn upload<T: Elem>(&self, data: &[T]) -> Result<DeviceBuffer<T>> {
         DeviceBuffer::from_slice(data).map_err(gpu)
     }

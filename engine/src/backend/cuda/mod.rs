@@ -15,7 +15,7 @@ mod tests;
 pub use cuda_ops::CudaOps;
 #[cfg(feature = "cuda")]
 pub use model::CudaModel;
-pub use model::{DeviceModel, DeviceSeq, DeviceSequence, GreedyRun};
+pub use model::{DeviceForward, DeviceModel, DeviceSeq, DeviceSequence, GreedyRun};
 pub use ops::{DeviceOps, Elem, HostOps, PlanBufs};
 
 use crate::error::{EngineError, Result};
@@ -102,6 +102,33 @@ pub fn check_device(device: Device) -> Result<()> {
                 )));
             }
             Ok(())
+        }
+    }
+}
+
+/// The device a scheduler runs its forward passes on ([`crate::sched::Scheduler::set_device`]):
+/// `None` for the CPU; for `cuda:N` the model uploaded to device N with room for `kv_blocks`
+/// blocks (the host pool's most), or `NotCompiledWithCuda` / `NoCudaDevice`.
+pub fn open_device(
+    model: &crate::model::Model,
+    device: Device,
+    kv_blocks: usize,
+) -> Result<Option<std::sync::Arc<dyn DeviceForward>>> {
+    match device {
+        Device::Cpu => Ok(None),
+        Device::Cuda(n) => {
+            check_device(device)?;
+            #[cfg(feature = "cuda")]
+            {
+                Ok(Some(std::sync::Arc::new(CudaModel::new(
+                    model, n, kv_blocks,
+                )?)))
+            }
+            #[cfg(not(feature = "cuda"))]
+            {
+                let _ = (model, n, kv_blocks);
+                Err(EngineError::NotCompiledWithCuda)
+            }
         }
     }
 }

@@ -9,9 +9,11 @@ use half::f16;
 
 use super::ops::{DeviceOps, HostOps, PlanBufs};
 
+use crate::backend::BatchMask;
 use crate::draft::{DraftRequest, Drafter};
 use crate::error::{EngineError, Result};
-use crate::kv::BlockAllocator;
+use crate::kv::{BlockAllocator, KvCache};
+use crate::model::SeqBatch;
 use crate::model::{Model, ModelConfig, RopeStyle, RopeTable};
 use crate::quant::{self, QMatrix};
 use crate::tree::TokenTree;
@@ -227,6 +229,7 @@ impl<O: DeviceOps> DeviceModel<O> {
     }
 
     fn run(&self, seqs: &[DeviceSeq<'_>], head: Head) -> Result<HeadOut> {
+        self.ops.activate()?;
         let c = &self.config;
         let (d, hd, kv_dim, n_ff) = (c.n_embd, c.head_dim, c.kv_dim(), c.n_ff);
         let q_dim = c.n_head * hd;
@@ -364,6 +367,7 @@ impl<O: DeviceOps> DeviceModel<O> {
         if plan.is_empty() {
             return Ok(());
         }
+        self.ops.activate()?;
         let limit = self.pool_rows as u32;
         if plan.src.iter().chain(&plan.dst).any(|&r| r >= limit) {
             return Err(EngineError::InvalidArgument(
@@ -580,5 +584,108 @@ impl Drop for DeviceSequence {
         for b in self.blocks.drain(..) {
             let _ = pool.release(b);
         }
+    }
+}
+
+/// The scheduler's forward pass on a device. The host `KvPool` keeps the bookkeeping (block
+/// tables, reference counts, the prefix cache); the device keeps the K/V values of the same block
+/// ids, so its pool must have at least as many blocks as the host's (`DeviceModel::with_ops`).
+pub trait DeviceForward: Send + Sync {
+    /// [`Model::forward_batch`] on the device: each cache's new rows go to its slots
+    /// `len()..`, every cache advances, and each sequence's logit rows come back.
+    fn forward_batch(&self, seqs: &mut [SeqBatch<'_>]) -> Result<Vec<Vec<f32>>>;
+
+    /// [`KvCache::commit_rows`] with the device's rows moved too.
+    fn commit_rows(&self, cache: &mut KvCache, base: usize, keep: &[usize]) -> Result<()>;
+}
+
+impl<O: DeviceOps> DeviceForward for DeviceModel<O> {
+    fn forward_batch(&self, seqs: &mut [SeqBatch<'_>]) -> Result<Vec<Vec<f32>>> {
+        // Reserve every sequence's slots in the host pool (its blocks are the device's too). A
+        // shared block about to change is copied on the host (copy-on-write): copy it here too.
+        let mut copies = Vec::new();
+        for i in 0..seqs.len() {
+            let before = seqs[i].cache.blocks().to_vec();
+            if let Err(e) = seqs[i].cache.reserve(seqs[i].tokens.len()) {
+                for sq in seqs[..i].iter_mut() {
+                    let len = sq.cache.len();
+                    sq.cache.truncate(len);
+                }
+                return Err(e);
+            }
+            for (&old, &new) in before.iter().zip(seqs[i].cache.blocks()) {
+                if old != new {
+                    copies.extend(
+                        (0..BLOCK_SLOTS as u32)
+                            .map(|r| (old * BLOCK_SLOTS as u32 + r, new * BLOCK_SLOTS as u32 + r)),
+                    );
+                }
+            }
+        }
+        self.commit(&KvCommitPlan::new(copies))?;
+        let batch: Vec<DeviceSeq<'_>> = seqs
+            .iter()
+            .map(|sq| {
+                let mask = match sq.mask {
+                    BatchMask::Causal => SeqMask::Causal,
+                    BatchMask::Bits {
+                        words_per_row,
+                        bits,
+                    } => SeqMask::Bits {
+                        words_per_row,
+                        bits,
+                    },
+                    BatchMask::Scratch { .. } => {
+                        return Err(EngineError::InvalidArgument(
+                            "scratch-slot masks (drafter trees) do not run on a device".into(),
+                        ))
+                    }
+                };
+                Ok(DeviceSeq {
+                    tokens: sq.tokens,
+                    positions: sq.positions,
+                    n_past: sq.cache.len(),
+                    blocks: sq.cache.blocks(),
+                    mask,
+                    logit_rows: sq.logit_rows,
+                })
+            })
+            .collect::<Result<_>>()?;
+        let logits = self.forward(&batch);
+        drop(batch);
+        match logits {
+            Ok(l) => {
+                for sq in seqs.iter_mut() {
+                    sq.cache.advance(sq.tokens.len());
+                }
+                Ok(l)
+            }
+            Err(e) => {
+                for sq in seqs.iter_mut() {
+                    let len = sq.cache.len();
+                    sq.cache.truncate(len);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn commit_rows(&self, cache: &mut KvCache, base: usize, keep: &[usize]) -> Result<()> {
+        // Checked as the host checks them, before anything moves on the device.
+        let scratch = cache.len().saturating_sub(base);
+        if keep.windows(2).any(|w| w[0] >= w[1]) || keep.last().is_some_and(|&r| r >= scratch) {
+            return Err(EngineError::InvalidArgument(format!(
+                "rows to keep must be strictly increasing and below {scratch}"
+            )));
+        }
+        let blocks = cache.blocks();
+        let row =
+            |s: usize| blocks[s / BLOCK_SLOTS] * BLOCK_SLOTS as u32 + (s % BLOCK_SLOTS) as u32;
+        let pairs = keep
+            .iter()
+            .enumerate()
+            .map(|(j, &r)| (row(base + r), row(base + j)));
+        self.commit(&KvCommitPlan::new(pairs))?;
+        cache.commit_rows(base, keep)
     }
 }

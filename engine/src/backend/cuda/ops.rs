@@ -3,7 +3,7 @@
 //! device model's orchestration (plans, paged K/V, commits, tree verification) runs in every test
 //! without a GPU, and [`CudaOps`](super::cuda_ops::CudaOps) launches the kernels.
 
-use std::cell::RefCell;
+use std::sync::{Mutex, MutexGuard};
 
 use half::f16;
 
@@ -53,8 +53,14 @@ impl<O: DeviceOps + ?Sized> PlanBufs<O> {
 /// (device memory is the device's, not Rust's); every call names its shapes, and f16 values travel
 /// as their u16 bits. `k_off` / `v_off` are element offsets of a layer's K and V planes in the pool.
 #[allow(clippy::too_many_arguments)]
-pub trait DeviceOps {
-    type Buf<T: Elem>;
+pub trait DeviceOps: Send + Sync {
+    type Buf<T: Elem>: Send + Sync;
+
+    /// Make this device's context the calling thread's (CUDA contexts are per thread); called
+    /// before each pass, so a model may be driven from any thread.
+    fn activate(&self) -> Result<()> {
+        Ok(())
+    }
 
     fn upload<T: Elem>(&self, data: &[T]) -> Result<Self::Buf<T>>;
     fn zeroed<T: Elem>(&self, n: usize) -> Result<Self::Buf<T>>;
@@ -180,19 +186,25 @@ fn f16f(bits: u16) -> f32 {
     f16::from_bits(bits).to_f32()
 }
 
+/// A host buffer's contents (a poisoned lock still holds whole values: every op writes whole
+/// elements).
+fn get<T>(b: &Mutex<Vec<T>>) -> MutexGuard<'_, Vec<T>> {
+    b.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 impl DeviceOps for HostOps {
-    type Buf<T: Elem> = RefCell<Vec<T>>;
+    type Buf<T: Elem> = Mutex<Vec<T>>;
 
-    fn upload<T: Elem>(&self, data: &[T]) -> Result<RefCell<Vec<T>>> {
-        Ok(RefCell::new(data.to_vec()))
+    fn upload<T: Elem>(&self, data: &[T]) -> Result<Mutex<Vec<T>>> {
+        Ok(Mutex::new(data.to_vec()))
     }
 
-    fn zeroed<T: Elem>(&self, n: usize) -> Result<RefCell<Vec<T>>> {
-        Ok(RefCell::new(vec![T::default(); n.max(1)]))
+    fn zeroed<T: Elem>(&self, n: usize) -> Result<Mutex<Vec<T>>> {
+        Ok(Mutex::new(vec![T::default(); n.max(1)]))
     }
 
-    fn download<T: Elem>(&self, buf: &RefCell<Vec<T>>, out: &mut [T]) -> Result<()> {
-        let b = buf.borrow();
+    fn download<T: Elem>(&self, buf: &Mutex<Vec<T>>, out: &mut [T]) -> Result<()> {
+        let b = get(buf);
         let src = b.get(..out.len()).ok_or_else(|| shape_err("download"))?;
         out.copy_from_slice(src);
         Ok(())
@@ -204,14 +216,14 @@ impl DeviceOps for HostOps {
 
     fn embed_rows(
         &self,
-        table: &RefCell<Vec<u16>>,
-        tokens: &RefCell<Vec<u32>>,
-        out: &RefCell<Vec<f32>>,
+        table: &Mutex<Vec<u16>>,
+        tokens: &Mutex<Vec<u32>>,
+        out: &Mutex<Vec<f32>>,
         n_rows: usize,
         d: usize,
         vocab: usize,
     ) -> Result<()> {
-        let (table, tokens, mut out) = (table.borrow(), tokens.borrow(), out.borrow_mut());
+        let (table, tokens, mut out) = (get(table), get(tokens), get(out));
         for r in 0..n_rows {
             let t = tokens[r] as usize;
             for i in 0..d {
@@ -227,14 +239,14 @@ impl DeviceOps for HostOps {
 
     fn rms_norm(
         &self,
-        x: &RefCell<Vec<f32>>,
-        w: &RefCell<Vec<f32>>,
-        out: &RefCell<Vec<f32>>,
+        x: &Mutex<Vec<f32>>,
+        w: &Mutex<Vec<f32>>,
+        out: &Mutex<Vec<f32>>,
         n_rows: usize,
         n_cols: usize,
         eps: f32,
     ) -> Result<()> {
-        let (x, w, mut out) = (x.borrow(), w.borrow(), out.borrow_mut());
+        let (x, w, mut out) = (get(x), get(w), get(out));
         for r in 0..n_rows {
             let row = &x[r * n_cols..(r + 1) * n_cols];
             let ss = row.iter().fold(0.0f32, |a, &v| v.mul_add(v, a));
@@ -248,14 +260,14 @@ impl DeviceOps for HostOps {
 
     fn matmul(
         &self,
-        w: &RefCell<Vec<u16>>,
-        x: &RefCell<Vec<f32>>,
-        y: &RefCell<Vec<f32>>,
+        w: &Mutex<Vec<u16>>,
+        x: &Mutex<Vec<f32>>,
+        y: &Mutex<Vec<f32>>,
         n_tok: usize,
         n_out: usize,
         n_in: usize,
     ) -> Result<()> {
-        let (w, x, mut y) = (w.borrow(), x.borrow(), y.borrow_mut());
+        let (w, x, mut y) = (get(w), get(x), get(y));
         if w.len() < n_out * n_in || x.len() < n_tok * n_in || y.len() < n_tok * n_out {
             return Err(shape_err("matmul"));
         }
@@ -274,13 +286,13 @@ impl DeviceOps for HostOps {
 
     fn add(
         &self,
-        x: &RefCell<Vec<f32>>,
-        y: &RefCell<Vec<f32>>,
+        x: &Mutex<Vec<f32>>,
+        y: &Mutex<Vec<f32>>,
         n_rows: usize,
         width: usize,
         y_stride: usize,
     ) -> Result<()> {
-        let (mut x, y) = (x.borrow_mut(), y.borrow());
+        let (mut x, y) = (get(x), get(y));
         for r in 0..n_rows {
             for i in 0..width {
                 x[r * width + i] += y[r * y_stride + i];
@@ -291,16 +303,16 @@ impl DeviceOps for HostOps {
 
     fn rope(
         &self,
-        x: &RefCell<Vec<f32>>,
-        cos: &RefCell<Vec<f32>>,
-        sin: &RefCell<Vec<f32>>,
+        x: &Mutex<Vec<f32>>,
+        cos: &Mutex<Vec<f32>>,
+        sin: &Mutex<Vec<f32>>,
         n_rows: usize,
         n_heads: usize,
         hd: usize,
         half: usize,
         neox: bool,
     ) -> Result<()> {
-        let (mut x, cos, sin) = (x.borrow_mut(), cos.borrow(), sin.borrow());
+        let (mut x, cos, sin) = (get(x), get(cos), get(sin));
         for r in 0..n_rows {
             for h in 0..n_heads {
                 for i in 0..half {
@@ -322,21 +334,16 @@ impl DeviceOps for HostOps {
 
     fn kv_write(
         &self,
-        pool: &RefCell<Vec<u16>>,
+        pool: &Mutex<Vec<u16>>,
         k_off: usize,
         v_off: usize,
-        k_new: &RefCell<Vec<f32>>,
-        v_new: &RefCell<Vec<f32>>,
-        rows: &RefCell<Vec<u32>>,
+        k_new: &Mutex<Vec<f32>>,
+        v_new: &Mutex<Vec<f32>>,
+        rows: &Mutex<Vec<u32>>,
         n_rows: usize,
         kv_dim: usize,
     ) -> Result<()> {
-        let (mut pool, k_new, v_new, rows) = (
-            pool.borrow_mut(),
-            k_new.borrow(),
-            v_new.borrow(),
-            rows.borrow(),
-        );
+        let (mut pool, k_new, v_new, rows) = (get(pool), get(k_new), get(v_new), get(rows));
         for r in 0..n_rows {
             let at = rows[r] as usize * kv_dim;
             for i in 0..kv_dim {
@@ -351,26 +358,26 @@ impl DeviceOps for HostOps {
         &self,
         plan: &AttentionPlan,
         _bufs: &PlanBufs<Self>,
-        q: &RefCell<Vec<f32>>,
-        pool: &RefCell<Vec<u16>>,
+        q: &Mutex<Vec<f32>>,
+        pool: &Mutex<Vec<u16>>,
         k_off: usize,
         v_off: usize,
-        out: &RefCell<Vec<f32>>,
+        out: &Mutex<Vec<f32>>,
     ) -> Result<()> {
-        let pool = pool.borrow();
+        let pool = get(pool);
         let plane = v_off.abs_diff(k_off);
         let as_f32 =
             |off: usize| -> Vec<f32> { pool[off..off + plane].iter().map(|&b| f16f(b)).collect() };
         let (k, v) = (as_f32(k_off), as_f32(v_off));
         let width = plan.n_head * plan.head_dim;
-        let q = q.borrow();
+        let q = get(q);
         let res = plan.reference(&q[..plan.n_rows() * width], &k, &v);
-        out.borrow_mut()[..res.len()].copy_from_slice(&res);
+        get(out)[..res.len()].copy_from_slice(&res);
         Ok(())
     }
 
-    fn silu_mul(&self, gate: &RefCell<Vec<f32>>, up: &RefCell<Vec<f32>>, n: usize) -> Result<()> {
-        let (mut g, u) = (gate.borrow_mut(), up.borrow());
+    fn silu_mul(&self, gate: &Mutex<Vec<f32>>, up: &Mutex<Vec<f32>>, n: usize) -> Result<()> {
+        let (mut g, u) = (get(gate), get(up));
         for i in 0..n {
             g[i] = g[i] / (1.0 + (-g[i]).exp()) * u[i];
         }
@@ -379,13 +386,13 @@ impl DeviceOps for HostOps {
 
     fn gather_rows(
         &self,
-        x: &RefCell<Vec<f32>>,
-        rows: &RefCell<Vec<u32>>,
-        out: &RefCell<Vec<f32>>,
+        x: &Mutex<Vec<f32>>,
+        rows: &Mutex<Vec<u32>>,
+        out: &Mutex<Vec<f32>>,
         n_out_rows: usize,
         width: usize,
     ) -> Result<()> {
-        let (x, rows, mut out) = (x.borrow(), rows.borrow(), out.borrow_mut());
+        let (x, rows, mut out) = (get(x), get(rows), get(out));
         for i in 0..n_out_rows {
             let r = rows[i] as usize;
             out[i * width..(i + 1) * width].copy_from_slice(&x[r * width..(r + 1) * width]);
@@ -395,12 +402,12 @@ impl DeviceOps for HostOps {
 
     fn argmax(
         &self,
-        logits: &RefCell<Vec<f32>>,
-        out: &RefCell<Vec<u32>>,
+        logits: &Mutex<Vec<f32>>,
+        out: &Mutex<Vec<u32>>,
         n_rows: usize,
         vocab: usize,
     ) -> Result<()> {
-        let (l, mut out) = (logits.borrow(), out.borrow_mut());
+        let (l, mut out) = (get(logits), get(out));
         for r in 0..n_rows {
             out[r] = crate::sample::argmax(&l[r * vocab..(r + 1) * vocab]);
         }
@@ -409,13 +416,13 @@ impl DeviceOps for HostOps {
 
     fn kv_copy_rows(
         &self,
-        pool: &RefCell<Vec<u16>>,
+        pool: &Mutex<Vec<u16>>,
         commit: &KvCommitPlan,
         n_planes: usize,
         pool_rows: usize,
         kv_dim: usize,
     ) -> Result<()> {
-        let mut pool = pool.borrow_mut();
+        let mut pool = get(pool);
         for plane in pool.chunks_exact_mut(pool_rows * kv_dim).take(n_planes) {
             commit.apply(plane, kv_dim);
         }

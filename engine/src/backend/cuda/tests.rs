@@ -7,7 +7,8 @@ use rand::{Rng, SeedableRng};
 
 use super::*;
 use crate::backend::{AttentionShape, AttnSeq, Backend, BatchMask, CpuBackend, KvLayer};
-use crate::kv::BLOCK_SLOTS;
+use crate::kv::{KvCache, KvPool, BLOCK_SLOTS};
+use crate::model::SeqBatch;
 use crate::tree::TreeMask;
 
 #[test]
@@ -289,4 +290,86 @@ fn device_model_speculative_equals_incremental() {
             "{arch}: every block back in the pool"
         );
     }
+}
+
+/// A forked sequence (a clone sharing its blocks) that writes into a shared, partly filled block
+/// gets a copy of it on the host (copy-on-write) and, through `DeviceForward`, on the device too:
+/// the fork's next row equals that row computed from scratch, bit for bit, and the original
+/// sequence still sees its own rows.
+#[test]
+fn device_forward_copies_shared_blocks_before_writing() {
+    let model = device_shaped("llama");
+    let dev = DeviceModel::on_host(&model, 16).unwrap();
+    let pool = KvPool::new(&model.config, model.config.n_layers, 16);
+    let vocab = model.config.vocab_size as u32;
+    let toks: Vec<u32> = (0..22).map(|i| (i * 37 + 5) % vocab).collect();
+    // The original: 20 tokens (block 1 holds 4 of them), then the fork shares both blocks.
+    let last_row = |cache: &mut KvCache, tokens: &[u32]| last_row(&dev, cache, tokens, None);
+    let mut a = KvCache::in_pool(&pool, 64);
+    last_row(&mut a, &toks[..20]);
+    let mut b = a.clone();
+    let got_b = last_row(&mut b, &toks[20..21]);
+    assert_ne!(
+        a.blocks()[1],
+        b.blocks()[1],
+        "the fork's write copied the shared block"
+    );
+    let got_a = last_row(&mut a, &toks[20..22]);
+    let mut fresh = KvCache::in_pool(&pool, 64);
+    let want_b = last_row(&mut fresh, &toks[..21]);
+    let mut fresh = KvCache::in_pool(&pool, 64);
+    let want_a = last_row(&mut fresh, &toks[..22]);
+    assert_eq!(got_b, want_b);
+    assert_eq!(got_a, want_a);
+}
+
+/// One pass of `tokens` after `cache` through `DeviceForward` (causal, or `tree` with its
+/// positions): the last row's logits.
+fn last_row(
+    dev: &dyn DeviceForward,
+    cache: &mut KvCache,
+    tokens: &[u32],
+    tree: Option<(&TreeMask, &[usize])>,
+) -> Vec<f32> {
+    let n = cache.len();
+    let causal: Vec<usize> = (n..n + tokens.len()).collect();
+    let rows = [tokens.len() - 1];
+    let mut batch = [SeqBatch {
+        cache,
+        tokens,
+        positions: tree.map_or(&causal[..], |t| t.1),
+        mask: tree.map_or(BatchMask::Causal, |t| t.0.as_batch_mask()),
+        logit_rows: &rows,
+    }];
+    dev.forward_batch(&mut batch).unwrap().pop().unwrap()
+}
+
+/// A tree pass whose accepted node is not the first row: `DeviceForward::commit_rows` moves its
+/// K/V on the device as the host moves its bookkeeping, so the next token's logits are the bits
+/// of the same tokens decoded from scratch.
+#[test]
+fn device_forward_commit_moves_rows_on_the_device() {
+    let model = device_shaped("qwen2");
+    let dev = DeviceModel::on_host(&model, 16).unwrap();
+    let pool = KvPool::new(&model.config, model.config.n_layers, 16);
+    let vocab = model.config.vocab_size as u32;
+    let toks: Vec<u32> = (0..23).map(|i| (i * 41 + 7) % vocab).collect();
+    let mut a = KvCache::in_pool(&pool, 64);
+    last_row(&dev, &mut a, &toks[..20], None);
+    // Root toks[20], two wrong children, then the true child toks[21] (rows 0..4).
+    let (w1, w2) = ((toks[21] + 1) % vocab, (toks[21] + 2) % vocab);
+    let tree = TreeMask::from_parents(&[None, Some(0), Some(0), Some(0)]);
+    last_row(
+        &dev,
+        &mut a,
+        &[toks[20], w1, w2, toks[21]],
+        Some((&tree, &[20, 21, 21, 21])),
+    );
+    dev.commit_rows(&mut a, 20, &[0, 3]).unwrap();
+    assert_eq!(a.len(), 22);
+    let got = last_row(&dev, &mut a, &toks[22..23], None);
+    let mut fresh = KvCache::in_pool(&pool, 64);
+    let want = last_row(&dev, &mut fresh, &toks[..23], None);
+    assert_eq!(got, want);
+    assert!(dev.commit_rows(&mut a, 20, &[1, 1]).is_err());
 }
