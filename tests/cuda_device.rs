@@ -137,6 +137,25 @@ fn cuda_speculative_greedy_equals_cuda_incremental() {
     }
 }
 
+/// Continuous batching with every verification pass on the GPU: plain and speculating requests
+/// (accepted paths that move K/V rows), preemption at 12 blocks, prefix hits at 64: each request's
+/// tokens are the GPU's own incremental ones; the pool is full again at the end.
+#[test]
+fn cuda_scheduler_keeps_cuda_incremental_outputs() {
+    if !have_gpu("cuda_scheduler_keeps_cuda_incremental_outputs") {
+        return;
+    }
+    let model = qwen_shaped();
+    let reference = CudaModel::new(&model, 0, 64).unwrap();
+    let incremental = |p: &[u32], n: usize| Ok(reference.greedy(p, n, None, 0)?.tokens);
+    for blocks in [12usize, 64] {
+        let device = std::sync::Arc::new(CudaModel::new(&model, 0, blocks).unwrap());
+        let c = check::scheduler_against_incremental(&model, device, blocks, &incremental).unwrap();
+        eprintln!("pool {blocks}: {c:?}");
+        c.verdict(blocks).unwrap();
+    }
+}
+
 /// Random ragged batches (decode rows, causal chunks, trees up to 100 nodes) through the kernel,
 /// against the plan's CPU interpreter.
 #[test]

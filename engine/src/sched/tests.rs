@@ -938,83 +938,19 @@ fn drafting_that_costs_more_than_it_gains_backs_off() {
     assert!(slow.0 <= 10, "slow drafts back off ({slow:?})");
 }
 
-/// Forward passes on a device (the device model on the kernels' host reference): a mixed batch of
-/// plain and speculating requests (fixed and adaptive trees whose accepted paths are never the
-/// first rows, so every commit moves K/V rows on the device), preempted when 12 blocks run short,
-/// two of them arriving later with a prefix other requests computed (prefix hits read blocks the
-/// device wrote), gives every request the device's own incremental greedy tokens; the pool is full
-/// again at the end.
+/// Forward passes on a device (the device model on the kernels' host reference): the shared
+/// check `scheduler_against_incremental` (plain and speculating requests whose accepted paths
+/// move K/V rows, preemption at 12 blocks, prefix hits at 64) gives every request the device's
+/// own incremental greedy tokens, and the pool is full again at the end.
 #[test]
 fn scheduler_on_a_device_keeps_the_devices_outputs() {
-    use crate::backend::cuda::check::SiblingsFirstDrafter;
-    use crate::backend::cuda::DeviceModel;
+    use crate::backend::cuda::{check, DeviceModel};
     let model = tiny_model(&spec("qwen2", GgmlType::Q8_0), 31).unwrap();
-    let be = CpuBackend::new(2).unwrap();
-    let vocab = model.config.vocab_size as u32;
     let reference = DeviceModel::on_host(&model, 64).unwrap();
+    let incremental = |p: &[u32], n: usize| Ok(reference.greedy(p, n, None, 0)?.tokens);
     for blocks in [12usize, 64] {
-        let pool = KvPool::new(&model.config, model.config.n_layers, blocks);
-        let mut s = Scheduler::new(&model, None, pool.clone(), SchedConfig::default()).unwrap();
-        s.set_device(Arc::new(DeviceModel::on_host(&model, blocks).unwrap()));
-        s.set_step_cost(StepCost::from_points(vec![(1, 0.010), (64, 0.012)]));
-        let (mut want, mut done) = (Vec::new(), Vec::new());
-        for i in 0..6usize {
-            if i == 4 {
-                for _ in 0..4 {
-                    for ev in s.step(&be).unwrap() {
-                        done.extend(ev.finish.map(|f| (ev.id, f)));
-                    }
-                }
-            }
-            // Requests 4 and 5 share request 3's prompt.
-            let p = repetitive(vocab, 20 + 9 * i.min(3), i.min(3) as u32);
-            let n = 10 + 3 * i;
-            let truth = reference.greedy(&p, n, None, 0).unwrap().tokens;
-            let drafter = || -> Vec<Box<dyn Drafter>> {
-                vec![Box::new(SiblingsFirstDrafter::new(
-                    truth.clone(),
-                    p.len(),
-                    2,
-                    i as u64,
-                ))]
-            };
-            let sp = match i % 3 {
-                0 => None,
-                1 => Some(in_process_spec(drafter(), SpecPolicy::Fixed, 12)),
-                _ => Some(in_process_spec(drafter(), SpecPolicy::Adaptive, 12)),
-            };
-            let params = GenerateParams {
-                max_tokens: n,
-                sampling: SamplingParams::greedy(),
-                ..GenerateParams::default()
-            };
-            s.submit_spec(p.clone(), params, sp).unwrap();
-            want.push(truth);
-        }
-        done.extend(s.run_to_completion(&be).unwrap());
-        assert!(s.take_drafter_failures().is_empty());
-        assert_eq!(done.len(), 6);
-        for (id, f) in &done {
-            assert_eq!(
-                done_tokens(f).0,
-                &want[*id as usize][..],
-                "pool {blocks} request {id}"
-            );
-            if id % 3 != 0 {
-                assert!(
-                    spec_metrics(f).accepted > 0,
-                    "request {id} accepted nothing"
-                );
-            }
-        }
-        if blocks == 12 {
-            assert!(s.stats().preemptions > 0, "12 blocks must preempt");
-        } else {
-            assert!(
-                pool.stats().prefix_hits > 0,
-                "requests 4 and 5 must hit request 3's prefix"
-            );
-        }
-        assert_eq!(pool.stats().used, 0);
+        let device = Arc::new(DeviceModel::on_host(&model, blocks).unwrap());
+        let c = check::scheduler_against_incremental(&model, device, blocks, &incremental).unwrap();
+        c.verdict(blocks).unwrap();
     }
 }

@@ -169,3 +169,134 @@ pub fn greedy_runs<O: DeviceOps>(
         trees: by_trees,
     })
 }
+
+/// Greedy incremental decoding of `n` tokens after a prompt (the reference of
+/// [`scheduler_against_incremental`]).
+pub type Incremental<'a> = &'a dyn Fn(&[u32], usize) -> Result<Vec<u32>>;
+
+/// What a continuous-batching run on a device gave ([`scheduler_against_incremental`]).
+#[derive(Clone, Debug)]
+pub struct SchedulerCheck {
+    /// Requests whose tokens differ from the device's own incremental greedy tokens.
+    pub mismatches: Vec<u64>,
+    pub finished: usize,
+    pub preemptions: u64,
+    pub prefix_hits: u64,
+    /// Blocks still in use after every request finished.
+    pub blocks_in_use: usize,
+    pub drafter_failures: usize,
+    /// Accepted draft tokens of each speculating request.
+    pub accepted: Vec<usize>,
+}
+
+impl SchedulerCheck {
+    /// What is wrong with a run over `blocks` blocks (12 must preempt, more must hit a prefix):
+    /// `Err` with the reason.
+    pub fn verdict(&self, blocks: usize) -> std::result::Result<(), String> {
+        let fail = |why: &str| Err(format!("pool {blocks}: {why}: {self:?}"));
+        if !self.mismatches.is_empty() || self.finished != 6 {
+            return fail("outputs differ from incremental decoding");
+        }
+        if self.drafter_failures > 0 || self.accepted.contains(&0) {
+            return fail("speculation failed or accepted nothing");
+        }
+        if self.blocks_in_use > 0 {
+            return fail("blocks still in use");
+        }
+        if blocks <= 12 && self.preemptions == 0 {
+            return fail("no preemption");
+        }
+        if blocks > 12 && self.prefix_hits == 0 {
+            return fail("no prefix hit");
+        }
+        Ok(())
+    }
+}
+
+/// Six greedy requests through the scheduler with every forward pass on `device` (over a host
+/// pool of `blocks` blocks): plain ones, fixed- and adaptive-tree ones (siblings-first trees along
+/// the reference, so accepted paths move), the last two arriving after four steps with the
+/// prompt of an earlier one (prefix hits). `reference` decodes a prompt incrementally on the
+/// same kind of device.
+pub fn scheduler_against_incremental(
+    model: &Model,
+    device: std::sync::Arc<dyn super::DeviceForward>,
+    blocks: usize,
+    reference: Incremental<'_>,
+) -> Result<SchedulerCheck> {
+    use crate::generate::GenerateParams;
+    use crate::kv::KvPool;
+    use crate::sample::SamplingParams;
+    use crate::sched::{Finish, RequestSpec, SchedConfig, Scheduler, SpecPolicy, StepCost};
+    let vocab = model.config.vocab_size as u32;
+    let pool = KvPool::new(&model.config, model.config.n_layers, blocks);
+    let mut s = Scheduler::new(model, None, pool.clone(), SchedConfig::default())?;
+    s.set_device(device);
+    s.set_step_cost(StepCost::from_points(vec![(1, 0.010), (64, 0.012)]));
+    let cpu = CpuBackend::new(1)?;
+    let (mut want, mut done) = (Vec::new(), Vec::new());
+    for i in 0..6usize {
+        if i == 4 {
+            for _ in 0..4 {
+                for ev in s.step(&cpu)? {
+                    done.extend(ev.finish.map(|f| (ev.id, f)));
+                }
+            }
+        }
+        // Repetitive prompts (prompt lookup finds matches); requests 4 and 5 repeat request 3's.
+        let k = i.min(3) as u32;
+        let p: Vec<u32> = (0..20 + 9 * k).map(|j| ((j % 9) * 5 + k) % vocab).collect();
+        let n = 10 + 3 * i;
+        let truth = reference(&p, n)?;
+        let spec = |policy| RequestSpec {
+            drafters: vec![Box::new(SiblingsFirstDrafter::new(
+                truth.clone(),
+                p.len(),
+                2,
+                i as u64,
+            )) as Box<dyn Drafter>],
+            budget: 12,
+            policy,
+            mode: None,
+            external: false,
+            candidates: 0,
+            prompt_candidates: 0,
+        };
+        let sp = match i % 3 {
+            0 => None,
+            1 => Some(spec(SpecPolicy::Fixed)),
+            _ => Some(spec(SpecPolicy::Adaptive)),
+        };
+        let params = GenerateParams {
+            max_tokens: n,
+            sampling: SamplingParams::greedy(),
+            ..GenerateParams::default()
+        };
+        s.submit_spec(p, params, sp)?;
+        want.push(truth);
+    }
+    done.extend(s.run_to_completion(&cpu)?);
+    let mut check = SchedulerCheck {
+        mismatches: Vec::new(),
+        finished: done.len(),
+        preemptions: s.stats().preemptions,
+        prefix_hits: pool.stats().prefix_hits,
+        blocks_in_use: pool.stats().used,
+        drafter_failures: s.take_drafter_failures().len(),
+        accepted: Vec::new(),
+    };
+    for (id, f) in &done {
+        match f {
+            Finish::Done { tokens, spec, .. } => {
+                if tokens[..] != want[*id as usize][..] {
+                    check.mismatches.push(*id);
+                }
+                if let Some(m) = spec {
+                    check.accepted.push(m.accepted);
+                }
+            }
+            Finish::Failed(_) => check.mismatches.push(*id),
+        }
+    }
+    Ok(check)
+}
