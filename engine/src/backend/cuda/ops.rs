@@ -51,7 +51,9 @@ impl<O: DeviceOps + ?Sized> PlanBufs<O> {
 
 /// The operations of the device forward pass. Buffers are written through shared references
 /// (device memory is the device's, not Rust's); every call names its shapes, and f16 values travel
-/// as their u16 bits. `k_off` / `v_off` are element offsets of a layer's K and V planes in the pool.
+/// as their u16 bits. `k_off` / `v_off` are element offsets of a layer's K and V planes in the pool
+/// (V's plane directly follows K's, as `DeviceModel` lays them out; the host reference relies on
+/// it).
 #[allow(clippy::too_many_arguments)]
 pub trait DeviceOps: Send + Sync {
     type Buf<T: Elem>: Send + Sync;
