@@ -8,7 +8,9 @@
 
 use std::time::Instant;
 
-use arbor_engine::backend::cuda::{self, check, AttentionPlan, CudaModel, SeqMask, SeqRows};
+use arbor_engine::backend::cuda::{
+    self, check, AttentionPlan, CudaModel, CudaOps, HostOps, SeqMask, SeqRows,
+};
 use arbor_engine::draft::ngram::NgramDrafter;
 use arbor_engine::quant::GgmlType;
 use arbor_engine::testing::{tiny_model, TinySpec};
@@ -77,6 +79,23 @@ fn qwen_shaped() -> Model {
 fn prompt(vocab: usize, n: usize, seed: u64) -> Vec<u32> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     (0..n).map(|_| rng.gen_range(0..vocab as u32)).collect()
+}
+
+/// Each kernel alone against its host reference on small edge-case inputs (first, so a wrong
+/// kernel is named before the model-level checks fail).
+#[test]
+fn each_kernel_matches_its_host_reference() {
+    if !have_gpu("each_kernel_matches_its_host_reference") {
+        return;
+    }
+    let gpu = check::kernel_outputs(&CudaOps::new(0).unwrap()).unwrap();
+    let host = check::kernel_outputs(&HostOps).unwrap();
+    let diffs = check::kernel_differences(&gpu, &host);
+    for (name, worst, tol) in &diffs {
+        eprintln!("kernel {name}: largest relative difference {worst:e} (allowed {tol:e})");
+    }
+    let bad: Vec<_> = diffs.iter().filter(|(_, w, t)| w > t).collect();
+    assert!(bad.is_empty(), "kernels off their reference: {bad:?}");
 }
 
 /// Teacher-forced: the device's logits over a prompt (one causal pass, all rows) against the CPU

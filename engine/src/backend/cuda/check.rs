@@ -3,7 +3,7 @@
 //! the CPU forward pass, and speculative greedy decoding against incremental decoding.
 
 use super::model::{DeviceModel, DeviceSeq, GreedyRun};
-use super::ops::DeviceOps;
+use super::ops::{DeviceOps, PlanBufs};
 use crate::backend::{BatchMask, CpuBackend};
 use crate::draft::ngram::NgramDrafter;
 use crate::draft::{DraftRequest, Drafter};
@@ -299,4 +299,169 @@ pub fn scheduler_against_incremental(
         }
     }
     Ok(check)
+}
+
+/// Every kernel once on small seeded inputs through `ops` (shapes chosen to hit edge cases: rows
+/// not a multiple of the matmul tile, outputs not a multiple of its warps, partial RoPE, an
+/// out-of-vocabulary token, argmax ties and NaN, a chained commit): each kernel's name, output
+/// (as f32; f16 bits as their values) and the tolerance against the host reference (0: exact).
+/// The GPU check compares `CudaOps` with `HostOps` kernel by kernel, so a wrong kernel is named.
+pub fn kernel_outputs<O: DeviceOps>(ops: &O) -> Result<Vec<(&'static str, Vec<f32>, f32)>> {
+    use arbor_kernels_gpu::plan::{AttentionPlan, KvCommitPlan, SeqRows};
+    use half::f16;
+    let mut rng = Rng::new(17);
+    let mut f = |n: usize, scale: f32| -> Vec<f32> {
+        (0..n)
+            .map(|_| ((rng.next_f64() * 2.0 - 1.0) as f32) * scale)
+            .collect()
+    };
+    let bits = |v: &[f32]| -> Vec<u16> { v.iter().map(|&x| f16::from_f32(x).to_bits()).collect() };
+    let vals = |v: &[u16]| -> Vec<f32> { v.iter().map(|&b| f16::from_bits(b).to_f32()).collect() };
+    let mut out = Vec::new();
+    let got = |b: &O::Buf<f32>, n: usize| -> Result<Vec<f32>> {
+        let mut h = vec![0.0f32; n];
+        ops.download(b, &mut h)?;
+        Ok(h)
+    };
+
+    // embed_rows: vocab 50, d 40; token 60 is out of the vocabulary (a zero row).
+    let table = ops.upload(&bits(&f(50 * 40, 1.0)))?;
+    let tokens = ops.upload(&[3u32, 49, 60, 0, 3])?;
+    let e = ops.zeroed::<f32>(5 * 40)?;
+    ops.embed_rows(&table, &tokens, &e, 5, 40, 50)?;
+    out.push(("embed_rows_f16", got(&e, 200)?, 0.0));
+
+    // rms_norm: 3 rows of 72.
+    let (x, w) = (ops.upload(&f(3 * 72, 2.0))?, ops.upload(&f(72, 1.0))?);
+    let y = ops.zeroed::<f32>(3 * 72)?;
+    ops.rms_norm(&x, &w, &y, 3, 72, 1e-5)?;
+    out.push(("rms_norm_f32", got(&y, 216)?, 1e-4));
+
+    // matmul: 37 outputs (not a multiple of 4 warps) of 64 inputs, 5 rows (one partial tile).
+    let (wm, xm) = (
+        ops.upload(&bits(&f(37 * 64, 0.5)))?,
+        ops.upload(&f(5 * 64, 1.0))?,
+    );
+    let ym = ops.zeroed::<f32>(5 * 37)?;
+    ops.matmul(&wm, &xm, &ym, 5, 37, 64)?;
+    out.push(("matmul_f16", got(&ym, 185)?, 1e-4));
+
+    // add: residual, then a bias row.
+    let (xa, ya, b) = (
+        ops.upload(&f(3 * 50, 1.0))?,
+        ops.upload(&f(3 * 50, 1.0))?,
+        ops.upload(&f(50, 1.0))?,
+    );
+    ops.add(&xa, &ya, 3, 50, 50)?;
+    ops.add(&xa, &b, 3, 50, 0)?;
+    out.push(("add_f32", got(&xa, 150)?, 0.0));
+
+    // rope: 3 rows of 2 heads of 64, 16 rotated pairs (partial), both pairings.
+    for neox in [false, true] {
+        let xr = ops.upload(&f(3 * 128, 1.0))?;
+        let (c, s) = (ops.upload(&f(3 * 16, 1.0))?, ops.upload(&f(3 * 16, 1.0))?);
+        ops.rope(&xr, &c, &s, 3, 2, 64, 16, neox)?;
+        out.push(("rope_f32", got(&xr, 384)?, 0.0));
+    }
+
+    // kv_write: 3 new rows of 24 into pool rows 5, 17 and 30 of a 2-plane pool of 32 rows.
+    let pool = ops.zeroed::<u16>(2 * 32 * 24)?;
+    let (kn, vn) = (ops.upload(&f(3 * 24, 3.0))?, ops.upload(&f(3 * 24, 3.0))?);
+    let rows = ops.upload(&[5u32, 17, 30])?;
+    ops.kv_write(&pool, 0, 32 * 24, &kn, &vn, &rows, 3, 24)?;
+    let mut p = vec![0u16; 2 * 32 * 24];
+    ops.download(&pool, &mut p)?;
+    out.push(("kv_write_f16", vals(&p), 0.0));
+
+    // kv_copy_rows: a chained commit in 4 planes.
+    let pool = ops.upload(&bits(&f(4 * 32 * 24, 1.0)))?;
+    ops.kv_copy_rows(
+        &pool,
+        &KvCommitPlan::new([(12, 11), (15, 12), (31, 13)]),
+        4,
+        32,
+        24,
+    )?;
+    let mut p = vec![0u16; 4 * 32 * 24];
+    ops.download(&pool, &mut p)?;
+    out.push(("kv_copy_rows_f16", vals(&p), 0.0));
+
+    // attention: a 5-node tree after 37 slots and a causal chunk of 3 from empty; 4 heads over
+    // 2 KV heads of 32; an 8-block pool.
+    let tree = [0b00001u64, 0b00011, 0b00101, 0b01011, 0b10101];
+    let seqs = [
+        SeqRows {
+            n_past: 37,
+            n_new: 5,
+            blocks: &[6, 1, 4],
+            mask: SeqMask::Bits {
+                words_per_row: 1,
+                bits: &tree,
+            },
+        },
+        SeqRows {
+            n_past: 0,
+            n_new: 3,
+            blocks: &[2],
+            mask: SeqMask::Causal,
+        },
+    ];
+    let plan = AttentionPlan::new(&seqs, 4, 2, 32, 8 * 16)?;
+    let plane = 8 * 16 * 64;
+    let pool = ops.upload(&bits(&f(2 * plane, 1.0)))?;
+    let bufs = PlanBufs::upload(ops, &plan)?;
+    let q = ops.upload(&f(8 * 4 * 32, 2.0))?;
+    let att = ops.zeroed::<f32>(8 * 4 * 32)?;
+    ops.attention(&plan, &bufs, &q, &pool, 0, plane, &att)?;
+    out.push(("tree_attention_f16", got(&att, 8 * 128)?, 1e-3));
+
+    // silu_mul over 100 values.
+    let (g, u) = (ops.upload(&f(100, 4.0))?, ops.upload(&f(100, 1.0))?);
+    ops.silu_mul(&g, &u, 100)?;
+    out.push(("silu_mul_f32", got(&g, 100)?, 1e-5));
+
+    // gather_rows: rows 4, 0, 4 of 6 rows of 20.
+    let (xg, rg) = (ops.upload(&f(6 * 20, 1.0))?, ops.upload(&[4u32, 0, 4])?);
+    let og = ops.zeroed::<f32>(3 * 20)?;
+    ops.gather_rows(&xg, &rg, &og, 3, 20)?;
+    out.push(("gather_rows_f32", got(&og, 60)?, 0.0));
+
+    // argmax: a tie (first index wins), a NaN row entry, a row of -inf.
+    let mut l = f(3 * 1000, 1.0);
+    l[17] = 5.0;
+    l[900] = 5.0;
+    l[1000 + 3] = f32::NAN;
+    l[1000 + 500] = 4.0;
+    l[2000..3000].fill(f32::NEG_INFINITY);
+    let (ld, best) = (ops.upload(&l)?, ops.zeroed::<u32>(3)?);
+    ops.argmax(&ld, &best, 3, 1000)?;
+    let mut bi = [0u32; 3];
+    ops.download(&best, &mut bi)?;
+    out.push(("argmax_f32", bi.iter().map(|&i| i as f32).collect(), 0.0));
+    Ok(out)
+}
+
+/// The largest difference between two runs of [`kernel_outputs`], per kernel (infinite where a
+/// value is NaN on one side only or the lengths differ), with the allowed tolerance.
+pub fn kernel_differences(
+    a: &[(&'static str, Vec<f32>, f32)],
+    b: &[(&'static str, Vec<f32>, f32)],
+) -> Vec<(&'static str, f32, f32)> {
+    a.iter()
+        .zip(b)
+        .map(|((name, x, tol), (_, y, _))| {
+            let worst = if x.len() != y.len() {
+                f32::INFINITY
+            } else {
+                x.iter()
+                    .zip(y)
+                    .fold(0.0f32, |m, (p, q)| match (p.is_nan(), q.is_nan()) {
+                        (true, true) => m,
+                        (false, false) => m.max((p - q).abs() / p.abs().max(1.0)),
+                        _ => f32::INFINITY,
+                    })
+            };
+            (*name, worst, *tol)
+        })
+        .collect()
 }

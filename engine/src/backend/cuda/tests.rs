@@ -373,3 +373,22 @@ fn device_forward_commit_moves_rows_on_the_device() {
     assert_eq!(got, want);
     assert!(dev.commit_rows(&mut a, 20, &[1, 1]).is_err());
 }
+
+/// The per-kernel harness the GPU check compares `CudaOps` with: on the host reference it runs
+/// every kernel, its edge cases come out as the kernels' contracts say, and two runs agree.
+#[test]
+fn kernel_outputs_cover_every_kernel() {
+    let a = check::kernel_outputs(&HostOps).unwrap();
+    let mut names: Vec<&str> = a.iter().map(|k| k.0).collect();
+    names.dedup();
+    let mut modules = kernel_names();
+    modules.retain(|m| !names.contains(m));
+    assert!(modules.is_empty(), "kernels not covered: {modules:?}");
+    let get = |n: &str| &a.iter().find(|k| k.0 == n).unwrap().1;
+    assert_eq!(get("argmax_f32"), &vec![17.0, 500.0, 0.0]);
+    assert!(get("embed_rows_f16")[80..120].iter().all(|&x| x == 0.0));
+    let b = check::kernel_outputs(&HostOps).unwrap();
+    for (name, worst, _) in check::kernel_differences(&a, &b) {
+        assert_eq!(worst, 0.0, "{name}");
+    }
+}
