@@ -395,7 +395,7 @@ impl KvCache {
         let d = g.kv_dim;
         for (i, (kr, vr)) in k.chunks_exact(d).zip(v.chunks_exact(d)).enumerate() {
             let s = start + i;
-            let row = self.blocks[s / BLOCK_SLOTS] as usize * BLOCK_SLOTS + s % BLOCK_SLOTS;
+            let row = self.pool_row(s);
             g.k[layer].as_mut_slice()[row * d..(row + 1) * d].convert_from_f32_slice(kr);
             g.v[layer].as_mut_slice()[row * d..(row + 1) * d].convert_from_f32_slice(vr);
         }
@@ -410,6 +410,11 @@ impl KvCache {
         }
     }
 
+    /// The pool row holding slot `slot` (a slot whose block is reserved).
+    pub fn pool_row(&self, slot: usize) -> usize {
+        self.blocks[slot / BLOCK_SLOTS] as usize * BLOCK_SLOTS + slot % BLOCK_SLOTS
+    }
+
     pub(crate) fn advance(&mut self, n: usize) {
         self.len += n;
     }
@@ -417,7 +422,7 @@ impl KvCache {
     fn row_f32(&self, buf: fn(&PoolInner) -> &[F16Buf], layer: usize, slot: usize) -> Vec<f32> {
         let g = self.pool.lock();
         let d = g.kv_dim;
-        let row = self.blocks[slot / BLOCK_SLOTS] as usize * BLOCK_SLOTS + slot % BLOCK_SLOTS;
+        let row = self.pool_row(slot);
         buf(&g)[layer].as_slice()[row * d..(row + 1) * d]
             .iter()
             .map(|h| h.to_f32())
@@ -454,12 +459,11 @@ impl KvCache {
         }
         let pool = self.pool.clone();
         let mut g = pool.lock();
-        let row = |s: usize| self.blocks[s / BLOCK_SLOTS] as usize * BLOCK_SLOTS + s % BLOCK_SLOTS;
         for (j, &r) in keep.iter().enumerate() {
             // r >= j, so a source is never a slot already overwritten. The scratch rows were
             // written by this sequence after `reserve`, so their blocks are its own.
             if r != j {
-                g.copy_row(row(base + r), row(base + j));
+                g.copy_row(self.pool_row(base + r), self.pool_row(base + j));
             }
         }
         self.len = base + keep.len();

@@ -93,6 +93,16 @@ enum HeadOut {
     Argmax(Vec<u32>),
 }
 
+impl Head {
+    /// The output of a pass without logit rows.
+    fn nothing(&self) -> HeadOut {
+        match self {
+            Head::Logits => HeadOut::Logits(Vec::new()),
+            Head::Argmax => HeadOut::Argmax(Vec::new()),
+        }
+    }
+}
+
 /// A model on one device: f16 weights, the paged f16 KV pool (`[n_layers * 2, pool rows,
 /// kv_dim]`: layer l's K is plane 2l, its V plane 2l + 1), the operations that run on it.
 pub struct DeviceModel<O: DeviceOps> {
@@ -268,10 +278,7 @@ impl<O: DeviceOps> DeviceModel<O> {
         }
         let n = tokens.len();
         if n == 0 {
-            return Ok(match head {
-                Head::Logits => HeadOut::Logits(Vec::new()),
-                Head::Argmax => HeadOut::Argmax(Vec::new()),
-            });
+            return Ok(head.nothing());
         }
         let plan = AttentionPlan::new(&rows, c.n_head, c.n_head_kv, hd, self.pool_rows)?;
         let rope = RopeTable::new(c.rope_base, c.rope_dim, &positions);
@@ -333,10 +340,7 @@ impl<O: DeviceOps> DeviceModel<O> {
         let n_out = logit_rows.len();
         if n_out == 0 {
             o.sync()?;
-            return Ok(match head {
-                Head::Logits => HeadOut::Logits(Vec::new()),
-                Head::Argmax => HeadOut::Argmax(Vec::new()),
-            });
+            return Ok(head.nothing());
         }
         let rows_d = o.upload(&logit_rows)?;
         let sel = o.zeroed::<f32>(n_out * d)?; // [n_out, n_embd]
@@ -374,14 +378,14 @@ impl<O: DeviceOps> DeviceModel<O> {
                 "commit row outside the KV pool".into(),
             ));
         }
+        // Returns once the copy is done (its index buffers are freed on return).
         self.ops.kv_copy_rows(
             &self.kv,
             plan,
             self.config.n_layers * 2,
             self.pool_rows,
             self.config.kv_dim(),
-        )?;
-        self.ops.sync()
+        )
     }
 
     /// Feed `tokens` (causal, in chunks) to `seq` without computing logits; returns nothing.
@@ -678,9 +682,7 @@ impl<O: DeviceOps> DeviceForward for DeviceModel<O> {
                 "rows to keep must be strictly increasing and below {scratch}"
             )));
         }
-        let blocks = cache.blocks();
-        let row =
-            |s: usize| blocks[s / BLOCK_SLOTS] * BLOCK_SLOTS as u32 + (s % BLOCK_SLOTS) as u32;
+        let row = |s: usize| cache.pool_row(s) as u32;
         let pairs = keep
             .iter()
             .enumerate()

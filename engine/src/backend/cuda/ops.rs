@@ -164,7 +164,8 @@ pub trait DeviceOps: Send + Sync {
         n_rows: usize,
         vocab: usize,
     ) -> Result<()>;
-    /// Pool rows `src[i] -> dst[i]`, in order, in every plane (`kv_copy_rows_f16`).
+    /// Pool rows `src[i] -> dst[i]`, in order, in every plane (`kv_copy_rows_f16`); returns once
+    /// the rows are moved.
     fn kv_copy_rows(
         &self,
         pool: &Self::Buf<u16>,
