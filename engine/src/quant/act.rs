@@ -13,7 +13,8 @@
 //! [368, 384) zero
 //! ```
 //!
-//! The AVX-512 kernels use a permuted record built from the natural one (see `x86_avx512`).
+//! The AVX-512 kernels for the legacy 32-element types use a permuted record built from the natural
+//! one (see `x86_avx512`); K-quants use the natural record at every level.
 
 use super::formats::f16_round;
 use super::{GgmlType, KernelLevel};
@@ -59,7 +60,8 @@ pub(crate) fn quantize_row(level: KernelLevel, ty: GgmlType, x: &[f32], out: &mu
     let kind = act_kind(ty);
     #[cfg(target_arch = "x86_64")]
     match level {
-        KernelLevel::Avx512Vnni | KernelLevel::Amx => {
+        // The AVX-512 family's K-quant kernels read natural records (`x86_avx2::kcols512`).
+        KernelLevel::Avx512Vnni | KernelLevel::Amx if kind != ActKind::Q8K => {
             let mut nat = [0u8; REC];
             for (g, rec) in out.chunks_exact_mut(REC).enumerate() {
                 let xs = &x[g * GROUP..x.len().min((g + 1) * GROUP)];
@@ -71,7 +73,7 @@ pub(crate) fn quantize_row(level: KernelLevel, ty: GgmlType, x: &[f32], out: &mu
             }
             return;
         }
-        KernelLevel::Avx2 => {
+        KernelLevel::Avx2 | KernelLevel::Avx512Vnni | KernelLevel::Amx => {
             for (g, rec) in out.chunks_exact_mut(REC).enumerate() {
                 let xs = &x[g * GROUP..x.len().min((g + 1) * GROUP)];
                 // SAFETY: as above.

@@ -500,6 +500,45 @@ fn avx2_rows_bit_identical_to_single_row() {
     rows_bit_identical_to_single_row(KernelLevel::Avx2);
 }
 
+/// The AVX-512 family's K-quant kernels (512-bit column tiles, `x86_avx2::kcols512`) compute the
+/// AVX2 family's exact integers and float step: every output equals the AVX2 kernels' bit for bit,
+/// for Q4_K, Q5_K and Q6_K (raw random blocks: every scale, min and value pattern), activation
+/// rows on both sides of the tile sizes, and output rows that leave partial 16- and 32-row blocks.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avx512_k_quants_bit_identical_to_avx2() {
+    if !levels().contains(&KernelLevel::Avx512Vnni) {
+        skip_hardware(
+            "quant::avx512_k_quants_bit_identical_to_avx2",
+            "no AVX-512 VNNI",
+        );
+        return;
+    }
+    let mut rng = StdRng::seed_from_u64(23);
+    for ty in [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
+        for (n_out, n_in) in [(37usize, 256usize), (100, 2304), (16, 1024)] {
+            let data = random_matrix(&mut rng, ty, n_out, n_in, true);
+            let w = QMatrix::new(ty, &data, n_out, n_in).unwrap();
+            for n_tok in [1usize, 2, 3, 4, 5, 6, 7, 12, 13, 33, 64, 70] {
+                let x = activations(&mut rng, n_tok, n_in);
+                let mut want = vec![f32::NAN; n_tok * n_out];
+                matmul_with(KernelLevel::Avx2, &w, &x, n_tok, &mut want).unwrap();
+                let mut got = vec![f32::NAN; n_tok * n_out];
+                matmul_with(KernelLevel::Avx512Vnni, &w, &x, n_tok, &mut got).unwrap();
+                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                    assert_eq!(
+                        a.to_bits(),
+                        b.to_bits(),
+                        "{ty} {n_out}x{n_in} n_tok {n_tok} [t {}, o {}]: avx512 {a} vs avx2 {b}",
+                        i / n_out,
+                        i % n_out
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// The same at the AMX level: batches of `amx::MIN_TOK` or more rows run the AMX tiles, smaller
 /// ones (and single rows) the AMX-order VNNI kernel, and every row must still equal its single-row
 /// result bit for bit, for the covered types (Q4_K, Q6_K, Q8_0) and the rest alike.

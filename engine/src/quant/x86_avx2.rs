@@ -31,6 +31,8 @@ use super::act::{self, ActKind, GROUP, OFF_BS, OFF_BS32, OFF_D, OFF_S, REC};
 use super::x86_avx512::k4_sc_m8;
 use super::{GgmlType, QMatrix, YPtr};
 
+pub(crate) mod kcols512;
+
 /// Accumulators (output row × activation row) kept per row tile.
 const ACC_CAP: usize = 256;
 /// Activation bytes of one k-block (all rows of the tile), sized to stay in L1.

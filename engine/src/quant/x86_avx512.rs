@@ -15,6 +15,11 @@
 //! (built once per weight group) and per-lane activation scales `DX`. Weight offsets (Q4_0 −8, Q5_0 −16,
 //! Q8_0 −128, Q6_K −32) enter exactly as the integer start value `init = −offset · Σa` per lane.
 //!
+//! K-quants (Q4_K, Q5_K, Q6_K) of this family do not use these lane kernels: they run the AVX2
+//! family's exact-integer kernels on 512-bit column tiles (`x86_avx2::kcols512`), which measured
+//! faster from one activation row up and give the AVX2 family's bits. The Q4_K/Q6_K lane unpacks
+//! here serve the AMX-order kernels (`amx_order_rows`).
+//!
 //! Driver (`rows`): row tiles (≤ `ACC_CAP` accumulators) × k-blocks (activations of all rows in L1)
 //! × pairs of output rows (sharing every activation load) × groups (the next group is unpacked
 //! before the current one is used, and the weight stream is prefetched `PREFETCH_GROUPS` ahead) ×
@@ -298,7 +303,6 @@ struct Q50;
 struct Q51;
 struct Q80;
 struct Q4K;
-struct Q5K;
 struct Q6K;
 
 impl Kind for Q40 {
@@ -468,40 +472,6 @@ impl Kind for Q4K {
         let (ls, lm) = k4_lane_scales(p);
         W {
             y: transpose4([r0, r1, r2, r3]),
-            ls,
-            lm,
-        }
-    }
-}
-
-/// Q5_K high-bit masks per register: [bit for bytes 0..32, bit for bytes 32..64].
-static Q5K_BITS: [[u8; 2]; 4] = [[0x01, 0x04], [0x02, 0x08], [0x10, 0x40], [0x20, 0x80]];
-
-impl Kind for Q5K {
-    const OFFSET: bool = false;
-    const MINS: bool = true;
-    const BLOCKS: usize = 1;
-    const BB: usize = 176;
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn unpack(p: *const u8) -> W {
-        let (r0, r1) = nibbles(_mm512_loadu_si512(p.add(48) as *const __m512i));
-        let (r2, r3) = nibbles(_mm512_loadu_si512(p.add(112) as *const __m512i));
-        let mut r = [r0, r1, r2, r3];
-        let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(p.add(16) as *const __m256i));
-        let c16 = _mm512_set1_epi8(16);
-        for (k, bits) in Q5K_BITS.iter().enumerate() {
-            let m = _mm512_inserti64x4(
-                _mm512_set1_epi8(bits[0] as i8),
-                _mm256_set1_epi8(bits[1] as i8),
-                1,
-            );
-            let hit = _mm512_test_epi8_mask(qh, m);
-            r[k] = _mm512_mask_add_epi8(r[k], hit, r[k], c16);
-        }
-        let (ls, lm) = k4_lane_scales(p);
-        W {
-            y: transpose4(r),
             ls,
             lm,
         }
@@ -700,9 +670,11 @@ pub(crate) unsafe fn quant_rows(
         GgmlType::Q5_0 => rows::<Q50>(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q5_1 => rows::<Q51>(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q8_0 => rows::<Q80>(w, a, stride, n_tok, r0, r1, y),
-        GgmlType::Q4_K => rows::<Q4K>(w, a, stride, n_tok, r0, r1, y),
-        GgmlType::Q5_K => rows::<Q5K>(w, a, stride, n_tok, r0, r1, y),
-        GgmlType::Q6_K => rows::<Q6K>(w, a, stride, n_tok, r0, r1, y),
+        // K-quants: natural records, the AVX2 family's exact integers and float step on 512-bit
+        // column tiles (`x86_avx2::kcols512`).
+        GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => {
+            super::x86_avx2::kcols512::k_rows(w, act, stride, n_tok, r0, r1, y)
+        }
         _ => {}
     }
 }

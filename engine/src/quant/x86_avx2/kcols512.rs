@@ -1,0 +1,365 @@
+//! AVX-512 column tiles for K-quants (the AVX-512 VNNI family): the AVX2 column layout at 16 output rows per register, `vpdpbusd` into exact i32 per scale run, one `vpmulld` by the run's scales.
+//!
+//! A group of 16 output rows is unpacked by 16×16 dword transposes into 512-bit registers whose
+//! 32-bit lane `c` holds four values of output row `c` (the AVX2 column layout, twice as wide). One `vpdpbusd` against four broadcast activations then adds 64 exact products
+//! into the i32 lanes of 16 output rows: no i16 partial sums (the AVX2 tiles' `maddubs` + add +
+//! `madd`), and no horizontal sums. The exact integers per (output row, activation row, group)
+//! and the float step are those of the AVX2 kernels (`k_epilogue`'s operations), so the AVX-512
+//! family computes K-quant rows bit for bit as the AVX2 family does, for any batch size; a single
+//! activation row runs the AVX2 natural-order kernel.
+
+use std::arch::x86_64::*;
+
+use super::{prefetch_block, rd_u32, rows_k_nat, KCols, KKind, CB_ROWS, Q4K, Q5K, Q6K, ZERO_BLOCK};
+use crate::quant::act::{GROUP, OFF_BS, OFF_BS32, OFF_D, REC};
+use crate::quant::x86_avx512::transpose16;
+use crate::quant::{GgmlType, QMatrix, YPtr};
+
+/// Output rows of one 512-bit column block (one i32 lane each).
+const ROWS: usize = 2 * CB_ROWS;
+/// Column blocks of a tile.
+const CB: usize = 2;
+/// Activation rows of a tile: `CB × CT` running dot products plus as many sums stay in registers
+/// (24 of 32), and 12 independent `vpdpbusd` chains cover its latency.
+const CT: usize = 6;
+/// Fewest activation rows for the column tiles: one row (decoding) streams the weights faster in
+/// natural order (`rows_k_nat`); from two rows on the tiles measured faster (`quant::tests`'
+/// timings: Q4_K and Q6_K 1536 × 8960 at 2-3 rows in 0.31-0.78 ms against 0.56-1.19 ms).
+const MIN_ROWS: usize = 2;
+/// Software prefetch distance for the weight stream, in groups (in traversal order).
+const PREFETCH: usize = 3;
+/// Activation rows whose f32 accumulators a column pass keeps (`T_CAP × CB × ROWS` floats).
+const T_CAP: usize = 64;
+
+/// A K-quant group of 16 output rows in column order (see `KCols`, whose two halves it joins).
+#[repr(C, align(64))]
+struct KCols16 {
+    q: [[__m512i; 8]; 8],
+    /// i32 scale of output row `c` in lane `c`, one register per scale run (Q4_K/Q5_K: 8 runs of
+    /// 32 elements; Q6_K: 16 of 16, signed).
+    sc: [__m512i; 16],
+    /// As `KCols::bs` (i16 pairs for `madd`).
+    bs: [__m512i; 8],
+    d: __m512,
+    ndmin: __m512,
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn join(lo: __m256i, hi: __m256i) -> __m512i {
+    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn join_ps(lo: __m256, hi: __m256) -> __m512 {
+    _mm512_castsi512_ps(join(_mm256_castps_si256(lo), _mm256_castps_si256(hi)))
+}
+
+/// The 16 registers `r[k]` whose lane `c` holds dword `k` of the 64 bytes at `p[c] + off`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn dwords16(p: &[*const u8; ROWS], off: usize) -> [__m512i; 16] {
+    let mut r: [__m512i; 16] =
+        std::array::from_fn(|c| _mm512_loadu_si512(p[c].add(off) as *const __m512i));
+    transpose16(&mut r);
+    r
+}
+
+/// Bit `j` of every byte of `v` moved to bit 4 (the others cleared): a 16-bit shift leaves the
+/// bit in its own byte.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn bit_to_4(v: __m512i, j: usize) -> __m512i {
+    let x = match j {
+        0 => _mm512_slli_epi16::<4>(v),
+        1 => _mm512_slli_epi16::<3>(v),
+        2 => _mm512_slli_epi16::<2>(v),
+        3 => _mm512_slli_epi16::<1>(v),
+        4 => v,
+        5 => _mm512_srli_epi16::<1>(v),
+        6 => _mm512_srli_epi16::<2>(v),
+        _ => _mm512_srli_epi16::<3>(v),
+    };
+    _mm512_and_si512(x, _mm512_set1_epi8(0x10))
+}
+
+/// `v >> s` within every byte (a 16-bit shift, then the caller's mask).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn srl_bytes(v: __m512i, s: usize) -> __m512i {
+    match s {
+        0 => v,
+        2 => _mm512_srli_epi16::<2>(v),
+        4 => _mm512_srli_epi16::<4>(v),
+        _ => _mm512_srli_epi16::<6>(v),
+    }
+}
+
+/// A K-quant type's values of 16 output rows in column order: `q[j][i]` lane `c` = elements
+/// `32j + 4i .. 32j + 4i + 4` of row `c` (what `KKind::units_of` gives per row), unpacked from
+/// 16×16 dword transposes of the rows' value bytes.
+trait KCols16Kind: KKind {
+    unsafe fn q16(p: &[*const u8; ROWS], q: &mut [[__m512i; 8]; 8]);
+}
+
+impl KCols16Kind for Q4K {
+    /// `qs` at byte 16: unit `2cc + h` is nibble `h` of bytes `32cc .. 32cc + 32`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn q16(p: &[*const u8; ROWS], q: &mut [[__m512i; 8]; 8]) {
+        let m4 = _mm512_set1_epi8(0x0F);
+        for half in 0..2 {
+            let t = dwords16(p, 16 + 64 * half);
+            for (k, &v) in t.iter().enumerate() {
+                let (cc, i) = ((16 * half + k) / 8, k % 8);
+                q[2 * cc][i] = _mm512_and_si512(v, m4);
+                q[2 * cc + 1][i] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), m4);
+            }
+        }
+    }
+}
+
+impl KCols16Kind for Q5K {
+    /// `qh` at byte 16 (bit `j` of byte `l`: the fifth bit of element `l` of unit `j`), `qs` at 48
+    /// as Q4_K's.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn q16(p: &[*const u8; ROWS], q: &mut [[__m512i; 8]; 8]) {
+        let m4 = _mm512_set1_epi8(0x0F);
+        let th = dwords16(p, 16);
+        for half in 0..2 {
+            let t = dwords16(p, 48 + 64 * half);
+            for (k, &v) in t.iter().enumerate() {
+                let (cc, i) = ((16 * half + k) / 8, k % 8);
+                let (j0, j1) = (2 * cc, 2 * cc + 1);
+                q[j0][i] = _mm512_or_si512(_mm512_and_si512(v, m4), bit_to_4(th[i], j0));
+                q[j1][i] = _mm512_or_si512(
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(v), m4),
+                    bit_to_4(th[i], j1),
+                );
+            }
+        }
+    }
+}
+
+impl KCols16Kind for Q6K {
+    /// `ql` at byte 0, `qh` at 128: element `128h + 32g + l` is nibble `g / 2` of
+    /// `ql[64h + 32(g % 2) + l]` with bits `2g, 2g + 1` of `qh[32h + l]` above it (ggml's
+    /// `dequantize_row_q6_K`; the −32 offset enters through `bs`).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn q16(p: &[*const u8; ROWS], q: &mut [[__m512i; 8]; 8]) {
+        let (m4, m3) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(3));
+        let tl = [dwords16(p, 0), dwords16(p, 64)];
+        let th = dwords16(p, 128);
+        for (j, qj) in q.iter_mut().enumerate() {
+            let (h, g) = (j / 4, j % 4);
+            for (i, qji) in qj.iter_mut().enumerate() {
+                let kl = 16 * h + 8 * (g % 2) + i;
+                let lo = _mm512_and_si512(srl_bytes(tl[kl / 16][kl % 16], 4 * (g / 2)), m4);
+                let hi = _mm512_and_si512(srl_bytes(th[8 * h + i], 2 * g), m3);
+                *qji = _mm512_or_si512(lo, _mm512_slli_epi16::<4>(hi));
+            }
+        }
+    }
+}
+
+/// Unpacks the groups at `p[c]` (one per output row) into `out`: the values by 16×16 transposes,
+/// the scales through the AVX2 code's two halves of eight rows.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn build_cols16<K: KCols16Kind>(
+    p: &[*const u8; ROWS],
+    half: &mut [KCols; 2],
+    out: &mut KCols16,
+) {
+    K::q16(p, &mut out.q);
+    for (h, kc) in half.iter_mut().enumerate() {
+        let ph: [*const u8; CB_ROWS] = std::array::from_fn(|c| p[h * CB_ROWS + c]);
+        K::col_scales(&ph, kc);
+    }
+    let [lo, hi] = &*half;
+    // `KCols::sc` holds each scale in both i16 halves of its lane (zero- or sign-extended):
+    // the arithmetic shift leaves it as an i32.
+    let runs = if K::K6 { 16 } else { 8 };
+    for r in 0..runs {
+        out.sc[r] = _mm512_srai_epi32::<16>(join(lo.sc[r], hi.sc[r]));
+    }
+    for q in 0..8 {
+        out.bs[q] = join(lo.bs[q], hi.bs[q]);
+    }
+    out.d = join_ps(lo.d, hi.d);
+    out.ndmin = join_ps(lo.ndmin, hi.ndmin);
+}
+
+/// The tile: exact i32 sums of `CB × ROWS` output rows × `RT` activation rows (natural records
+/// at `a + t * stride`), then the AVX2 tiles' float step into `acc[t * CB * ROWS + row]`.
+// The tile's registers are indexed [column block][activation row] throughout.
+#[allow(clippy::needless_range_loop)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn tile16<K: KCols16Kind, const RT: usize>(
+    w: &[KCols16; CB],
+    a: *const u8,
+    stride: usize,
+    acc: *mut f32,
+) {
+    let mut s = [[_mm512_setzero_si512(); RT]; CB];
+    // Rolled over the sub-blocks (as the AVX2 tile), unrolled within one.
+    for j in 0..std::hint::black_box(8) {
+        let mut r = 0;
+        while r < 8 {
+            let mut p = [[_mm512_setzero_si512(); RT]; CB];
+            for i in r..r + K::SCN {
+                let wv: [__m512i; CB] = std::array::from_fn(|b| w[b].q[j][i]);
+                for t in 0..RT {
+                    let av = _mm512_set1_epi32(rd_u32(a.add(t * stride + 32 * j + 4 * i)) as i32);
+                    for b in 0..CB {
+                        p[b][t] = _mm512_dpbusd_epi32(p[b][t], wv[b], av);
+                    }
+                }
+            }
+            let run = (8 * j + r) / K::SCN;
+            for b in 0..CB {
+                let sc = w[b].sc[run];
+                for t in 0..RT {
+                    s[b][t] = _mm512_add_epi32(s[b][t], _mm512_mullo_epi32(p[b][t], sc));
+                }
+            }
+            r += K::SCN;
+        }
+    }
+    for t in 0..RT {
+        let at = a.add(t * stride);
+        let dx = _mm512_set1_ps(*(at.add(OFF_D) as *const f32));
+        for b in 0..CB {
+            let mut m = _mm512_setzero_si512();
+            let (n_bs, off) = if K::K6 { (8, OFF_BS) } else { (4, OFF_BS32) };
+            for q in 0..n_bs {
+                let bs = _mm512_set1_epi32(rd_u32(at.add(off + 4 * q)) as i32);
+                m = _mm512_add_epi32(m, _mm512_madd_epi16(w[b].bs[q], bs));
+            }
+            let v = if K::K6 {
+                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s[b][t], m)), w[b].d)
+            } else {
+                _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(m),
+                    w[b].ndmin,
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(s[b][t]), w[b].d),
+                )
+            };
+            let ap = acc.add(t * CB * ROWS + b * ROWS);
+            _mm512_storeu_ps(ap, _mm512_fmadd_ps(v, dx, _mm512_loadu_ps(ap)));
+        }
+    }
+}
+
+/// K-quant rows `[r0, r1)` against `n_tok` natural records on 512-bit column tiles: per block of
+/// `CB × ROWS` output rows and up to `T_CAP` activation rows, each group unpacked once and dotted
+/// with the activation rows `CT` at a time.
+#[inline(never)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn rows_k_cols16<K: KCols16Kind>(
+    w: &QMatrix,
+    act: *const u8,
+    stride: usize,
+    n_tok: usize,
+    r0: usize,
+    r1: usize,
+    y: YPtr,
+) {
+    const W: usize = CB * ROWS;
+    let rb = w.row_bytes();
+    let n_groups = w.n_in / GROUP;
+    let mut half: [KCols; 2] = std::mem::zeroed();
+    let mut cols: [KCols16; CB] = std::mem::zeroed();
+    let mut acc = [0f32; T_CAP * W]; // [activation row, output row of the block]
+    let mut t0 = 0;
+    while t0 < n_tok {
+        let nt = (n_tok - t0).min(T_CAP);
+        let ab = act.add(t0 * stride);
+        let mut o0 = r0;
+        while o0 < r1 {
+            let n_c = (r1 - o0).min(W);
+            acc[..nt * W].fill(0.0);
+            for g in 0..n_groups {
+                for (b, cb) in cols.iter_mut().enumerate() {
+                    let p: [*const u8; ROWS] = std::array::from_fn(|c| {
+                        let o = o0 + b * ROWS + c;
+                        if o < o0 + n_c {
+                            let at = w.data.as_ptr().add(o * rb + g * K::BB);
+                            // `PREFETCH` groups ahead in traversal order (this block's later
+                            // groups, then the next block's first ones).
+                            let ahead = if g + PREFETCH < n_groups {
+                                at.wrapping_add(PREFETCH * K::BB)
+                            } else {
+                                at.wrapping_add(W * rb + PREFETCH * K::BB)
+                                    .wrapping_sub(n_groups * K::BB)
+                            };
+                            prefetch_block(ahead, K::BB);
+                            at
+                        } else {
+                            ZERO_BLOCK.as_ptr()
+                        }
+                    });
+                    build_cols16::<K>(&p, &mut half, cb);
+                }
+                let ag = ab.add(g * REC);
+                let accp = acc.as_mut_ptr();
+                let mut t = 0;
+                while t + CT <= nt {
+                    tile16::<K, CT>(&cols, ag.add(t * stride), stride, accp.add(t * W));
+                    t += CT;
+                }
+                let (at, ap) = (ag.add(t * stride), accp.add(t * W));
+                match nt - t {
+                    5 => tile16::<K, 5>(&cols, at, stride, ap),
+                    4 => tile16::<K, 4>(&cols, at, stride, ap),
+                    3 => tile16::<K, 3>(&cols, at, stride, ap),
+                    2 => tile16::<K, 2>(&cols, at, stride, ap),
+                    1 => tile16::<K, 1>(&cols, at, stride, ap),
+                    _ => {}
+                }
+            }
+            for t in 0..nt {
+                for c in 0..n_c {
+                    y.write(t0 + t, o0 + c, acc[t * W + c]);
+                }
+            }
+            o0 += n_c;
+        }
+        t0 += nt;
+    }
+}
+
+/// The AVX-512 family's K-quant rows `[r0, r1)` against natural records: 512-bit column tiles
+/// from [`MIN_ROWS`] activation rows, the AVX2 natural-order kernel for one (both give the AVX2
+/// family's bits).
+///
+/// # Safety
+/// The CPU must support AVX-512 F/BW/VL/VNNI and AVX2/FMA/F16C; `act` holds `n_tok * stride`
+/// bytes of natural records; `w` is a validated Q4_K/Q5_K/Q6_K matrix; `r1 <= w.n_out`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn k_rows(
+    w: &QMatrix,
+    act: &[u8],
+    stride: usize,
+    n_tok: usize,
+    r0: usize,
+    r1: usize,
+    y: YPtr,
+) {
+    debug_assert!(act.len() >= n_tok * stride);
+    let a = act.as_ptr();
+    let cols = n_tok >= MIN_ROWS;
+    match w.ty {
+        GgmlType::Q4_K if cols => rows_k_cols16::<Q4K>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q5_K if cols => rows_k_cols16::<Q5K>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q6_K if cols => rows_k_cols16::<Q6K>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q4_K => rows_k_nat::<Q4K>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q5_K => rows_k_nat::<Q5K>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q6_K => rows_k_nat::<Q6K>(w, a, stride, n_tok, r0, r1, y),
+        _ => {}
+    }
+}
