@@ -6,7 +6,7 @@
 //! the f32 activations directly. Kernels:
 //!
 //! * `scalar` — portable reference (exact integer sums per block, like ggml's generic code);
-//! * `x86_avx2` — AVX2 `maddubs`/`madd`; K-quants for 4+ activation rows on column-interleaved
+//! * `x86_avx2` — AVX2 `maddubs`/`madd`; K-quants for 2+ activation rows on column-interleaved
 //!   tiles (8 output rows per register, 16 output × 4 activation rows per tile);
 //! * `x86_avx512` — AVX-512 VNNI `dpbusd`; activations are stored permuted so that every 32-bit lane
 //!   of the accumulator covers exactly one 16-element chunk of one scale group, which lets all four

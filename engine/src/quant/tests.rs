@@ -485,7 +485,7 @@ fn avx512_rows_bit_identical_to_single_row() {
     rows_bit_identical_to_single_row(KernelLevel::Avx512Vnni);
 }
 
-/// The same for the AVX2 kernels (natural order below 4 rows; column tiles of 16 output × 4
+/// The same for the AVX2 kernels (natural order for one row; column tiles of 16 output × 4
 /// activation rows above, with remainders of 1-3 activation rows and partial column blocks).
 #[cfg(target_arch = "x86_64")]
 #[test]

@@ -13,6 +13,9 @@
 //! * Fewer than [`COLS_MIN_ROWS`] activation rows (decoding): weights unpacked in natural order,
 //!   one `maddubs` + `madd` (sub-block scales) per 32 elements and a horizontal sum per group
 //!   (`rows_k_nat`).
+//! * The AVX-512 family computes the same integers and float step on 512-bit column tiles of 16
+//!   output rows per register with `vpdpbusd` ([`kcols512`]), so the two families agree bit for bit
+//!   on K-quants.
 //! * More rows: **column tiles** (`rows_k_cols`). Each 256-element group of 8 output rows is
 //!   transposed once into 64 registers whose 32-bit lane `c` holds four consecutive values of row
 //!   `c` (the value registers are transposed before unpacking: every unpack step works byte by
@@ -442,10 +445,12 @@ unsafe fn rows_legacy<K: LegacyKind>(
 // K-quants: exact integer sums per (output row, activation row, group), one float step
 // ---------------------------------------------------------------------------------------------
 
-/// Fewest activation rows for which K-quant matmuls run on the column tiles (`rows_k_cols`);
-/// fewer rows (single-token decoding, small batches: weights streamed from DRAM once per row
-/// group) use `rows_k_nat`, which measured faster there.
-pub(crate) const COLS_MIN_ROWS: usize = 4;
+/// Fewest activation rows for which K-quant matmuls run on the column tiles (`rows_k_cols`, and
+/// the AVX-512 family's `kcols512`); a single row (decoding: weights streamed from DRAM once)
+/// uses `rows_k_nat`, which measured faster in the model there. Two and three rows measured
+/// faster on the tiles (Q4_K 1536 × 8960, AVX2: 0.36-0.45 against 0.75-0.78 ms at 2 rows,
+/// 0.43-0.53 against 0.86-0.88 ms at 3; docs/benchmarks.md).
+pub(crate) const COLS_MIN_ROWS: usize = 2;
 
 /// The float step of one K-quant group, shared by every kernel so that each (output row,
 /// activation row) gets the same bits whatever kernel computed its exact integer sums:

@@ -10,7 +10,10 @@
 
 use std::arch::x86_64::*;
 
-use super::{prefetch_block, rd_u32, rows_k_nat, KCols, KKind, CB_ROWS, Q4K, Q5K, Q6K, ZERO_BLOCK};
+use super::{
+    prefetch_block, rd_u32, rows_k_nat, KCols, KKind, CB_ROWS, COLS_MIN_ROWS, Q4K, Q5K, Q6K,
+    ZERO_BLOCK,
+};
 use crate::quant::act::{GROUP, OFF_BS, OFF_BS32, OFF_D, REC};
 use crate::quant::x86_avx512::transpose16;
 use crate::quant::{GgmlType, QMatrix, YPtr};
@@ -22,10 +25,6 @@ const CB: usize = 2;
 /// Activation rows of a tile: `CB × CT` running dot products plus as many sums stay in registers
 /// (24 of 32), and 12 independent `vpdpbusd` chains cover its latency.
 const CT: usize = 6;
-/// Fewest activation rows for the column tiles: one row (decoding) streams the weights faster in
-/// natural order (`rows_k_nat`); from two rows on the tiles measured faster (`quant::tests`'
-/// timings: Q4_K and Q6_K 1536 × 8960 at 2-3 rows in 0.31-0.78 ms against 0.56-1.19 ms).
-const MIN_ROWS: usize = 2;
 /// Software prefetch distance for the weight stream, in groups (in traversal order).
 const PREFETCH: usize = 3;
 /// Activation rows whose f32 accumulators a column pass keeps (`T_CAP × CB × ROWS` floats).
@@ -334,7 +333,7 @@ unsafe fn rows_k_cols16<K: KCols16Kind>(
 }
 
 /// The AVX-512 family's K-quant rows `[r0, r1)` against natural records: 512-bit column tiles
-/// from [`MIN_ROWS`] activation rows, the AVX2 natural-order kernel for one (both give the AVX2
+/// from [`COLS_MIN_ROWS`] activation rows, the AVX2 natural-order kernel for one (both give the AVX2
 /// family's bits).
 ///
 /// # Safety
@@ -352,7 +351,7 @@ pub(crate) unsafe fn k_rows(
 ) {
     debug_assert!(act.len() >= n_tok * stride);
     let a = act.as_ptr();
-    let cols = n_tok >= MIN_ROWS;
+    let cols = n_tok >= COLS_MIN_ROWS;
     match w.ty {
         GgmlType::Q4_K if cols => rows_k_cols16::<Q4K>(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q5_K if cols => rows_k_cols16::<Q5K>(w, a, stride, n_tok, r0, r1, y),
