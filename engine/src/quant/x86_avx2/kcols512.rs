@@ -11,8 +11,8 @@
 use std::arch::x86_64::*;
 
 use super::{
-    prefetch_block, rd_u32, rows_k_nat, KCols, KKind, CB_ROWS, COLS_MIN_ROWS, Q4K, Q5K, Q6K,
-    ZERO_BLOCK,
+    prefetch_block, rd_u16, rd_u32, rows_k_nat, KCols, KKind, CB_ROWS, COLS_MIN_ROWS, Q4K, Q5K,
+    Q6K, ZERO_BLOCK,
 };
 use crate::quant::act::{GROUP, OFF_BS, OFF_BS32, OFF_D, REC};
 use crate::quant::x86_avx512::transpose16;
@@ -100,6 +100,29 @@ unsafe fn srl_bytes(v: __m512i, s: usize) -> __m512i {
 /// 16×16 dword transposes of the rows' value bytes.
 trait KCols16Kind: KKind {
     unsafe fn q16(p: &[*const u8; ROWS], q: &mut [[__m512i; 8]; 8]);
+
+    /// `sc`, `bs`, `d` and `ndmin` of 16 rows: by default the AVX2 code's two halves of eight
+    /// rows, joined.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn scales16(p: &[*const u8; ROWS], half: &mut [KCols; 2], out: &mut KCols16) {
+        for (h, kc) in half.iter_mut().enumerate() {
+            let ph: [*const u8; CB_ROWS] = std::array::from_fn(|c| p[h * CB_ROWS + c]);
+            Self::col_scales(&ph, kc);
+        }
+        let [lo, hi] = &*half;
+        // `KCols::sc` holds each scale in both i16 halves of its lane (zero- or sign-extended):
+        // the arithmetic shift leaves it as an i32.
+        let runs = if Self::K6 { 16 } else { 8 };
+        for r in 0..runs {
+            out.sc[r] = _mm512_srai_epi32::<16>(join(lo.sc[r], hi.sc[r]));
+        }
+        for q in 0..8 {
+            out.bs[q] = join(lo.bs[q], hi.bs[q]);
+        }
+        out.d = join_ps(lo.d, hi.d);
+        out.ndmin = join_ps(lo.ndmin, hi.ndmin);
+    }
 }
 
 impl KCols16Kind for Q4K {
@@ -142,7 +165,44 @@ impl KCols16Kind for Q5K {
     }
 }
 
+/// Byte `b` of every dword of `v`, sign-extended to i32.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn byte_i32(v: __m512i, b: usize) -> __m512i {
+    let x = match b {
+        0 => _mm512_slli_epi32::<24>(v),
+        1 => _mm512_slli_epi32::<16>(v),
+        2 => _mm512_slli_epi32::<8>(v),
+        _ => v,
+    };
+    _mm512_srai_epi32::<24>(x)
+}
+
 impl KCols16Kind for Q6K {
+    /// The sixteen signed scales (bytes 192..208) of 16 rows by one transpose: `sc[h]` is scale
+    /// `h` of row `c` in lane `c`, `bs[q]` the i16 pair `(32·sc_2q, 32·sc_2q+1)` (the −32
+    /// offset against the 16-element block sums), as `Q6K::col_scales` builds them per 8 rows.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn scales16(p: &[*const u8; ROWS], _half: &mut [KCols; 2], out: &mut KCols16) {
+        let mut r: [__m512i; 16] = std::array::from_fn(|c| {
+            _mm512_zextsi128_si512(_mm_loadu_si128(p[c].add(192) as *const __m128i))
+        });
+        transpose16(&mut r);
+        for h in 0..16 {
+            out.sc[h] = byte_i32(r[h / 4], h % 4);
+        }
+        let lo16 = _mm512_set1_epi32(0xFFFF);
+        for q in 0..8 {
+            let lo = _mm512_and_si512(_mm512_slli_epi32::<5>(out.sc[2 * q]), lo16);
+            let hi = _mm512_slli_epi32::<21>(out.sc[2 * q + 1]);
+            out.bs[q] = _mm512_or_si512(lo, hi);
+        }
+        let h: [u16; ROWS] = std::array::from_fn(|c| rd_u16(p[c].add(208)));
+        out.d = _mm512_cvtph_ps(_mm256_loadu_si256(h.as_ptr() as *const __m256i));
+        out.ndmin = _mm512_setzero_ps();
+    }
+
     /// `ql` at byte 0, `qh` at 128: element `128h + 32g + l` is nibble `g / 2` of
     /// `ql[64h + 32(g % 2) + l]` with bits `2g, 2g + 1` of `qh[32h + l]` above it (ggml's
     /// `dequantize_row_q6_K`; the −32 offset enters through `bs`).
@@ -174,22 +234,7 @@ unsafe fn build_cols16<K: KCols16Kind>(
     out: &mut KCols16,
 ) {
     K::q16(p, &mut out.q);
-    for (h, kc) in half.iter_mut().enumerate() {
-        let ph: [*const u8; CB_ROWS] = std::array::from_fn(|c| p[h * CB_ROWS + c]);
-        K::col_scales(&ph, kc);
-    }
-    let [lo, hi] = &*half;
-    // `KCols::sc` holds each scale in both i16 halves of its lane (zero- or sign-extended):
-    // the arithmetic shift leaves it as an i32.
-    let runs = if K::K6 { 16 } else { 8 };
-    for r in 0..runs {
-        out.sc[r] = _mm512_srai_epi32::<16>(join(lo.sc[r], hi.sc[r]));
-    }
-    for q in 0..8 {
-        out.bs[q] = join(lo.bs[q], hi.bs[q]);
-    }
-    out.d = join_ps(lo.d, hi.d);
-    out.ndmin = join_ps(lo.ndmin, hi.ndmin);
+    K::scales16(p, half, out);
 }
 
 /// The tile: exact i32 sums of `CB × ROWS` output rows × `RT` activation rows (natural records
