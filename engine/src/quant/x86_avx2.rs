@@ -776,12 +776,12 @@ unsafe fn prefetch_ahead(row: *const u8, g: usize, gbytes: usize) {
 /// line, such as Q6_K's 210 bytes, can touch one line more than `bytes / 64` rounded up).
 #[inline(always)]
 unsafe fn prefetch_block(p: *const u8, bytes: usize) {
-    let first = (p as usize) & !63;
-    let last = (p as usize).wrapping_add(bytes - 1) & !63;
-    let mut line = first;
-    while line <= last {
-        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(line.wrapping_sub(p as usize)) as *const i8);
-        line += 64;
+    let misalign = (p as usize) & 63;
+    let line0 = p.wrapping_sub(misalign);
+    let mut off = 0;
+    while off < misalign + bytes {
+        _mm_prefetch::<_MM_HINT_T0>(line0.wrapping_add(off) as *const i8);
+        off += 64;
     }
 }
 

@@ -16,8 +16,9 @@
 //! Q8_0 −128, Q6_K −32) enter exactly as the integer start value `init = −offset · Σa` per lane.
 //!
 //! K-quants (Q4_K, Q5_K, Q6_K) of this family do not use these lane kernels: they run the AVX2
-//! family's exact-integer kernels on 512-bit column tiles (`x86_avx2::kcols512`), which measured
-//! faster from one activation row up and give the AVX2 family's bits. The Q4_K/Q6_K lane unpacks
+//! family's exact-integer kernels on 512-bit column tiles (`x86_avx2::kcols512`, from two
+//! activation rows; one row runs the AVX2 natural-order kernel), which measured faster and give
+//! the AVX2 family's bits. The Q4_K/Q6_K lane unpacks
 //! here serve the AMX-order kernels (`amx_order_rows`).
 //!
 //! Driver (`rows`): row tiles (≤ `ACC_CAP` accumulators) × k-blocks (activations of all rows in L1)

@@ -1,8 +1,9 @@
 //! AVX-512 column tiles for K-quants (the AVX-512 VNNI family): the AVX2 column layout at 16 output rows per register, `vpdpbusd` into exact i32 per scale run, one `vpmulld` by the run's scales.
 //!
 //! A group of 16 output rows is unpacked by 16×16 dword transposes into 512-bit registers whose
-//! 32-bit lane `c` holds four values of output row `c` (the AVX2 column layout, twice as wide). One `vpdpbusd` against four broadcast activations then adds 64 exact products
-//! into the i32 lanes of 16 output rows: no i16 partial sums (the AVX2 tiles' `maddubs` + add +
+//! 32-bit lane `c` holds four values of output row `c` (the AVX2 column layout, twice as wide).
+//! One `vpdpbusd` against four broadcast activations then adds 64 exact products into the i32
+//! lanes of 16 output rows: no i16 partial sums (the AVX2 tiles' `maddubs` + add +
 //! `madd`), and no horizontal sums. The exact integers per (output row, activation row, group)
 //! and the float step are those of the AVX2 kernels (`k_epilogue`'s operations), so the AVX-512
 //! family computes K-quant rows bit for bit as the AVX2 family does, for any batch size; a single
@@ -30,7 +31,7 @@ const PREFETCH: usize = 3;
 /// Activation rows whose f32 accumulators a column pass keeps (`T_CAP × CB × ROWS` floats).
 const T_CAP: usize = 64;
 
-/// A K-quant group of 16 output rows in column order (see `KCols`, whose two halves it joins).
+/// A K-quant group of 16 output rows in column order (`KCols` at 16 rows per register).
 #[repr(C, align(64))]
 struct KCols16 {
     q: [[__m512i; 8]; 8],
@@ -224,8 +225,8 @@ impl KCols16Kind for Q6K {
     }
 }
 
-/// Unpacks the groups at `p[c]` (one per output row) into `out`: the values by 16×16 transposes,
-/// the scales through the AVX2 code's two halves of eight rows.
+/// Unpacks the groups at `p[c]` (one per output row) into `out` (`half`: scratch for the scales
+/// built per eight rows by the AVX2 code).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn build_cols16<K: KCols16Kind>(
