@@ -701,6 +701,7 @@ fn timing() {
         (GgmlType::Q6_K, 1536, 8960),
         (GgmlType::Q8_0, 576, 1536),
         (GgmlType::Q4_1, 576, 1536),
+        (GgmlType::Q4_1, 1536, 576),
     ];
     // Several copies so the weights do not sit in cache between calls (like a real model).
     for (ty, n_out, n_in) in cases {

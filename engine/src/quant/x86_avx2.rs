@@ -1,8 +1,10 @@
 //! AVX2 kernels (ggml's `maddubs`/`madd` scheme): legacy types on natural records; K-quants as exact integer sums per group with one shared float step, on column-interleaved register tiles (8 output rows per register, in the manner of llama.cpp's repacked `q4_K_8x8` GEMM, built per group on the fly).
 //!
-//! **Legacy types** (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) use the sign trick for signed weights and scale
-//! each 32-block in f32; loop structure as the AVX-512 kernels (each weight group unpacked once for
-//! all activation rows).
+//! **Legacy types.** Q4_1 and Q8_0 (smollm2's weights) run on column tiles for every row count
+//! ([`lcols`]: eight output rows per register, exact i32 per 32-element block, one f32 step per
+//! block in block order). Q4_0, Q5_0 and Q5_1 use the sign trick for signed weights and scale each
+//! 32-block in f32; loop structure as the AVX-512 kernels (each weight group unpacked once for all
+//! activation rows).
 //!
 //! **K-quants** (Q4_K, Q5_K, Q6_K). Every kernel computes, per (output row, activation row,
 //! group), the exact integers `s = Σ q·sc·x` and `m` (mins against the Q8_K block sums, or Q6_K's
@@ -35,6 +37,7 @@ use super::x86_avx512::k4_sc_m8;
 use super::{GgmlType, QMatrix, YPtr};
 
 pub(crate) mod kcols512;
+mod lcols;
 
 /// Accumulators (output row × activation row) kept per row tile.
 const ACC_CAP: usize = 256;
@@ -190,10 +193,8 @@ unsafe fn legacy_step<const OFFSET: bool, const MINS: bool>(
 }
 
 struct Q40;
-struct Q41;
 struct Q50;
 struct Q51;
-struct Q80;
 
 impl LegacyKind for Q40 {
     type W = WL;
@@ -225,37 +226,6 @@ impl LegacyKind for Q40 {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn step(w: &WL, a: *const u8, acc: __m256) -> __m256 {
         legacy_step::<true, false>(w, a, acc)
-    }
-}
-
-impl LegacyKind for Q41 {
-    type W = WL;
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn mask_tail(w: &mut WL, nb: usize) {
-        legacy_mask_tail(w, nb)
-    }
-    const BLOCKS: usize = 8;
-    const BB: usize = 20;
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn unpack(p: *const u8) -> WL {
-        let (d, m) = legacy_dm(p, 20, Some(2));
-        let mut w = WL {
-            wa: [_mm256_setzero_si256(); 8],
-            ws: [_mm256_setzero_si256(); 8],
-            d,
-            m,
-        };
-        for b in 0..8 {
-            w.wa[b] = nibbles32(p.add(20 * b + 4));
-        }
-        w
-    }
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn step(w: &WL, a: *const u8, acc: __m256) -> __m256 {
-        legacy_step::<false, true>(w, a, acc)
     }
 }
 
@@ -330,39 +300,6 @@ impl LegacyKind for Q51 {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn step(w: &WL, a: *const u8, acc: __m256) -> __m256 {
         legacy_step::<false, true>(w, a, acc)
-    }
-}
-
-impl LegacyKind for Q80 {
-    type W = WL;
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn mask_tail(w: &mut WL, nb: usize) {
-        legacy_mask_tail(w, nb)
-    }
-    const BLOCKS: usize = 8;
-    const BB: usize = 34;
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn unpack(p: *const u8) -> WL {
-        let (d, m) = legacy_dm(p, 34, None);
-        let mut w = WL {
-            wa: [_mm256_setzero_si256(); 8],
-            ws: [_mm256_setzero_si256(); 8],
-            d,
-            m,
-        };
-        for b in 0..8 {
-            let s = _mm256_loadu_si256(p.add(34 * b + 2) as *const __m256i);
-            w.ws[b] = s;
-            w.wa[b] = _mm256_abs_epi8(s);
-        }
-        w
-    }
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn step(w: &WL, a: *const u8, acc: __m256) -> __m256 {
-        legacy_step::<true, false>(w, a, acc)
     }
 }
 
@@ -914,8 +851,19 @@ static SHUF_K6_COLS: [[[i8; 32]; 24]; 4] = shuf_k6_cols();
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn f16_cols(p: &[*const u8; CB_ROWS], off: usize) -> __m256 {
-    let h: [u16; CB_ROWS] = std::array::from_fn(|c| rd_u16(p[c].add(off)));
-    _mm256_cvtph_ps(_mm_loadu_si128(h.as_ptr() as *const __m128i))
+    // Inserted into a register one by one (eight 16-bit stores read back as one 128-bit load
+    // would miss store forwarding).
+    let h = |c: usize| rd_u16(p[c].add(off)) as i16;
+    _mm256_cvtph_ps(_mm_setr_epi16(
+        h(0),
+        h(1),
+        h(2),
+        h(3),
+        h(4),
+        h(5),
+        h(6),
+        h(7),
+    ))
 }
 
 /// `[x0[j], …, x7[j]]` from eight registers of eight 32-bit lanes (an 8 × 8 transpose).
@@ -1182,10 +1130,9 @@ pub(crate) unsafe fn quant_rows(
     let cols = n_tok >= COLS_MIN_ROWS;
     match w.ty {
         GgmlType::Q4_0 => rows_legacy::<Q40>(w, a, stride, n_tok, r0, r1, y),
-        GgmlType::Q4_1 => rows_legacy::<Q41>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q4_1 | GgmlType::Q8_0 => lcols::legacy_cols(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q5_0 => rows_legacy::<Q50>(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q5_1 => rows_legacy::<Q51>(w, a, stride, n_tok, r0, r1, y),
-        GgmlType::Q8_0 => rows_legacy::<Q80>(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q4_K if cols => rows_k_cols::<Q4K>(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q5_K if cols => rows_k_cols::<Q5K>(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q6_K if cols => rows_k_cols::<Q6K>(w, a, stride, n_tok, r0, r1, y),

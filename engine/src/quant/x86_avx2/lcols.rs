@@ -1,0 +1,293 @@
+//! AVX2 column tiles for the legacy 32-element types Q4_1 and Q8_0 (smollm2's weights): eight output rows per register, exact i32 per 32-element block, then one f32 step per block in block order, for every activation row count.
+//!
+//! The layout is the K-quant column tiles' ([`super::KCols`]): a group of eight output rows is
+//! transposed so that the 32-bit lane `c` of a register holds four values of row `c`, and one
+//! `maddubs` against four broadcast activations gives 32 products of eight rows at once. Q4_1's
+//! unsigned nibbles add up in i16 over a whole 32-element block (8·2·15·127 < 2^15) before one
+//! `madd`; Q8_0 uses ggml's sign trick (`|w|` against `sign(a, w)`), one `madd` per four values.
+//!
+//! The f32 result of (output row, activation row) is, for every block `k` of the row in order,
+//! `acc = fma(isum_k, d_k·dx_k, acc)` and for Q4_1 then `acc = fma(m_k, s_k, acc)` (`s_k` the
+//! record's `dx·Σa`), from `acc = 0`: one chain per output row, which a column lane computes
+//! directly. Every row count (one, for decoding, included) runs these tiles, so the bits of a row
+//! never depend on the batch; they differ from the AVX-512 family's lane kernels (each family
+//! agrees with itself).
+
+use std::arch::x86_64::*;
+
+use super::{chain, f16_cols, ld, prefetch_block, rd_u32, transpose8_epi32, CB_ROWS};
+use crate::quant::act::{GROUP, OFF_D, OFF_S, REC};
+use crate::quant::{GgmlType, QMatrix, YPtr};
+
+/// 32-element blocks of one activation record.
+const BLOCKS: usize = GROUP / 32;
+/// Column blocks of a tile (output rows `CB × CB_ROWS` per pass over the activations).
+const CB: usize = 2;
+/// Activation rows of a tile.
+const CT: usize = 4;
+/// Activation rows whose f32 accumulators a column pass keeps (`T_CAP × CB × CB_ROWS` floats).
+const T_CAP: usize = 64;
+
+/// Zero bytes standing in for output rows past the end of a column block (a whole Q8_0 group).
+static ZERO_GROUP: [u8; BLOCKS * 34] = [0; BLOCKS * 34];
+
+/// A legacy group of eight output rows in column order.
+#[repr(C, align(32))]
+struct LCols {
+    /// `q[k][i]`, lane `c`: the four values of elements `4i .. 4i + 4` of block `k` of row `c`
+    /// (Q4_1: the nibbles, with `i ≥ 4` the high ones, elements `16 + 4(i − 4) ..`; Q8_0: `|w|`).
+    q: [[__m256i; 8]; BLOCKS],
+    /// Q8_0: the signed values, whose signs move onto the activations.
+    s: [[__m256i; 8]; BLOCKS],
+    /// Per block: `d` (and Q4_1's `m`) of the eight rows.
+    d: [__m256; BLOCKS],
+    m: [__m256; BLOCKS],
+}
+
+/// A legacy type on column tiles.
+trait LKind {
+    /// Bytes of one 32-element block.
+    const BB: usize;
+    /// Q4_1: `w = d·q + m`, with activation block sums.
+    const MINS: bool;
+    /// Q8_0: signed values (the sign trick).
+    const SIGNED: bool;
+    /// Unpacks block `k` of the groups at `p[c]` into `out`.
+    unsafe fn build_block(p: &[*const u8; CB_ROWS], k: usize, out: &mut LCols);
+}
+
+/// The f32 of the low 16 bits (an f16) of each 32-bit lane, in lane order.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16_lanes(v: __m256i) -> __m256 {
+    let lo = _mm256_and_si256(v, _mm256_set1_epi32(0xffff));
+    let w = _mm256_packus_epi32(lo, lo); // [r0..r3 r0..r3 | r4..r7 r4..r7]
+    _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b1000>(
+        w,
+    )))
+}
+
+struct Q41;
+struct Q80;
+
+impl LKind for Q41 {
+    const BB: usize = 20;
+    const MINS: bool = true;
+    const SIGNED: bool = false;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn build_block(p: &[*const u8; CB_ROWS], k: usize, out: &mut LCols) {
+        let at = |c: usize| p[c].add(Self::BB * k);
+        // Rows c and c + 4 share a register: a 4 × 4 dword transpose per 128-bit half.
+        let y: [__m256i; 4] = std::array::from_fn(|c| {
+            _mm256_set_m128i(
+                _mm_loadu_si128(at(c + 4).add(4) as *const __m128i),
+                _mm_loadu_si128(at(c).add(4) as *const __m128i),
+            )
+        });
+        let t0 = _mm256_unpacklo_epi32(y[0], y[1]);
+        let t1 = _mm256_unpackhi_epi32(y[0], y[1]);
+        let t2 = _mm256_unpacklo_epi32(y[2], y[3]);
+        let t3 = _mm256_unpackhi_epi32(y[2], y[3]);
+        let dw = [
+            _mm256_unpacklo_epi64(t0, t2),
+            _mm256_unpackhi_epi64(t0, t2),
+            _mm256_unpacklo_epi64(t1, t3),
+            _mm256_unpackhi_epi64(t1, t3),
+        ];
+        let m4 = _mm256_set1_epi8(0x0F);
+        for (j, v) in dw.iter().enumerate() {
+            out.q[k][j] = _mm256_and_si256(*v, m4);
+            out.q[k][4 + j] = _mm256_and_si256(_mm256_srli_epi16::<4>(*v), m4);
+        }
+        let dm = _mm256_setr_epi32(
+            rd_u32(at(0)) as i32,
+            rd_u32(at(1)) as i32,
+            rd_u32(at(2)) as i32,
+            rd_u32(at(3)) as i32,
+            rd_u32(at(4)) as i32,
+            rd_u32(at(5)) as i32,
+            rd_u32(at(6)) as i32,
+            rd_u32(at(7)) as i32,
+        );
+        out.d[k] = f16_lanes(dm);
+        out.m[k] = f16_lanes(_mm256_srli_epi32::<16>(dm));
+    }
+}
+
+impl LKind for Q80 {
+    const BB: usize = 34;
+    const MINS: bool = false;
+    const SIGNED: bool = true;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn build_block(p: &[*const u8; CB_ROWS], k: usize, out: &mut LCols) {
+        let at = |c: usize| p[c].add(Self::BB * k);
+        let r = transpose8_epi32(std::array::from_fn(|c| ld(at(c).add(2))));
+        for (i, v) in r.iter().enumerate() {
+            out.s[k][i] = *v;
+            out.q[k][i] = _mm256_abs_epi8(*v);
+        }
+        let ps: [*const u8; CB_ROWS] = std::array::from_fn(at);
+        out.d[k] = f16_cols(&ps, 0);
+    }
+}
+
+/// The column tile: blocks `0..nb` of one group of `CB × CB_ROWS` output rows against `RT`
+/// activation rows (natural records at `a + t * stride`), each block's exact i32 sums and f32
+/// step, into `acc[t * CB * CB_ROWS + row]`.
+// The tile's registers are indexed [column block][activation row] throughout.
+#[allow(clippy::needless_range_loop)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile<K: LKind, const RT: usize>(
+    w: &[LCols; CB],
+    nb: usize,
+    a: *const u8,
+    stride: usize,
+    acc: *mut f32,
+) {
+    const W: usize = CB * CB_ROWS;
+    let ones = _mm256_set1_epi16(1);
+    let mut f: [[__m256; RT]; CB] = std::array::from_fn(|b| {
+        std::array::from_fn(|t| _mm256_loadu_ps(acc.add(t * W + b * CB_ROWS)))
+    });
+    for k in 0..nb {
+        // Q4_1: i16 sums of `maddubs`; Q8_0: i32 sums of `madd`.
+        let mut h = [[_mm256_setzero_si256(); RT]; CB];
+        for i in 0..8 {
+            let wv: [__m256i; CB] = std::array::from_fn(|b| w[b].q[k][i]);
+            for t in 0..RT {
+                let av = _mm256_set1_epi32(rd_u32(a.add(t * stride + 32 * k + 4 * i)) as i32);
+                for b in 0..CB {
+                    if K::SIGNED {
+                        let p = _mm256_maddubs_epi16(wv[b], _mm256_sign_epi8(av, w[b].s[k][i]));
+                        h[b][t] = _mm256_add_epi32(h[b][t], _mm256_madd_epi16(p, ones));
+                    } else {
+                        h[b][t] = _mm256_add_epi16(h[b][t], _mm256_maddubs_epi16(wv[b], av));
+                    }
+                    chain(&mut h[b][t]);
+                }
+            }
+        }
+        for t in 0..RT {
+            let at = a.add(t * stride);
+            let dx = _mm256_broadcast_ss(&*(at.add(OFF_D + 4 * k) as *const f32));
+            for b in 0..CB {
+                let isum = if K::SIGNED {
+                    h[b][t]
+                } else {
+                    _mm256_madd_epi16(h[b][t], ones)
+                };
+                let sc = _mm256_mul_ps(w[b].d[k], dx);
+                f[b][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sc, f[b][t]);
+                if K::MINS {
+                    let sx = _mm256_broadcast_ss(&*(at.add(OFF_S + 4 * k) as *const f32));
+                    f[b][t] = _mm256_fmadd_ps(w[b].m[k], sx, f[b][t]);
+                }
+            }
+        }
+    }
+    for b in 0..CB {
+        for t in 0..RT {
+            _mm256_storeu_ps(acc.add(t * W + b * CB_ROWS), f[b][t]);
+        }
+    }
+}
+
+/// Legacy rows `[r0, r1)` against `n_tok` natural records on column tiles: per block of
+/// `CB × CB_ROWS` output rows and up to `T_CAP` activation rows, each group unpacked once into
+/// column order and dotted with the activation rows `CT` at a time. A partial last group (rows
+/// of `n_in % 256` elements) has fewer blocks; no block past a row's end is read.
+#[inline(never)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_l_cols<K: LKind>(
+    w: &QMatrix,
+    act: *const u8,
+    stride: usize,
+    n_tok: usize,
+    r0: usize,
+    r1: usize,
+    y: YPtr,
+) {
+    const W: usize = CB * CB_ROWS;
+    let rb = w.row_bytes();
+    let n_blocks = w.n_in / 32;
+    let n_groups = n_blocks.div_ceil(BLOCKS);
+    let gbytes = BLOCKS * K::BB;
+    let mut cols: [LCols; CB] = std::mem::zeroed();
+    let mut acc = [0f32; T_CAP * W]; // [activation row, output row of the block]
+    let mut t0 = 0;
+    while t0 < n_tok {
+        let nt = (n_tok - t0).min(T_CAP);
+        let ab = act.add(t0 * stride);
+        let mut o0 = r0;
+        while o0 < r1 {
+            let n_c = (r1 - o0).min(W);
+            acc[..nt * W].fill(0.0);
+            for g in 0..n_groups {
+                let nb = (n_blocks - g * BLOCKS).min(BLOCKS);
+                for (b, cb) in cols.iter_mut().enumerate() {
+                    let p: [*const u8; CB_ROWS] = std::array::from_fn(|c| {
+                        let o = o0 + b * CB_ROWS + c;
+                        if o < o0 + n_c {
+                            let at = w.data.as_ptr().add(o * rb + g * gbytes);
+                            // The same group of the next column block (its rows are the next
+                            // `W * rb` bytes).
+                            prefetch_block(at.wrapping_add(W * rb), nb * K::BB);
+                            at
+                        } else {
+                            ZERO_GROUP.as_ptr()
+                        }
+                    });
+                    for k in 0..nb {
+                        K::build_block(&p, k, cb);
+                    }
+                }
+                let ag = ab.add(g * REC);
+                let accp = acc.as_mut_ptr();
+                let mut t = 0;
+                while t + CT <= nt {
+                    tile::<K, CT>(&cols, nb, ag.add(t * stride), stride, accp.add(t * W));
+                    t += CT;
+                }
+                let (at, ap) = (ag.add(t * stride), accp.add(t * W));
+                match nt - t {
+                    3 => tile::<K, 3>(&cols, nb, at, stride, ap),
+                    2 => tile::<K, 2>(&cols, nb, at, stride, ap),
+                    1 => tile::<K, 1>(&cols, nb, at, stride, ap),
+                    _ => {}
+                }
+            }
+            for t in 0..nt {
+                for c in 0..n_c {
+                    y.write(t0 + t, o0 + c, acc[t * W + c]);
+                }
+            }
+            o0 += n_c;
+        }
+        t0 += nt;
+    }
+}
+
+/// Q4_1 / Q8_0 rows `[r0, r1)` against natural records, any number of them.
+///
+/// # Safety
+/// The CPU must support AVX2/FMA/F16C; `act` holds `n_tok` records of `stride` bytes at `act`;
+/// `w` is a validated Q4_1 or Q8_0 matrix; `r1 <= w.n_out`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn legacy_cols(
+    w: &QMatrix,
+    act: *const u8,
+    stride: usize,
+    n_tok: usize,
+    r0: usize,
+    r1: usize,
+    y: YPtr,
+) {
+    match w.ty {
+        GgmlType::Q4_1 => rows_l_cols::<Q41>(w, act, stride, n_tok, r0, r1, y),
+        GgmlType::Q8_0 => rows_l_cols::<Q80>(w, act, stride, n_tok, r0, r1, y),
+        _ => debug_assert!(false, "legacy_cols: {}", w.ty),
+    }
+}
