@@ -10,11 +10,12 @@
 //! [288, 320) f32 s[8]       Q8_1: d * sum(q) per block (f16-rounded)
 //! [320, 352) i16 bsums[16]  Q8_K: sums of 16 consecutive q
 //! [352, 368) i16 bsums32[8] Q8_K: sums of 32 consecutive q (pairs of bsums)
-//! [368, 384) zero
+//! [352, 384) i32 qsum[8]    Q8_0/Q8_1: sum(q) per block, exact
+//! [368, 384) zero           Q8_K
 //! ```
 //!
-//! The AVX-512 kernels for the legacy 32-element types use a permuted record built from the natural
-//! one (see `x86_avx512`); K-quants use the natural record at every level.
+//! The AVX-512 kernels for Q4_0, Q5_0 and Q5_1 use a permuted record built from the natural one
+//! (see `x86_avx512`); every other type uses the natural record at every level.
 
 use super::formats::f16_round;
 use super::{GgmlType, KernelLevel};
@@ -25,6 +26,9 @@ pub(crate) const OFF_D: usize = 256;
 pub(crate) const OFF_S: usize = 288;
 pub(crate) const OFF_BS: usize = 320;
 pub(crate) const OFF_BS32: usize = 352;
+/// Q8_0/Q8_1 records: the exact i32 sums of each block's quantized values (where Q8_K records
+/// keep `bsums32`).
+pub(crate) const OFF_QSUM: usize = 352;
 
 /// The activation format a weight type is dotted with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,8 +64,11 @@ pub(crate) fn quantize_row(level: KernelLevel, ty: GgmlType, x: &[f32], out: &mu
     let kind = act_kind(ty);
     #[cfg(target_arch = "x86_64")]
     match level {
-        // The AVX-512 family's K-quant kernels read natural records (`x86_avx2::kcols512`).
-        KernelLevel::Avx512Vnni | KernelLevel::Amx if kind != ActKind::Q8K => {
+        // The AVX-512 family's lane kernels (Q4_0, Q5_0, Q5_1) read lane records; its column
+        // tiles (`x86_avx2::kcols512`, `x86_avx2::lcols512`) natural ones.
+        KernelLevel::Avx512Vnni | KernelLevel::Amx
+            if matches!(ty, GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q5_1) =>
+        {
             let mut nat = [0u8; REC];
             for (g, rec) in out.chunks_exact_mut(REC).enumerate() {
                 let xs = &x[g * GROUP..x.len().min((g + 1) * GROUP)];
@@ -102,6 +109,8 @@ pub(crate) fn quantize_group(kind: ActKind, x: &[f32], rec: &mut [u8]) {
                 let q: &mut [u8] = &mut qs[32 * b..32 * b + 32];
                 let (d, sum) = quantize_q8_block(xb, q);
                 put_f32(rest, OFF_D - GROUP + 4 * b, f16_round(d));
+                rest[OFF_QSUM - GROUP + 4 * b..OFF_QSUM - GROUP + 4 * b + 4]
+                    .copy_from_slice(&sum.to_le_bytes());
                 if kind == ActKind::Q8_1 {
                     put_f32(rest, OFF_S - GROUP + 4 * b, f16_round(d * sum as f32));
                 }

@@ -500,23 +500,35 @@ fn avx2_rows_bit_identical_to_single_row() {
     rows_bit_identical_to_single_row(KernelLevel::Avx2);
 }
 
-/// The AVX-512 family's K-quant kernels (512-bit column tiles, `x86_avx2::kcols512`) compute the
-/// AVX2 family's exact integers and float step: every output equals the AVX2 kernels' bit for bit,
-/// for Q4_K, Q5_K and Q6_K (raw random blocks: every scale, min and value pattern), activation
-/// rows on both sides of the tile sizes, and output rows that leave partial 16- and 32-row blocks.
+/// The AVX-512 family's column tiles (`x86_avx2::kcols512` for K-quants, `x86_avx2::lcols512` for
+/// Q4_1 and Q8_0) compute the AVX2 family's exact integers and float steps: every output equals
+/// the AVX2 kernels' bit for bit, for raw random blocks (every scale, min and value pattern; Q8_0
+/// values of -128 included), activation rows on both sides of the tile sizes, output rows that
+/// leave partial 16- and 32-row blocks, and legacy rows that end in a partial 256-element group.
 #[cfg(target_arch = "x86_64")]
 #[test]
-fn avx512_k_quants_bit_identical_to_avx2() {
+fn avx512_column_tiles_bit_identical_to_avx2() {
     if !levels().contains(&KernelLevel::Avx512Vnni) {
         skip_hardware(
-            "quant::avx512_k_quants_bit_identical_to_avx2",
+            "quant::avx512_column_tiles_bit_identical_to_avx2",
             "no AVX-512 VNNI",
         );
         return;
     }
     let mut rng = StdRng::seed_from_u64(23);
-    for ty in [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
-        for (n_out, n_in) in [(37usize, 256usize), (100, 2304), (16, 1024)] {
+    for ty in [
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+        GgmlType::Q4_1,
+        GgmlType::Q8_0,
+    ] {
+        let shapes: &[(usize, usize)] = if ty.block_elems() == 256 {
+            &[(37, 256), (100, 2304), (16, 1024)]
+        } else {
+            &[(37, 32), (100, 576), (16, 1024), (33, 2080)]
+        };
+        for &(n_out, n_in) in shapes {
             let data = random_matrix(&mut rng, ty, n_out, n_in, true);
             let w = QMatrix::new(ty, &data, n_out, n_in).unwrap();
             for n_tok in [1usize, 2, 3, 4, 5, 6, 7, 12, 13, 33, 64, 70] {

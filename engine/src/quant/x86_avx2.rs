@@ -38,6 +38,7 @@ use super::{GgmlType, QMatrix, YPtr};
 
 pub(crate) mod kcols512;
 mod lcols;
+pub(crate) mod lcols512;
 
 /// Accumulators (output row × activation row) kept per row tile.
 const ACC_CAP: usize = 256;

@@ -299,7 +299,6 @@ unsafe fn q5_high<const BB: usize>(p: *const u8, off_qh: usize, r: &mut [__m512i
 }
 
 struct Q40;
-struct Q41;
 struct Q50;
 struct Q51;
 struct Q80;
@@ -317,25 +316,6 @@ impl Kind for Q40 {
         let (r0, r1) = nibbles(load4x16(p.add(2), 18));
         let (r2, r3) = nibbles(load4x16(p.add(2 + 4 * 18), 18));
         let (ls, lm) = legacy_scales::<18>(p, None, &SIG_LEG, &SIG_LEG_M);
-        W {
-            y: transpose4([r0, r1, r2, r3]),
-            ls,
-            lm,
-        }
-    }
-}
-
-impl Kind for Q41 {
-    const OFFSET: bool = false;
-    const MINS: bool = true;
-    const BLOCKS: usize = 8;
-    const BB: usize = 20;
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn unpack(p: *const u8) -> W {
-        let (r0, r1) = nibbles(load4x16(p.add(4), 20));
-        let (r2, r3) = nibbles(load4x16(p.add(4 + 4 * 20), 20));
-        let (ls, lm) = legacy_scales::<20>(p, Some(2), &SIG_LEG, &SIG_LEG_M);
         W {
             y: transpose4([r0, r1, r2, r3]),
             ls,
@@ -667,10 +647,13 @@ pub(crate) unsafe fn quant_rows(
     let a = act.as_ptr();
     match w.ty {
         GgmlType::Q4_0 => rows::<Q40>(w, a, stride, n_tok, r0, r1, y),
-        GgmlType::Q4_1 => rows::<Q41>(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q5_0 => rows::<Q50>(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q5_1 => rows::<Q51>(w, a, stride, n_tok, r0, r1, y),
-        GgmlType::Q8_0 => rows::<Q80>(w, a, stride, n_tok, r0, r1, y),
+        // Q4_1 and Q8_0: natural records, the AVX2 family's exact integers and float steps on
+        // 512-bit column tiles (`x86_avx2::lcols512`).
+        GgmlType::Q4_1 | GgmlType::Q8_0 => {
+            super::x86_avx2::lcols512::legacy_rows16(w, act, stride, n_tok, r0, r1, y)
+        }
         // K-quants: natural records, the AVX2 family's exact integers and float step on 512-bit
         // column tiles (`x86_avx2::kcols512`).
         GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => {

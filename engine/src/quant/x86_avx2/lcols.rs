@@ -59,7 +59,7 @@ trait LKind {
 /// The f32 of the low 16 bits (an f16) of each 32-bit lane, in lane order.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f16_lanes(v: __m256i) -> __m256 {
+pub(super) unsafe fn f16_lanes(v: __m256i) -> __m256 {
     let lo = _mm256_and_si256(v, _mm256_set1_epi32(0xffff));
     let w = _mm256_packus_epi32(lo, lo); // [r0..r3 r0..r3 | r4..r7 r4..r7]
     _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b1000>(

@@ -1,0 +1,320 @@
+//! AVX-512 column tiles for Q4_1 and Q8_0 (the AVX-512 VNNI family): the AVX2 legacy column tiles ([`super::lcols`]) at 16 output rows per register, `vpdpbusd` into the exact i32 of each 32-element block, then the same f32 steps, so both families compute these rows bit for bit alike.
+//!
+//! `vpdpbusd` multiplies unsigned weight bytes by signed activations: Q4_1's nibbles are
+//! unsigned already; Q8_0's values are stored as `w + 128` (a flipped top bit) and the block sum
+//! becomes `Σ (w + 128)·a − 128·Σ a`, with `Σ a` the exact sum the activation record carries
+//! (`OFF_QSUM`). No i16 partial sums and no sign trick: one instruction per 64 products.
+
+use std::arch::x86_64::*;
+
+use super::lcols::f16_lanes;
+use super::{f16_cols, ld, prefetch_block, rd_u32, CB_ROWS};
+use crate::quant::act::{GROUP, OFF_D, OFF_QSUM, OFF_S, REC};
+use crate::quant::{GgmlType, QMatrix, YPtr};
+
+/// Output rows of one 512-bit column block (one i32 lane each).
+const ROWS: usize = 2 * CB_ROWS;
+/// 32-element blocks of one activation record.
+const BLOCKS: usize = GROUP / 32;
+/// Column blocks of a tile.
+const CB: usize = 2;
+/// Activation rows of a tile: `CB × CT` running sums and as many f32 accumulators stay in
+/// registers (24 of 32).
+const CT: usize = 6;
+/// Activation rows whose f32 accumulators a column pass keeps (`T_CAP × CB × ROWS` floats).
+const T_CAP: usize = 64;
+
+/// Zero bytes standing in for output rows past the end of a column block (a whole Q8_0 group).
+static ZERO_GROUP: [u8; BLOCKS * 34] = [0; BLOCKS * 34];
+
+/// A legacy group of 16 output rows in column order.
+#[repr(C, align(64))]
+struct LCols16 {
+    /// `q[k][i]`, lane `c`: the four unsigned values of elements `4i .. 4i + 4` of block `k` of
+    /// row `c` (Q4_1: the nibbles, `i ≥ 4` the high ones, elements `16 + 4(i − 4) ..`; Q8_0:
+    /// `w + 128`).
+    q: [[__m512i; 8]; BLOCKS],
+    d: [__m512; BLOCKS],
+    m: [__m512; BLOCKS],
+}
+
+/// A legacy type on 512-bit column tiles.
+trait LKind16 {
+    const BB: usize;
+    /// Q4_1: `w = d·q + m`, with activation block sums.
+    const MINS: bool;
+    /// Q8_0: values stored offset by 128.
+    const OFFSET: bool;
+    /// Unpacks block `k` of the groups at `p[c]` into `out`.
+    unsafe fn build_block(p: &[*const u8; ROWS], k: usize, out: &mut LCols16);
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn join_ps(lo: __m256, hi: __m256) -> __m512 {
+    _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+        _mm512_castpd256_pd512(_mm256_castps_pd(lo)),
+        _mm256_castps_pd(hi),
+    ))
+}
+
+/// The dwords at `p[c]` of eight rows, in lane order.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn dwords8(p: &[*const u8]) -> __m256i {
+    let v = |c: usize| rd_u32(p[c]) as i32;
+    _mm256_setr_epi32(v(0), v(1), v(2), v(3), v(4), v(5), v(6), v(7))
+}
+
+struct Q41;
+struct Q80;
+
+impl LKind16 for Q41 {
+    const BB: usize = 20;
+    const MINS: bool = true;
+    const OFFSET: bool = false;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn build_block(p: &[*const u8; ROWS], k: usize, out: &mut LCols16) {
+        let at: [*const u8; ROWS] = std::array::from_fn(|c| p[c].add(Self::BB * k));
+        let x = |c: usize| _mm_loadu_si128(at[c].add(4) as *const __m128i);
+        // 128-bit lane L of y[c] holds row c + 4L: a 4 × 4 dword transpose per lane.
+        let y: [__m512i; 4] = std::array::from_fn(|c| {
+            let v = _mm512_castsi128_si512(x(c));
+            let v = _mm512_inserti32x4::<1>(v, x(c + 4));
+            let v = _mm512_inserti32x4::<2>(v, x(c + 8));
+            _mm512_inserti32x4::<3>(v, x(c + 12))
+        });
+        let t0 = _mm512_unpacklo_epi32(y[0], y[1]);
+        let t1 = _mm512_unpackhi_epi32(y[0], y[1]);
+        let t2 = _mm512_unpacklo_epi32(y[2], y[3]);
+        let t3 = _mm512_unpackhi_epi32(y[2], y[3]);
+        let dw = [
+            _mm512_unpacklo_epi64(t0, t2),
+            _mm512_unpackhi_epi64(t0, t2),
+            _mm512_unpacklo_epi64(t1, t3),
+            _mm512_unpackhi_epi64(t1, t3),
+        ];
+        let m4 = _mm512_set1_epi8(0x0F);
+        for (j, v) in dw.iter().enumerate() {
+            out.q[k][j] = _mm512_and_si512(*v, m4);
+            out.q[k][4 + j] = _mm512_and_si512(_mm512_srli_epi16::<4>(*v), m4);
+        }
+        let (lo, hi) = (dwords8(&at[..CB_ROWS]), dwords8(&at[CB_ROWS..]));
+        out.d[k] = join_ps(f16_lanes(lo), f16_lanes(hi));
+        out.m[k] = join_ps(
+            f16_lanes(_mm256_srli_epi32::<16>(lo)),
+            f16_lanes(_mm256_srli_epi32::<16>(hi)),
+        );
+    }
+}
+
+impl LKind16 for Q80 {
+    const BB: usize = 34;
+    const MINS: bool = false;
+    const OFFSET: bool = true;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn build_block(p: &[*const u8; ROWS], k: usize, out: &mut LCols16) {
+        let at: [*const u8; ROWS] = std::array::from_fn(|c| p[c].add(Self::BB * k));
+        // The 256-bit half H of r[c] holds row c + 8H: the AVX2 8 × 8 dword transpose per half.
+        let r: [__m512i; 8] = std::array::from_fn(|c| {
+            _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(ld(at[c].add(2))),
+                ld(at[c + 8].add(2)),
+            )
+        });
+        let t: [__m512i; 8] = std::array::from_fn(|i| {
+            let (a, b) = (r[i & !1], r[i | 1]);
+            if i % 2 == 0 {
+                _mm512_unpacklo_epi32(a, b)
+            } else {
+                _mm512_unpackhi_epi32(a, b)
+            }
+        });
+        // u[4h + m]: from t[4h + (m / 2)] and t[4h + 2 + (m / 2)], low (m even) or high qwords.
+        let u: [__m512i; 8] = std::array::from_fn(|i| {
+            let (h, m) = (i / 4, i % 4);
+            let (a, b) = (t[4 * h + m / 2], t[4 * h + 2 + m / 2]);
+            if m % 2 == 0 {
+                _mm512_unpacklo_epi64(a, b)
+            } else {
+                _mm512_unpackhi_epi64(a, b)
+            }
+        });
+        // Per 256-bit half: the low 128 bits of u[m] and u[4 + m] (dword m), or the high ones
+        // (dword 4 + m).
+        let lo_idx = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+        let hi_idx = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+        let flip = _mm512_set1_epi8(-128);
+        for m in 0..4 {
+            let lo = _mm512_permutex2var_epi64(u[m], lo_idx, u[4 + m]);
+            let hi = _mm512_permutex2var_epi64(u[m], hi_idx, u[4 + m]);
+            out.q[k][m] = _mm512_xor_si512(lo, flip);
+            out.q[k][4 + m] = _mm512_xor_si512(hi, flip);
+        }
+        let (lo, hi): ([*const u8; CB_ROWS], [*const u8; CB_ROWS]) = (
+            std::array::from_fn(|c| at[c]),
+            std::array::from_fn(|c| at[CB_ROWS + c]),
+        );
+        out.d[k] = join_ps(f16_cols(&lo, 0), f16_cols(&hi, 0));
+    }
+}
+
+/// The column tile: blocks `0..nb` of one group of `CB × ROWS` output rows against `RT`
+/// activation rows (natural records at `a + t * stride`), each block's exact i32 sums and the
+/// AVX2 tiles' f32 steps, into `acc[t * CB * ROWS + row]`.
+// The tile's registers are indexed [column block][activation row] throughout.
+#[allow(clippy::needless_range_loop)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn tile16<K: LKind16, const RT: usize>(
+    w: &[LCols16; CB],
+    nb: usize,
+    a: *const u8,
+    stride: usize,
+    acc: *mut f32,
+) {
+    const W: usize = CB * ROWS;
+    let mut f: [[__m512; RT]; CB] = std::array::from_fn(|b| {
+        std::array::from_fn(|t| _mm512_loadu_ps(acc.add(t * W + b * ROWS)))
+    });
+    for k in 0..nb {
+        let mut h = [[_mm512_setzero_si512(); RT]; CB];
+        for i in 0..8 {
+            let wv: [__m512i; CB] = std::array::from_fn(|b| w[b].q[k][i]);
+            for t in 0..RT {
+                let av = _mm512_set1_epi32(rd_u32(a.add(t * stride + 32 * k + 4 * i)) as i32);
+                for b in 0..CB {
+                    h[b][t] = _mm512_dpbusd_epi32(h[b][t], wv[b], av);
+                }
+            }
+        }
+        for t in 0..RT {
+            let at = a.add(t * stride);
+            let dx = _mm512_set1_ps(*(at.add(OFF_D + 4 * k) as *const f32));
+            let off = _mm512_set1_epi32(128 * *(at.add(OFF_QSUM + 4 * k) as *const i32));
+            for b in 0..CB {
+                let isum = if K::OFFSET {
+                    _mm512_sub_epi32(h[b][t], off)
+                } else {
+                    h[b][t]
+                };
+                let sc = _mm512_mul_ps(w[b].d[k], dx);
+                f[b][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, f[b][t]);
+                if K::MINS {
+                    let sx = _mm512_set1_ps(*(at.add(OFF_S + 4 * k) as *const f32));
+                    f[b][t] = _mm512_fmadd_ps(w[b].m[k], sx, f[b][t]);
+                }
+            }
+        }
+    }
+    for b in 0..CB {
+        for t in 0..RT {
+            _mm512_storeu_ps(acc.add(t * W + b * ROWS), f[b][t]);
+        }
+    }
+}
+
+/// Legacy rows `[r0, r1)` against `n_tok` natural records on 512-bit column tiles (the AVX2
+/// `rows_l_cols` at 16 rows per register).
+#[inline(never)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn rows_l_cols16<K: LKind16>(
+    w: &QMatrix,
+    act: *const u8,
+    stride: usize,
+    n_tok: usize,
+    r0: usize,
+    r1: usize,
+    y: YPtr,
+) {
+    const W: usize = CB * ROWS;
+    let rb = w.row_bytes();
+    let n_blocks = w.n_in / 32;
+    let n_groups = n_blocks.div_ceil(BLOCKS);
+    let gbytes = BLOCKS * K::BB;
+    let mut cols: [LCols16; CB] = std::mem::zeroed();
+    let mut acc = [0f32; T_CAP * W]; // [activation row, output row of the block]
+    let mut t0 = 0;
+    while t0 < n_tok {
+        let nt = (n_tok - t0).min(T_CAP);
+        let ab = act.add(t0 * stride);
+        let mut o0 = r0;
+        while o0 < r1 {
+            let n_c = (r1 - o0).min(W);
+            acc[..nt * W].fill(0.0);
+            for g in 0..n_groups {
+                let nb = (n_blocks - g * BLOCKS).min(BLOCKS);
+                for (b, cb) in cols.iter_mut().enumerate() {
+                    let p: [*const u8; ROWS] = std::array::from_fn(|c| {
+                        let o = o0 + b * ROWS + c;
+                        if o < o0 + n_c {
+                            let at = w.data.as_ptr().add(o * rb + g * gbytes);
+                            prefetch_block(at.wrapping_add(W * rb), nb * K::BB);
+                            at
+                        } else {
+                            ZERO_GROUP.as_ptr()
+                        }
+                    });
+                    for k in 0..nb {
+                        K::build_block(&p, k, cb);
+                    }
+                }
+                let ag = ab.add(g * REC);
+                let accp = acc.as_mut_ptr();
+                let mut t = 0;
+                while t + CT <= nt {
+                    tile16::<K, CT>(&cols, nb, ag.add(t * stride), stride, accp.add(t * W));
+                    t += CT;
+                }
+                let (at, ap) = (ag.add(t * stride), accp.add(t * W));
+                match nt - t {
+                    5 => tile16::<K, 5>(&cols, nb, at, stride, ap),
+                    4 => tile16::<K, 4>(&cols, nb, at, stride, ap),
+                    3 => tile16::<K, 3>(&cols, nb, at, stride, ap),
+                    2 => tile16::<K, 2>(&cols, nb, at, stride, ap),
+                    1 => tile16::<K, 1>(&cols, nb, at, stride, ap),
+                    _ => {}
+                }
+            }
+            for t in 0..nt {
+                for c in 0..n_c {
+                    y.write(t0 + t, o0 + c, acc[t * W + c]);
+                }
+            }
+            o0 += n_c;
+        }
+        t0 += nt;
+    }
+}
+
+/// The AVX-512 family's Q4_1 / Q8_0 rows `[r0, r1)` against natural records, any number of them
+/// (the AVX2 family's bits): 512-bit tiles from two rows, the AVX2 tiles for one.
+///
+/// # Safety
+/// The CPU must support AVX-512 F/BW/VL/VNNI and AVX2/FMA/F16C; `act` holds `n_tok` natural
+/// records of `stride` bytes; `w` is a validated Q4_1 or Q8_0 matrix; `r1 <= w.n_out`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn legacy_rows16(
+    w: &QMatrix,
+    act: &[u8],
+    stride: usize,
+    n_tok: usize,
+    r0: usize,
+    r1: usize,
+    y: YPtr,
+) {
+    debug_assert!(act.len() >= n_tok * stride);
+    let a = act.as_ptr();
+    if n_tok == 1 {
+        // One row (decoding) streams the weights once: the AVX2 tiles' lighter unpack of eight
+        // rows measured as fast or faster there (same bits).
+        return super::lcols::legacy_cols(w, a, stride, n_tok, r0, r1, y);
+    }
+    match w.ty {
+        GgmlType::Q4_1 => rows_l_cols16::<Q41>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q8_0 => rows_l_cols16::<Q80>(w, a, stride, n_tok, r0, r1, y),
+        _ => debug_assert!(false, "legacy_rows16: {}", w.ty),
+    }
+}
