@@ -18,7 +18,7 @@
 //! * The AVX-512 family computes the same integers and float step on 512-bit column tiles of 16
 //!   output rows per register with `vpdpbusd` ([`kcols512`]), so the two families agree bit for bit
 //!   on K-quants.
-//! * More rows: **column tiles** (`rows_k_cols`). Each 256-element group of 8 output rows is
+//! * More rows: **column tiles** (`KTiles` on the driver `column_rows`). Each 256-element group of 8 output rows is
 //!   transposed once into 64 registers whose 32-bit lane `c` holds four consecutive values of row
 //!   `c` (the value registers are transposed before unpacking: every unpack step works byte by
 //!   byte, so it commutes with the transpose), with its scales spread by `pshufb` into matching
@@ -31,6 +31,7 @@
 //!   float step runs on 8 rows at once without a horizontal sum.
 
 use std::arch::x86_64::*;
+use std::marker::PhantomData;
 
 use super::act::{self, ActKind, GROUP, OFF_BS, OFF_BS32, OFF_D, OFF_S, REC};
 use super::x86_avx512::k4_sc_m8;
@@ -383,7 +384,7 @@ unsafe fn rows_legacy<K: LegacyKind>(
 // K-quants: exact integer sums per (output row, activation row, group), one float step
 // ---------------------------------------------------------------------------------------------
 
-/// Fewest activation rows for which K-quant matmuls run on the column tiles (`rows_k_cols`, and
+/// Fewest activation rows for which K-quant matmuls run on the column tiles (`KTiles`, and
 /// the AVX-512 family's `kcols512`); a single row (decoding: weights streamed from DRAM once)
 /// uses `rows_k_nat`, which measured faster in the model there. Two and three rows measured
 /// faster on the tiles (Q4_K 1536 × 8960, AVX2: 0.36-0.45 against 0.75-0.78 ms at 2 rows,
@@ -426,7 +427,7 @@ struct KNat {
 }
 
 /// A K-quant type: its block, the natural-order unpack (`rows_k_nat`) and what the column
-/// tiles need (`rows_k_cols`).
+/// tiles need (`KTiles`).
 trait KKind {
     const BB: usize;
     const K6: bool;
@@ -768,8 +769,6 @@ const CB_ROWS: usize = 8;
 const CB: usize = 2;
 /// Activation rows of a column tile.
 const CT: usize = 4;
-/// Activation rows whose f32 accumulators a column pass keeps (`T_CAP × CB × CB_ROWS` floats).
-const T_CAP: usize = 64;
 
 /// A K-quant group of eight output rows, column-interleaved: register `q[j][i]` holds in its
 /// 32-bit lane `c` the four values of elements `32j + 4i .. 32j + 4i + 4` of output row `c`, so
@@ -789,9 +788,6 @@ struct KCols {
     /// −dmin (Q4_K/Q5_K).
     ndmin: __m256,
 }
-
-/// An all-zero block standing in for output rows past the end of a column block.
-static ZERO_BLOCK: [u8; 256] = [0; 256];
 
 /// `pshufb` controls spreading bytes of every 32-bit lane into its two 16-bit halves,
 /// zero-extended: `[e]` for `e < 4` puts byte `e` in both (a scale), `[4 + h]` bytes `2h` and
@@ -1038,12 +1034,99 @@ unsafe fn chain(v: &mut __m256i) {
     );
 }
 
-/// K-quant rows `[r0, r1)` against `n_tok` natural records on column tiles: per block of
-/// `CB × CB_ROWS` output rows and up to `T_CAP` activation rows, each group unpacked once into
-/// column order and dotted with the activation rows `CT` at a time.
-#[inline(never)]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_k_cols<K: KKind>(
+/// The AVX2 K-quant column tiles: `CB` blocks of eight output rows, `CT` activation rows.
+struct KTiles<K>(PhantomData<K>);
+
+impl<K: KKind> ColumnTiles for KTiles<K> {
+    const W: usize = CB * CB_ROWS;
+    const BLOCK_ROWS: usize = CB_ROWS;
+    const CT: usize = CT;
+    const GROUP_BYTES: usize = K::BB;
+    type Cols = [KCols; CB];
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn build(p: &[*const u8], b: usize, _nb: usize, cols: &mut [KCols; CB]) {
+        build_cols::<K>(&std::array::from_fn(|c| p[c]), &mut cols[b]);
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile(cols: &[KCols; CB], _nb: usize, a: *const u8, stride: usize, acc: *mut f32) {
+        tile_cols::<K, CT>(cols, a, stride, acc)
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile_tail(
+        cols: &[KCols; CB],
+        _nb: usize,
+        rt: usize,
+        a: *const u8,
+        stride: usize,
+        acc: *mut f32,
+    ) {
+        match rt {
+            3 => tile_cols::<K, 3>(cols, a, stride, acc),
+            2 => tile_cols::<K, 2>(cols, a, stride, acc),
+            _ => tile_cols::<K, 1>(cols, a, stride, acc),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The column-tile driver (K-quants, Q4_1 and Q8_0, in both families)
+// ---------------------------------------------------------------------------------------------
+
+/// Output rows of the widest column pass (`kcols512`, `lcols512`: 2 × 16).
+const MAX_W: usize = 32;
+/// Activation rows whose f32 accumulators a column pass keeps (`T_CAP × W` floats).
+const T_CAP: usize = 64;
+/// Zero bytes standing in for output rows past the end of a pass (a whole group of every type,
+/// Q8_0's 272 bytes included, and `kcols512`'s 64-byte loads).
+static ZERO_GROUP: [u8; 512] = [0; 512];
+
+/// A column-tile kernel: each pass over `W` output rows unpacks every weight group of those rows
+/// once (`build`) and dots it with the activation rows, up to `CT` at a time (`tile`).
+trait ColumnTiles {
+    /// Output rows of one pass (at most [`MAX_W`]).
+    const W: usize;
+    /// Output rows of one column block (`W / BLOCK_ROWS` blocks per pass, unpacked one by one).
+    const BLOCK_ROWS: usize;
+    /// Activation rows of a full tile.
+    const CT: usize;
+    /// Weight bytes of one whole 256-element group of a row.
+    const GROUP_BYTES: usize;
+    /// A group of the pass's rows, unpacked.
+    type Cols;
+    /// Unpacks the first `nb` 32-element blocks of the groups at `p[c]` into column block `b`
+    /// (`BLOCK_ROWS` output rows; rows past the end point at zeros).
+    unsafe fn build(p: &[*const u8], b: usize, nb: usize, cols: &mut Self::Cols);
+    /// Dots the first `nb` blocks of `cols` with `CT` natural records at `a + t * stride`, adding
+    /// into `acc[t * W + row]`.
+    unsafe fn tile(cols: &Self::Cols, nb: usize, a: *const u8, stride: usize, acc: *mut f32);
+    /// As `tile` for the last `rt < CT` records.
+    unsafe fn tile_tail(
+        cols: &Self::Cols,
+        nb: usize,
+        rt: usize,
+        a: *const u8,
+        stride: usize,
+        acc: *mut f32,
+    );
+    /// Software prefetch while the group at `at` (group `g` of `n_groups`, `nb` blocks, rows of
+    /// `rb` bytes) is unpacked: by default the same group of the next pass, whose rows are the
+    /// next `W * rb` bytes (a whole pass ahead, whatever the row length).
+    #[inline(always)]
+    unsafe fn prefetch(at: *const u8, _g: usize, _n_groups: usize, rb: usize, nb: usize) {
+        prefetch_block(at.wrapping_add(Self::W * rb), nb * Self::GROUP_BYTES / 8);
+    }
+}
+
+/// Rows `[r0, r1)` of `w` against `n_tok` natural records on the column tiles `T`: per pass of
+/// `T::W` output rows and up to `T_CAP` activation rows, each weight group unpacked once and
+/// dotted with the activation rows `T::CT` at a time. Rows of `n_in % 256` elements (legacy types)
+/// end in a group of fewer blocks; no block past a row's end is read. Inlined into each family's
+/// `#[target_feature]` entry point ([`columns_avx2`], `kcols512::columns_avx512`).
+#[inline(always)]
+unsafe fn column_rows<T: ColumnTiles, const ACC: usize>(
     w: &QMatrix,
     act: *const u8,
     stride: usize,
@@ -1052,59 +1135,78 @@ unsafe fn rows_k_cols<K: KKind>(
     r1: usize,
     y: YPtr,
 ) {
-    const W: usize = CB * CB_ROWS;
     let rb = w.row_bytes();
-    let n_groups = w.n_in / GROUP;
-    let mut cols: [KCols; CB] = std::mem::zeroed();
-    let mut acc = [0f32; T_CAP * W]; // [activation row, output row of the block]
+    let n_blocks = w.n_in / 32;
+    let n_groups = n_blocks.div_ceil(GROUP / 32);
+    let mut cols: T::Cols = std::mem::zeroed();
+    debug_assert!(ACC == T_CAP * T::W);
+    let mut acc = [0f32; ACC]; // [activation row, output row of the pass]
+    let mut p = [ZERO_GROUP.as_ptr(); MAX_W / 2];
     let mut t0 = 0;
     while t0 < n_tok {
         let nt = (n_tok - t0).min(T_CAP);
         let ab = act.add(t0 * stride);
         let mut o0 = r0;
         while o0 < r1 {
-            let n_c = (r1 - o0).min(W);
-            acc[..nt * W].fill(0.0);
+            let n_c = (r1 - o0).min(T::W);
+            acc[..nt * T::W].fill(0.0);
             for g in 0..n_groups {
-                for (b, cb) in cols.iter_mut().enumerate() {
-                    let p: [*const u8; CB_ROWS] = std::array::from_fn(|c| {
-                        let o = o0 + b * CB_ROWS + c;
-                        if o < o0 + n_c {
-                            let at = w.data.as_ptr().add(o * rb + g * K::BB);
-                            // The same group of the next column block (its rows are the next
-                            // `W * rb` bytes): a whole block ahead, whatever the row length.
-                            prefetch_block(at.wrapping_add(W * rb), K::BB);
+                let nb = (n_blocks - g * (GROUP / 32)).min(GROUP / 32);
+                for b in 0..T::W / T::BLOCK_ROWS {
+                    for (i, pc) in p[..T::BLOCK_ROWS].iter_mut().enumerate() {
+                        let c = b * T::BLOCK_ROWS + i;
+                        *pc = if c < n_c {
+                            let at = w.data.as_ptr().add((o0 + c) * rb + g * T::GROUP_BYTES);
+                            T::prefetch(at, g, n_groups, rb, nb);
                             at
                         } else {
-                            ZERO_BLOCK.as_ptr()
-                        }
-                    });
-                    build_cols::<K>(&p, cb);
+                            ZERO_GROUP.as_ptr()
+                        };
+                    }
+                    T::build(&p[..T::BLOCK_ROWS], b, nb, &mut cols);
                 }
                 let ag = ab.add(g * REC);
                 let accp = acc.as_mut_ptr();
                 let mut t = 0;
-                while t + CT <= nt {
-                    tile_cols::<K, CT>(&cols, ag.add(t * stride), stride, accp.add(t * W));
-                    t += CT;
+                while t + T::CT <= nt {
+                    T::tile(&cols, nb, ag.add(t * stride), stride, accp.add(t * T::W));
+                    t += T::CT;
                 }
-                let (at, ap) = (ag.add(t * stride), accp.add(t * W));
-                match nt - t {
-                    3 => tile_cols::<K, 3>(&cols, at, stride, ap),
-                    2 => tile_cols::<K, 2>(&cols, at, stride, ap),
-                    1 => tile_cols::<K, 1>(&cols, at, stride, ap),
-                    _ => {}
+                if t < nt {
+                    T::tile_tail(
+                        &cols,
+                        nb,
+                        nt - t,
+                        ag.add(t * stride),
+                        stride,
+                        accp.add(t * T::W),
+                    );
                 }
             }
             for t in 0..nt {
                 for c in 0..n_c {
-                    y.write(t0 + t, o0 + c, acc[t * W + c]);
+                    y.write(t0 + t, o0 + c, acc[t * T::W + c]);
                 }
             }
             o0 += n_c;
         }
         t0 += nt;
     }
+}
+
+/// [`column_rows`] compiled for the AVX2 family.
+#[inline(never)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn columns_avx2<T: ColumnTiles>(
+    w: &QMatrix,
+    act: *const u8,
+    stride: usize,
+    n_tok: usize,
+    r0: usize,
+    r1: usize,
+    y: YPtr,
+) {
+    column_rows::<T, { T_CAP * CB * CB_ROWS }>(w, act, stride, n_tok, r0, r1, y)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1134,9 +1236,9 @@ pub(crate) unsafe fn quant_rows(
         GgmlType::Q4_1 | GgmlType::Q8_0 => lcols::legacy_cols(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q5_0 => rows_legacy::<Q50>(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q5_1 => rows_legacy::<Q51>(w, a, stride, n_tok, r0, r1, y),
-        GgmlType::Q4_K if cols => rows_k_cols::<Q4K>(w, a, stride, n_tok, r0, r1, y),
-        GgmlType::Q5_K if cols => rows_k_cols::<Q5K>(w, a, stride, n_tok, r0, r1, y),
-        GgmlType::Q6_K if cols => rows_k_cols::<Q6K>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q4_K if cols => columns_avx2::<KTiles<Q4K>>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q5_K if cols => columns_avx2::<KTiles<Q5K>>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q6_K if cols => columns_avx2::<KTiles<Q6K>>(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q4_K => rows_k_nat::<Q4K>(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q5_K => rows_k_nat::<Q5K>(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q6_K => rows_k_nat::<Q6K>(w, a, stride, n_tok, r0, r1, y),

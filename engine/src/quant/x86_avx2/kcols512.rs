@@ -10,12 +10,13 @@
 //! activation row runs the AVX2 natural-order kernel.
 
 use std::arch::x86_64::*;
+use std::marker::PhantomData;
 
 use super::{
-    prefetch_block, rd_u16, rd_u32, rows_k_nat, KCols, KKind, CB_ROWS, COLS_MIN_ROWS, Q4K, Q5K,
-    Q6K, ZERO_BLOCK,
+    column_rows, prefetch_block, rd_u16, rd_u32, rows_k_nat, ColumnTiles, KCols, KKind, CB_ROWS,
+    COLS_MIN_ROWS, Q4K, Q5K, Q6K, T_CAP,
 };
-use crate::quant::act::{GROUP, OFF_BS, OFF_BS32, OFF_D, REC};
+use crate::quant::act::{OFF_BS, OFF_BS32, OFF_D};
 use crate::quant::x86_avx512::transpose16;
 use crate::quant::{GgmlType, QMatrix, YPtr};
 
@@ -28,8 +29,6 @@ const CB: usize = 2;
 const CT: usize = 6;
 /// Software prefetch distance for the weight stream, in groups (in traversal order).
 const PREFETCH: usize = 3;
-/// Activation rows whose f32 accumulators a column pass keeps (`T_CAP × CB × ROWS` floats).
-const T_CAP: usize = 64;
 
 /// A K-quant group of 16 output rows in column order (`KCols` at 16 rows per register).
 #[repr(C, align(64))]
@@ -300,12 +299,70 @@ unsafe fn tile16<K: KCols16Kind, const RT: usize>(
     }
 }
 
-/// K-quant rows `[r0, r1)` against `n_tok` natural records on 512-bit column tiles: per block of
-/// `CB × ROWS` output rows and up to `T_CAP` activation rows, each group unpacked once and dotted
-/// with the activation rows `CT` at a time.
+/// A K-quant group of `CB × ROWS` output rows, unpacked (`half`: scratch for the scales built per
+/// eight rows by the AVX2 code).
+struct KPass16 {
+    half: [KCols; 2],
+    cols: [KCols16; CB],
+}
+
+/// The 512-bit K-quant column tiles: `CB` blocks of 16 output rows, `CT` activation rows.
+struct KTiles16<K>(PhantomData<K>);
+
+impl<K: KCols16Kind> ColumnTiles for KTiles16<K> {
+    const W: usize = CB * ROWS;
+    const BLOCK_ROWS: usize = ROWS;
+    const CT: usize = CT;
+    const GROUP_BYTES: usize = K::BB;
+    type Cols = KPass16;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn build(p: &[*const u8], b: usize, _nb: usize, pass: &mut KPass16) {
+        let pb: [*const u8; ROWS] = std::array::from_fn(|c| p[c]);
+        build_cols16::<K>(&pb, &mut pass.half, &mut pass.cols[b]);
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn tile(pass: &KPass16, _nb: usize, a: *const u8, stride: usize, acc: *mut f32) {
+        tile16::<K, CT>(&pass.cols, a, stride, acc)
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn tile_tail(
+        pass: &KPass16,
+        _nb: usize,
+        rt: usize,
+        a: *const u8,
+        stride: usize,
+        acc: *mut f32,
+    ) {
+        let w = &pass.cols;
+        match rt {
+            5 => tile16::<K, 5>(w, a, stride, acc),
+            4 => tile16::<K, 4>(w, a, stride, acc),
+            3 => tile16::<K, 3>(w, a, stride, acc),
+            2 => tile16::<K, 2>(w, a, stride, acc),
+            _ => tile16::<K, 1>(w, a, stride, acc),
+        }
+    }
+    /// `PREFETCH` groups ahead in traversal order: this pass's later groups, then the next pass's
+    /// first ones.
+    #[inline(always)]
+    unsafe fn prefetch(at: *const u8, g: usize, n_groups: usize, rb: usize, _nb: usize) {
+        let ahead = if g + PREFETCH < n_groups {
+            at.wrapping_add(PREFETCH * K::BB)
+        } else {
+            at.wrapping_add(Self::W * rb + PREFETCH * K::BB)
+                .wrapping_sub(n_groups * K::BB)
+        };
+        prefetch_block(ahead, K::BB);
+    }
+}
+
+/// The column-tile driver (`x86_avx2::column_rows`) compiled for the AVX-512 family.
 #[inline(never)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn rows_k_cols16<K: KCols16Kind>(
+pub(super) unsafe fn columns_avx512<T: ColumnTiles>(
     w: &QMatrix,
     act: *const u8,
     stride: usize,
@@ -314,68 +371,7 @@ unsafe fn rows_k_cols16<K: KCols16Kind>(
     r1: usize,
     y: YPtr,
 ) {
-    const W: usize = CB * ROWS;
-    let rb = w.row_bytes();
-    let n_groups = w.n_in / GROUP;
-    let mut half: [KCols; 2] = std::mem::zeroed();
-    let mut cols: [KCols16; CB] = std::mem::zeroed();
-    let mut acc = [0f32; T_CAP * W]; // [activation row, output row of the block]
-    let mut t0 = 0;
-    while t0 < n_tok {
-        let nt = (n_tok - t0).min(T_CAP);
-        let ab = act.add(t0 * stride);
-        let mut o0 = r0;
-        while o0 < r1 {
-            let n_c = (r1 - o0).min(W);
-            acc[..nt * W].fill(0.0);
-            for g in 0..n_groups {
-                for (b, cb) in cols.iter_mut().enumerate() {
-                    let p: [*const u8; ROWS] = std::array::from_fn(|c| {
-                        let o = o0 + b * ROWS + c;
-                        if o < o0 + n_c {
-                            let at = w.data.as_ptr().add(o * rb + g * K::BB);
-                            // `PREFETCH` groups ahead in traversal order (this block's later
-                            // groups, then the next block's first ones).
-                            let ahead = if g + PREFETCH < n_groups {
-                                at.wrapping_add(PREFETCH * K::BB)
-                            } else {
-                                at.wrapping_add(W * rb + PREFETCH * K::BB)
-                                    .wrapping_sub(n_groups * K::BB)
-                            };
-                            prefetch_block(ahead, K::BB);
-                            at
-                        } else {
-                            ZERO_BLOCK.as_ptr()
-                        }
-                    });
-                    build_cols16::<K>(&p, &mut half, cb);
-                }
-                let ag = ab.add(g * REC);
-                let accp = acc.as_mut_ptr();
-                let mut t = 0;
-                while t + CT <= nt {
-                    tile16::<K, CT>(&cols, ag.add(t * stride), stride, accp.add(t * W));
-                    t += CT;
-                }
-                let (at, ap) = (ag.add(t * stride), accp.add(t * W));
-                match nt - t {
-                    5 => tile16::<K, 5>(&cols, at, stride, ap),
-                    4 => tile16::<K, 4>(&cols, at, stride, ap),
-                    3 => tile16::<K, 3>(&cols, at, stride, ap),
-                    2 => tile16::<K, 2>(&cols, at, stride, ap),
-                    1 => tile16::<K, 1>(&cols, at, stride, ap),
-                    _ => {}
-                }
-            }
-            for t in 0..nt {
-                for c in 0..n_c {
-                    y.write(t0 + t, o0 + c, acc[t * W + c]);
-                }
-            }
-            o0 += n_c;
-        }
-        t0 += nt;
-    }
+    column_rows::<T, { T_CAP * CB * ROWS }>(w, act, stride, n_tok, r0, r1, y)
 }
 
 /// The AVX-512 family's K-quant rows `[r0, r1)` against natural records: 512-bit column tiles
@@ -399,9 +395,9 @@ pub(crate) unsafe fn k_rows(
     let a = act.as_ptr();
     let cols = n_tok >= COLS_MIN_ROWS;
     match w.ty {
-        GgmlType::Q4_K if cols => rows_k_cols16::<Q4K>(w, a, stride, n_tok, r0, r1, y),
-        GgmlType::Q5_K if cols => rows_k_cols16::<Q5K>(w, a, stride, n_tok, r0, r1, y),
-        GgmlType::Q6_K if cols => rows_k_cols16::<Q6K>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q4_K if cols => columns_avx512::<KTiles16<Q4K>>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q5_K if cols => columns_avx512::<KTiles16<Q5K>>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q6_K if cols => columns_avx512::<KTiles16<Q6K>>(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q4_K => rows_k_nat::<Q4K>(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q5_K => rows_k_nat::<Q5K>(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q6_K => rows_k_nat::<Q6K>(w, a, stride, n_tok, r0, r1, y),

@@ -14,9 +14,10 @@
 //! agrees with itself).
 
 use std::arch::x86_64::*;
+use std::marker::PhantomData;
 
-use super::{chain, f16_cols, ld, prefetch_block, rd_u32, transpose8_epi32, CB_ROWS};
-use crate::quant::act::{GROUP, OFF_D, OFF_S, REC};
+use super::{chain, columns_avx2, f16_cols, ld, rd_u32, transpose8_epi32, ColumnTiles, CB_ROWS};
+use crate::quant::act::{GROUP, OFF_D, OFF_S};
 use crate::quant::{GgmlType, QMatrix, YPtr};
 
 /// 32-element blocks of one activation record.
@@ -25,11 +26,6 @@ const BLOCKS: usize = GROUP / 32;
 const CB: usize = 2;
 /// Activation rows of a tile.
 const CT: usize = 4;
-/// Activation rows whose f32 accumulators a column pass keeps (`T_CAP × CB × CB_ROWS` floats).
-const T_CAP: usize = 64;
-
-/// Zero bytes standing in for output rows past the end of a column block (a whole Q8_0 group).
-static ZERO_GROUP: [u8; BLOCKS * 34] = [0; BLOCKS * 34];
 
 /// A legacy group of eight output rows in column order.
 #[repr(C, align(32))]
@@ -195,78 +191,43 @@ unsafe fn tile<K: LKind, const RT: usize>(
     }
 }
 
-/// Legacy rows `[r0, r1)` against `n_tok` natural records on column tiles: per block of
-/// `CB × CB_ROWS` output rows and up to `T_CAP` activation rows, each group unpacked once into
-/// column order and dotted with the activation rows `CT` at a time. A partial last group (rows
-/// of `n_in % 256` elements) has fewer blocks; no block past a row's end is read.
-#[inline(never)]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_l_cols<K: LKind>(
-    w: &QMatrix,
-    act: *const u8,
-    stride: usize,
-    n_tok: usize,
-    r0: usize,
-    r1: usize,
-    y: YPtr,
-) {
+/// The AVX2 legacy column tiles: `CB` blocks of eight output rows, `CT` activation rows.
+struct LTiles<K>(PhantomData<K>);
+
+impl<K: LKind> ColumnTiles for LTiles<K> {
     const W: usize = CB * CB_ROWS;
-    let rb = w.row_bytes();
-    let n_blocks = w.n_in / 32;
-    let n_groups = n_blocks.div_ceil(BLOCKS);
-    let gbytes = BLOCKS * K::BB;
-    let mut cols: [LCols; CB] = std::mem::zeroed();
-    let mut acc = [0f32; T_CAP * W]; // [activation row, output row of the block]
-    let mut t0 = 0;
-    while t0 < n_tok {
-        let nt = (n_tok - t0).min(T_CAP);
-        let ab = act.add(t0 * stride);
-        let mut o0 = r0;
-        while o0 < r1 {
-            let n_c = (r1 - o0).min(W);
-            acc[..nt * W].fill(0.0);
-            for g in 0..n_groups {
-                let nb = (n_blocks - g * BLOCKS).min(BLOCKS);
-                for (b, cb) in cols.iter_mut().enumerate() {
-                    let p: [*const u8; CB_ROWS] = std::array::from_fn(|c| {
-                        let o = o0 + b * CB_ROWS + c;
-                        if o < o0 + n_c {
-                            let at = w.data.as_ptr().add(o * rb + g * gbytes);
-                            // The same group of the next column block (its rows are the next
-                            // `W * rb` bytes).
-                            prefetch_block(at.wrapping_add(W * rb), nb * K::BB);
-                            at
-                        } else {
-                            ZERO_GROUP.as_ptr()
-                        }
-                    });
-                    for k in 0..nb {
-                        K::build_block(&p, k, cb);
-                    }
-                }
-                let ag = ab.add(g * REC);
-                let accp = acc.as_mut_ptr();
-                let mut t = 0;
-                while t + CT <= nt {
-                    tile::<K, CT>(&cols, nb, ag.add(t * stride), stride, accp.add(t * W));
-                    t += CT;
-                }
-                let (at, ap) = (ag.add(t * stride), accp.add(t * W));
-                match nt - t {
-                    3 => tile::<K, 3>(&cols, nb, at, stride, ap),
-                    2 => tile::<K, 2>(&cols, nb, at, stride, ap),
-                    1 => tile::<K, 1>(&cols, nb, at, stride, ap),
-                    _ => {}
-                }
-            }
-            for t in 0..nt {
-                for c in 0..n_c {
-                    y.write(t0 + t, o0 + c, acc[t * W + c]);
-                }
-            }
-            o0 += n_c;
+    const BLOCK_ROWS: usize = CB_ROWS;
+    const CT: usize = CT;
+    const GROUP_BYTES: usize = BLOCKS * K::BB;
+    type Cols = [LCols; CB];
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn build(p: &[*const u8], b: usize, nb: usize, cols: &mut [LCols; CB]) {
+        let pb: [*const u8; CB_ROWS] = std::array::from_fn(|c| p[c]);
+        for k in 0..nb {
+            K::build_block(&pb, k, &mut cols[b]);
         }
-        t0 += nt;
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile(cols: &[LCols; CB], nb: usize, a: *const u8, stride: usize, acc: *mut f32) {
+        tile::<K, CT>(cols, nb, a, stride, acc)
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile_tail(
+        cols: &[LCols; CB],
+        nb: usize,
+        rt: usize,
+        a: *const u8,
+        stride: usize,
+        acc: *mut f32,
+    ) {
+        match rt {
+            3 => tile::<K, 3>(cols, nb, a, stride, acc),
+            2 => tile::<K, 2>(cols, nb, a, stride, acc),
+            _ => tile::<K, 1>(cols, nb, a, stride, acc),
+        }
     }
 }
 
@@ -286,8 +247,8 @@ pub(super) unsafe fn legacy_cols(
     y: YPtr,
 ) {
     match w.ty {
-        GgmlType::Q4_1 => rows_l_cols::<Q41>(w, act, stride, n_tok, r0, r1, y),
-        GgmlType::Q8_0 => rows_l_cols::<Q80>(w, act, stride, n_tok, r0, r1, y),
+        GgmlType::Q4_1 => columns_avx2::<LTiles<Q41>>(w, act, stride, n_tok, r0, r1, y),
+        GgmlType::Q8_0 => columns_avx2::<LTiles<Q80>>(w, act, stride, n_tok, r0, r1, y),
         _ => debug_assert!(false, "legacy_cols: {}", w.ty),
     }
 }

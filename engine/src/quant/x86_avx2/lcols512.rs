@@ -6,10 +6,12 @@
 //! (`OFF_QSUM`). No i16 partial sums and no sign trick: one instruction per 64 products.
 
 use std::arch::x86_64::*;
+use std::marker::PhantomData;
 
+use super::kcols512::columns_avx512;
 use super::lcols::f16_lanes;
-use super::{f16_cols, ld, prefetch_block, rd_u32, CB_ROWS};
-use crate::quant::act::{GROUP, OFF_D, OFF_QSUM, OFF_S, REC};
+use super::{f16_cols, ld, rd_u32, ColumnTiles, CB_ROWS};
+use crate::quant::act::{GROUP, OFF_D, OFF_QSUM, OFF_S};
 use crate::quant::{GgmlType, QMatrix, YPtr};
 
 /// Output rows of one 512-bit column block (one i32 lane each).
@@ -21,11 +23,6 @@ const CB: usize = 2;
 /// Activation rows of a tile: `CB × CT` running sums and as many f32 accumulators stay in
 /// registers (24 of 32).
 const CT: usize = 6;
-/// Activation rows whose f32 accumulators a column pass keeps (`T_CAP × CB × ROWS` floats).
-const T_CAP: usize = 64;
-
-/// Zero bytes standing in for output rows past the end of a column block (a whole Q8_0 group).
-static ZERO_GROUP: [u8; BLOCKS * 34] = [0; BLOCKS * 34];
 
 /// A legacy group of 16 output rows in column order.
 #[repr(C, align(64))]
@@ -216,76 +213,45 @@ unsafe fn tile16<K: LKind16, const RT: usize>(
     }
 }
 
-/// Legacy rows `[r0, r1)` against `n_tok` natural records on 512-bit column tiles (the AVX2
-/// `rows_l_cols` at 16 rows per register).
-#[inline(never)]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn rows_l_cols16<K: LKind16>(
-    w: &QMatrix,
-    act: *const u8,
-    stride: usize,
-    n_tok: usize,
-    r0: usize,
-    r1: usize,
-    y: YPtr,
-) {
+/// The 512-bit legacy column tiles: `CB` blocks of 16 output rows, `CT` activation rows.
+struct LTiles16<K>(PhantomData<K>);
+
+impl<K: LKind16> ColumnTiles for LTiles16<K> {
     const W: usize = CB * ROWS;
-    let rb = w.row_bytes();
-    let n_blocks = w.n_in / 32;
-    let n_groups = n_blocks.div_ceil(BLOCKS);
-    let gbytes = BLOCKS * K::BB;
-    let mut cols: [LCols16; CB] = std::mem::zeroed();
-    let mut acc = [0f32; T_CAP * W]; // [activation row, output row of the block]
-    let mut t0 = 0;
-    while t0 < n_tok {
-        let nt = (n_tok - t0).min(T_CAP);
-        let ab = act.add(t0 * stride);
-        let mut o0 = r0;
-        while o0 < r1 {
-            let n_c = (r1 - o0).min(W);
-            acc[..nt * W].fill(0.0);
-            for g in 0..n_groups {
-                let nb = (n_blocks - g * BLOCKS).min(BLOCKS);
-                for (b, cb) in cols.iter_mut().enumerate() {
-                    let p: [*const u8; ROWS] = std::array::from_fn(|c| {
-                        let o = o0 + b * ROWS + c;
-                        if o < o0 + n_c {
-                            let at = w.data.as_ptr().add(o * rb + g * gbytes);
-                            prefetch_block(at.wrapping_add(W * rb), nb * K::BB);
-                            at
-                        } else {
-                            ZERO_GROUP.as_ptr()
-                        }
-                    });
-                    for k in 0..nb {
-                        K::build_block(&p, k, cb);
-                    }
-                }
-                let ag = ab.add(g * REC);
-                let accp = acc.as_mut_ptr();
-                let mut t = 0;
-                while t + CT <= nt {
-                    tile16::<K, CT>(&cols, nb, ag.add(t * stride), stride, accp.add(t * W));
-                    t += CT;
-                }
-                let (at, ap) = (ag.add(t * stride), accp.add(t * W));
-                match nt - t {
-                    5 => tile16::<K, 5>(&cols, nb, at, stride, ap),
-                    4 => tile16::<K, 4>(&cols, nb, at, stride, ap),
-                    3 => tile16::<K, 3>(&cols, nb, at, stride, ap),
-                    2 => tile16::<K, 2>(&cols, nb, at, stride, ap),
-                    1 => tile16::<K, 1>(&cols, nb, at, stride, ap),
-                    _ => {}
-                }
-            }
-            for t in 0..nt {
-                for c in 0..n_c {
-                    y.write(t0 + t, o0 + c, acc[t * W + c]);
-                }
-            }
-            o0 += n_c;
+    const BLOCK_ROWS: usize = ROWS;
+    const CT: usize = CT;
+    const GROUP_BYTES: usize = BLOCKS * K::BB;
+    type Cols = [LCols16; CB];
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn build(p: &[*const u8], b: usize, nb: usize, cols: &mut [LCols16; CB]) {
+        let pb: [*const u8; ROWS] = std::array::from_fn(|c| p[c]);
+        for k in 0..nb {
+            K::build_block(&pb, k, &mut cols[b]);
         }
-        t0 += nt;
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn tile(cols: &[LCols16; CB], nb: usize, a: *const u8, stride: usize, acc: *mut f32) {
+        tile16::<K, CT>(cols, nb, a, stride, acc)
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn tile_tail(
+        cols: &[LCols16; CB],
+        nb: usize,
+        rt: usize,
+        a: *const u8,
+        stride: usize,
+        acc: *mut f32,
+    ) {
+        match rt {
+            5 => tile16::<K, 5>(cols, nb, a, stride, acc),
+            4 => tile16::<K, 4>(cols, nb, a, stride, acc),
+            3 => tile16::<K, 3>(cols, nb, a, stride, acc),
+            2 => tile16::<K, 2>(cols, nb, a, stride, acc),
+            _ => tile16::<K, 1>(cols, nb, a, stride, acc),
+        }
     }
 }
 
@@ -313,8 +279,8 @@ pub(crate) unsafe fn legacy_rows16(
         return super::lcols::legacy_cols(w, a, stride, n_tok, r0, r1, y);
     }
     match w.ty {
-        GgmlType::Q4_1 => rows_l_cols16::<Q41>(w, a, stride, n_tok, r0, r1, y),
-        GgmlType::Q8_0 => rows_l_cols16::<Q80>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q4_1 => columns_avx512::<LTiles16<Q41>>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q8_0 => columns_avx512::<LTiles16<Q80>>(w, a, stride, n_tok, r0, r1, y),
         _ => debug_assert!(false, "legacy_rows16: {}", w.ty),
     }
 }
