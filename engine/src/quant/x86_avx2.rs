@@ -38,6 +38,7 @@ use super::x86_avx512::k4_sc_m8;
 use super::{GgmlType, QMatrix, YPtr};
 
 pub(crate) mod kcols512;
+mod knat512;
 mod lcols;
 pub(crate) mod lcols512;
 

@@ -15,10 +15,10 @@
 //! (built once per weight group) and per-lane activation scales `DX`. Weight offsets (Q4_0 −8, Q5_0 −16,
 //! Q8_0 −128, Q6_K −32) enter exactly as the integer start value `init = −offset · Σa` per lane.
 //!
-//! K-quants (Q4_K, Q5_K, Q6_K) of this family do not use these lane kernels: they run the AVX2
-//! family's exact-integer kernels on 512-bit column tiles (`x86_avx2::kcols512`, from two
-//! activation rows; one row runs the AVX2 natural-order kernel), which measured faster and give
-//! the AVX2 family's bits. The Q4_K/Q6_K lane unpacks
+//! K-quants, Q4_1 and Q8_0 of this family do not use these lane kernels: they run the AVX2
+//! family's exact-integer kernels at 512 bits (`x86_avx2::kcols512` and `x86_avx2::lcols512`:
+//! column tiles; one K-quant row: `x86_avx2::knat512`), which measured faster and give the AVX2
+//! family's bits. The lane kernels serve Q4_0, Q5_0 and Q5_1; the Q4_K/Q6_K/Q8_0 lane unpacks
 //! here serve the AMX-order kernels (`amx_order_rows`).
 //!
 //! Driver (`rows`): row tiles (≤ `ACC_CAP` accumulators) × k-blocks (activations of all rows in L1)

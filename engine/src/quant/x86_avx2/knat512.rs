@@ -1,0 +1,159 @@
+//! AVX-512 one-row K-quant kernel (Q4_K, Q6_K; decoding): the AVX2 natural-order kernel (`rows_k_nat`) at 512 bits, two 32-element sub-blocks per register, the same exact integers and `k_epilogue` step.
+//!
+//! `maddubs` then `madd` against the sub-blocks' scales, as `k_dot_nat`, on registers that hold
+//! sub-blocks `2c` and `2c + 1` (unpacked from one value register broadcast to both halves and
+//! shifted per half), so a group takes four of each instead of eight. The integers per (output
+//! row, group) are `k_dot_nat`'s, hence the AVX2 family's bits.
+
+use std::arch::x86_64::*;
+
+use super::{
+    f16_1, hsum_i32, k4_mins, k_epilogue, ld, prefetch_ahead, shuf_k4, shuf_k6, KKind, Q4K, Q6K,
+};
+use crate::quant::act::{GROUP, OFF_BS, OFF_D, REC};
+use crate::quant::x86_avx512::k4_sc_m8;
+use crate::quant::{QMatrix, YPtr};
+
+/// A K-quant group in natural order, two sub-blocks per register: `q[c]` = elements
+/// `64c .. 64c + 64`.
+pub(super) struct KNat16 {
+    q: [__m512i; 4],
+    /// The scale bytes, broadcast to every 128-bit lane (for the `pshufb` controls below).
+    scv: __m512i,
+    /// i16 factors of the 16 Q8_K block sums (as `KNat::bs`).
+    bs: __m256i,
+    d: f32,
+    dmin: f32,
+}
+
+/// The AVX2 scale controls of sub-blocks `2c` and `2c + 1`, side by side.
+const fn pairs(t: [[i8; 32]; 8]) -> [[i8; 64]; 4] {
+    let mut out = [[0i8; 64]; 4];
+    let mut c = 0;
+    while c < 4 {
+        let mut i = 0;
+        while i < 32 {
+            out[c][i] = t[2 * c][i];
+            out[c][32 + i] = t[2 * c + 1][i];
+            i += 1;
+        }
+        c += 1;
+    }
+    out
+}
+
+static SHUF_K4_2: [[i8; 64]; 4] = pairs(shuf_k4());
+static SHUF_K6_2: [[i8; 64]; 4] = pairs(shuf_k6());
+
+/// `[v | v >> s]`: `v` in the low 256 bits, `v` shifted right by `s` bits per 16-bit lane in the
+/// high ones (the caller masks the bytes).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn halves_shifted(v: __m256i, s: i16) -> __m512i {
+    let z = _mm512_broadcast_i64x4(v);
+    let counts = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(s));
+    _mm512_srlv_epi16(z, counts)
+}
+
+/// A K-quant type with a 512-bit natural-order unpack.
+pub(super) trait KNat512: KKind {
+    unsafe fn unpack16(p: *const u8) -> KNat16;
+}
+
+impl KNat512 for Q4K {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn unpack16(p: *const u8) -> KNat16 {
+        let (sc8, m8) = k4_sc_m8(p);
+        let m4 = _mm512_set1_epi8(0x0F);
+        // qs register c: sub-block 2c in its low nibbles, 2c + 1 in its high ones.
+        let q = std::array::from_fn(|c| {
+            _mm512_and_si512(halves_shifted(ld(p.add(16 + 32 * c)), 4), m4)
+        });
+        KNat16 {
+            q,
+            scv: _mm512_set1_epi64(sc8 as i64),
+            bs: k4_mins(m8),
+            d: f16_1(p),
+            dmin: f16_1(p.add(2)),
+        }
+    }
+}
+
+impl KNat512 for Q6K {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn unpack16(p: *const u8) -> KNat16 {
+        let m4 = _mm512_set1_epi8(0x0F);
+        let m3 = _mm512_set1_epi8(3);
+        let mut q = [_mm512_setzero_si512(); 4];
+        for h in 0..2 {
+            // ql: sub-blocks 4h, 4h + 1 in the low nibbles of 64 bytes, 4h + 2, 4h + 3 in the
+            // high ones; qh: their two high bits at bit pairs 0, 2 (and 4, 6) of 32 bytes.
+            let l = _mm512_loadu_si512(p.add(64 * h) as *const __m512i);
+            let qh = halves_shifted(ld(p.add(128 + 32 * h)), 2);
+            let hi = |v: __m512i| _mm512_slli_epi16::<4>(_mm512_and_si512(v, m3));
+            q[2 * h] = _mm512_or_si512(_mm512_and_si512(l, m4), hi(qh));
+            q[2 * h + 1] = _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi16::<4>(l), m4),
+                hi(_mm512_srli_epi16::<4>(qh)),
+            );
+        }
+        let scales = _mm_loadu_si128(p.add(192) as *const __m128i);
+        KNat16 {
+            q,
+            scv: _mm512_broadcast_i32x4(scales),
+            bs: _mm256_slli_epi16(_mm256_cvtepi8_epi16(scales), 5),
+            d: f16_1(p.add(208)),
+            dmin: 0.0,
+        }
+    }
+}
+
+/// Exact `(Σ q·sc·x, Σ bs·bsum)` of a group against the natural record at `a` (`k_dot_nat`'s).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn k_dot_nat16<K: KNat512>(w: &KNat16, a: *const u8) -> (i32, i32) {
+    let mut s = _mm512_setzero_si512();
+    for c in 0..4 {
+        let sc = if K::K6 {
+            let ctl = _mm512_loadu_si512(SHUF_K6_2[c].as_ptr() as *const __m512i);
+            _mm512_srai_epi16::<8>(_mm512_shuffle_epi8(w.scv, ctl))
+        } else {
+            let ctl = _mm512_loadu_si512(SHUF_K4_2[c].as_ptr() as *const __m512i);
+            _mm512_shuffle_epi8(w.scv, ctl)
+        };
+        let x = _mm512_loadu_si512(a.add(64 * c) as *const __m512i);
+        let p = _mm512_maddubs_epi16(w.q[c], x);
+        s = _mm512_add_epi32(s, _mm512_madd_epi16(p, sc));
+    }
+    let mm = _mm256_madd_epi16(w.bs, ld(a.add(OFF_BS)));
+    (_mm512_reduce_add_epi32(s), hsum_i32(mm))
+}
+
+/// K-quant rows `[r0, r1)` against one natural record (`rows_k_nat` at 512 bits).
+#[inline(never)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn rows_k_nat16<K: KNat512>(
+    w: &QMatrix,
+    act: *const u8,
+    r0: usize,
+    r1: usize,
+    y: YPtr,
+) {
+    let rb = w.row_bytes();
+    let n_groups = w.n_in / GROUP;
+    for o in r0..r1 {
+        let row = w.data.as_ptr().add(o * rb);
+        let mut acc = 0f32;
+        for g in 0..n_groups {
+            prefetch_ahead(row, g, K::BB);
+            let wg = K::unpack16(row.add(g * K::BB));
+            let at = act.add(g * REC);
+            let (s, m) = k_dot_nat16::<K>(&wg, at);
+            let dx = *(at.add(OFF_D) as *const f32);
+            acc = k_epilogue(K::K6, s, m, wg.d, wg.dmin, dx, acc);
+        }
+        y.write(0, o, acc);
+    }
+}
