@@ -711,6 +711,7 @@ fn timing() {
         (GgmlType::Q4_K, 1536usize, 8960usize),
         (GgmlType::Q4_K, 8960, 1536),
         (GgmlType::Q6_K, 1536, 8960),
+        (GgmlType::Q5_K, 1536, 8960),
         (GgmlType::Q8_0, 576, 1536),
         (GgmlType::Q4_1, 576, 1536),
         (GgmlType::Q4_1, 1536, 576),

@@ -7,15 +7,15 @@
 //! `madd`), and no horizontal sums. The exact integers per (output row, activation row, group)
 //! and the float step are those of the AVX2 kernels (`k_epilogue`'s operations), so the AVX-512
 //! family computes K-quant rows bit for bit as the AVX2 family does, for any batch size; a single
-//! activation row runs the natural-order kernel at 512 bits (`knat512`; Q5_K: the AVX2 one).
+//! activation row runs the natural-order kernel at 512 bits (`knat512`).
 
 use std::arch::x86_64::*;
 use std::marker::PhantomData;
 
 use super::knat512::rows_k_nat16;
 use super::{
-    column_rows, prefetch_block, rd_u16, rd_u32, rows_k_nat, ColumnTiles, KCols, KKind, CB_ROWS,
-    COLS_MIN_ROWS, Q4K, Q5K, Q6K, T_CAP,
+    column_rows, prefetch_block, rd_u16, rd_u32, ColumnTiles, KCols, KKind, CB_ROWS, COLS_MIN_ROWS,
+    Q4K, Q5K, Q6K, T_CAP,
 };
 use crate::quant::act::{OFF_BS, OFF_BS32, OFF_D};
 use crate::quant::x86_avx512::transpose16;
@@ -376,8 +376,8 @@ pub(super) unsafe fn columns_avx512<T: ColumnTiles>(
 }
 
 /// The AVX-512 family's K-quant rows `[r0, r1)` against natural records: 512-bit column tiles
-/// from [`COLS_MIN_ROWS`] activation rows, the natural-order kernel for one (`knat512` for Q4_K and
-/// Q6_K, the AVX2 one for Q5_K; all give the AVX2 family's bits).
+/// from [`COLS_MIN_ROWS`] activation rows, the natural-order kernel at 512 bits for one (`knat512`;
+/// both give the AVX2 family's bits).
 ///
 /// # Safety
 /// The CPU must support AVX-512 F/BW/VL/VNNI and AVX2/FMA/F16C; `act` holds `n_tok * stride`
@@ -400,7 +400,7 @@ pub(crate) unsafe fn k_rows(
         GgmlType::Q5_K if cols => columns_avx512::<KTiles16<Q5K>>(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q6_K if cols => columns_avx512::<KTiles16<Q6K>>(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q4_K => rows_k_nat16::<Q4K>(w, a, r0, r1, y),
-        GgmlType::Q5_K => rows_k_nat::<Q5K>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q5_K => rows_k_nat16::<Q5K>(w, a, r0, r1, y),
         GgmlType::Q6_K => rows_k_nat16::<Q6K>(w, a, r0, r1, y),
         _ => {}
     }

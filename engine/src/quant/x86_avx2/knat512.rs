@@ -1,4 +1,4 @@
-//! AVX-512 one-row K-quant kernel (Q4_K, Q6_K; decoding): the AVX2 natural-order kernel (`rows_k_nat`) at 512 bits, two 32-element sub-blocks per register, the same exact integers and `k_epilogue` step.
+//! AVX-512 one-row K-quant kernel (Q4_K, Q5_K, Q6_K; decoding): the AVX2 natural-order kernel (`rows_k_nat`) at 512 bits, two 32-element sub-blocks per register, the same exact integers and `k_epilogue` step.
 //!
 //! `maddubs` then `madd` against the sub-blocks' scales, as `k_dot_nat`, on registers that hold
 //! sub-blocks `2c` and `2c + 1` (unpacked from one value register broadcast to both halves and
@@ -8,7 +8,8 @@
 use std::arch::x86_64::*;
 
 use super::{
-    f16_1, hsum_i32, k4_mins, k_epilogue, ld, prefetch_ahead, shuf_k4, shuf_k6, KKind, Q4K, Q6K,
+    f16_1, hsum_i32, k4_mins, k_epilogue, ld, prefetch_ahead, shuf_k4, shuf_k6, KKind, Q4K, Q5K,
+    Q6K,
 };
 use crate::quant::act::{GROUP, OFF_BS, OFF_D, REC};
 use crate::quant::x86_avx512::k4_sc_m8;
@@ -69,6 +70,33 @@ impl KNat512 for Q4K {
         // qs register c: sub-block 2c in its low nibbles, 2c + 1 in its high ones.
         let q = std::array::from_fn(|c| {
             _mm512_and_si512(halves_shifted(ld(p.add(16 + 32 * c)), 4), m4)
+        });
+        KNat16 {
+            q,
+            scv: _mm512_set1_epi64(sc8 as i64),
+            bs: k4_mins(m8),
+            d: f16_1(p),
+            dmin: f16_1(p.add(2)),
+        }
+    }
+}
+
+impl KNat512 for Q5K {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn unpack16(p: *const u8) -> KNat16 {
+        let (sc8, m8) = k4_sc_m8(p);
+        let m4 = _mm512_set1_epi8(0x0F);
+        // Bit j of the 32 qh bytes is the fifth bit of sub-block j.
+        let qh = _mm512_broadcast_i64x4(ld(p.add(16)));
+        let c16 = _mm512_set1_epi8(16);
+        let q = std::array::from_fn(|c| {
+            let lo = _mm512_and_si512(halves_shifted(ld(p.add(48 + 32 * c)), 4), m4);
+            let bits = _mm512_inserti64x4::<1>(
+                _mm512_set1_epi8((1u8 << (2 * c)) as i8),
+                _mm256_set1_epi8((1u8 << (2 * c + 1)) as i8),
+            );
+            _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(qh, bits), lo, c16)
         });
         KNat16 {
             q,
