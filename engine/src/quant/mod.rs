@@ -6,13 +6,15 @@
 //! the f32 activations directly. Kernels:
 //!
 //! * `scalar` — portable reference (exact integer sums per block, like ggml's generic code);
-//! * `x86_avx2` — AVX2 `maddubs`/`madd`; K-quants for 2+ activation rows on column-interleaved
-//!   tiles (8 output rows per register, 16 output × 4 activation rows per tile);
+//! * `x86_avx2` — AVX2 `maddubs`/`madd`; K-quants for 2+ activation rows, Q4_1 and Q8_0 for any
+//!   number, on column-interleaved tiles (8 output rows per register, 16 output × 4 activation
+//!   rows per tile, one shared driver);
 //! * `x86_avx512` — AVX-512 VNNI `dpbusd`; activations are stored permuted so that every 32-bit lane
 //!   of the accumulator covers exactly one 16-element chunk of one scale group, which lets all four
-//!   64-byte registers of a 256-element group accumulate into one register; K-quants instead run
-//!   `x86_avx2::kcols512` (`dpbusd` on 512-bit column tiles of 16 output rows per register, the
-//!   AVX2 family's exact integers and float step: the two families agree bit for bit on K-quants);
+//!   64-byte registers of a 256-element group accumulate into one register (Q4_0, Q5_0, Q5_1);
+//!   K-quants, Q4_1 and Q8_0 instead run `x86_avx2::kcols512` / `lcols512` (`dpbusd` on 512-bit
+//!   column tiles of 16 output rows per register) and `x86_avx2::knat512` (one K-quant row), the
+//!   AVX2 family's exact integers and float steps: the two families agree bit for bit on them;
 //! * `amx` — AMX int8 tiles (`tdpbssd`, 16 output × 16 activation rows) for Q4_K/Q6_K/Q8_0
 //!   matmuls with at least `amx::MIN_TOK` activation rows, when the OS grants AMX, and for fewer
 //!   rows `x86_avx512::amx_order_rows`, VNNI kernels that repeat the tiles' f32 arithmetic bit for

@@ -15,10 +15,8 @@
 //! * Fewer than [`COLS_MIN_ROWS`] activation rows (decoding): weights unpacked in natural order,
 //!   one `maddubs` + `madd` (sub-block scales) per 32 elements and a horizontal sum per group
 //!   (`rows_k_nat`).
-//! * The AVX-512 family computes the same integers and float step on 512-bit column tiles of 16
-//!   output rows per register with `vpdpbusd` ([`kcols512`]), so the two families agree bit for bit
-//!   on K-quants.
-//! * More rows: **column tiles** (`KTiles` on the driver `column_rows`). Each 256-element group of 8 output rows is
+//! * More rows: **column tiles** (`KTiles`, run by the shared driver `column_rows`). Each
+//!   256-element group of 8 output rows is
 //!   transposed once into 64 registers whose 32-bit lane `c` holds four consecutive values of row
 //!   `c` (the value registers are transposed before unpacking: every unpack step works byte by
 //!   byte, so it commutes with the transpose), with its scales spread by `pshufb` into matching
@@ -29,6 +27,10 @@
 //!   operations per 32 products, against 2.5 plus a horizontal reduction per (row, group) for
 //!   natural-order tiles, and every lane of the sums already belongs to one output row, so the
 //!   float step runs on 8 rows at once without a horizontal sum.
+//!
+//! The AVX-512 family computes the same integers and float steps at 512 bits ([`kcols512`] and
+//! [`lcols512`]: column tiles of 16 output rows per register with `vpdpbusd`; `knat512`: one
+//! K-quant row), so the two families agree bit for bit on K-quants, Q4_1 and Q8_0.
 
 use std::arch::x86_64::*;
 use std::marker::PhantomData;
@@ -864,6 +866,25 @@ unsafe fn f16_cols(p: &[*const u8; CB_ROWS], off: usize) -> __m256 {
     ))
 }
 
+/// The f32 of the low 16 bits (an f16) of each 32-bit lane, in lane order.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16_lanes(v: __m256i) -> __m256 {
+    let lo = _mm256_and_si256(v, _mm256_set1_epi32(0xffff));
+    let w = _mm256_packus_epi32(lo, lo); // [r0..r3 r0..r3 | r4..r7 r4..r7]
+    _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b1000>(
+        w,
+    )))
+}
+
+/// The dwords at `p[c]` of eight rows, in lane order.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dwords8(p: &[*const u8]) -> __m256i {
+    let v = |c: usize| rd_u32(p[c]) as i32;
+    _mm256_setr_epi32(v(0), v(1), v(2), v(3), v(4), v(5), v(6), v(7))
+}
+
 /// `[x0[j], …, x7[j]]` from eight registers of eight 32-bit lanes (an 8 × 8 transpose).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -927,15 +948,12 @@ unsafe fn k4_col_scales(p: &[*const u8; CB_ROWS], out: &mut KCols) {
     for q in 0..4 {
         out.bs[q] = _mm256_shuffle_epi8(mn[q / 2], ctl(4 + q % 2));
     }
-    // d and dmin: the f16 halves of dword 0, packed to eight u16 in row order.
-    let f16x8 = |v: __m256i| {
-        let w = _mm256_packus_epi32(v, v); // [r0..r3 r0..r3 | r4..r7 r4..r7]
-        _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b1000>(
-            w,
-        )))
-    };
-    out.d = f16x8(_mm256_and_si256(t[0], _mm256_set1_epi32(0xffff)));
-    out.ndmin = _mm256_xor_ps(f16x8(_mm256_srli_epi32::<16>(t[0])), _mm256_set1_ps(-0.0));
+    // d and dmin: the f16 halves of dword 0.
+    out.d = f16_lanes(t[0]);
+    out.ndmin = _mm256_xor_ps(
+        f16_lanes(_mm256_srli_epi32::<16>(t[0])),
+        _mm256_set1_ps(-0.0),
+    );
 }
 
 /// Unpacks the groups at `p[c]` (one per output row) into column order.
@@ -1076,8 +1094,8 @@ impl<K: KKind> ColumnTiles for KTiles<K> {
 // The column-tile driver (K-quants, Q4_1 and Q8_0, in both families)
 // ---------------------------------------------------------------------------------------------
 
-/// Output rows of the widest column pass (`kcols512`, `lcols512`: 2 × 16).
-const MAX_W: usize = 32;
+/// Output rows of the widest column block (`kcols512`, `lcols512`: 16).
+const MAX_BLOCK_ROWS: usize = 16;
 /// Activation rows whose f32 accumulators a column pass keeps (`T_CAP × W` floats).
 const T_CAP: usize = 64;
 /// Zero bytes standing in for output rows past the end of a pass (a whole group of every type,
@@ -1087,9 +1105,10 @@ static ZERO_GROUP: [u8; 512] = [0; 512];
 /// A column-tile kernel: each pass over `W` output rows unpacks every weight group of those rows
 /// once (`build`) and dots it with the activation rows, up to `CT` at a time (`tile`).
 trait ColumnTiles {
-    /// Output rows of one pass (at most [`MAX_W`]).
+    /// Output rows of one pass.
     const W: usize;
-    /// Output rows of one column block (`W / BLOCK_ROWS` blocks per pass, unpacked one by one).
+    /// Output rows of one column block (at most [`MAX_BLOCK_ROWS`]; `W / BLOCK_ROWS` blocks per
+    /// pass, unpacked one by one).
     const BLOCK_ROWS: usize;
     /// Activation rows of a full tile.
     const CT: usize;
@@ -1142,7 +1161,7 @@ unsafe fn column_rows<T: ColumnTiles, const ACC: usize>(
     let mut cols: T::Cols = std::mem::zeroed();
     debug_assert!(ACC == T_CAP * T::W);
     let mut acc = [0f32; ACC]; // [activation row, output row of the pass]
-    let mut p = [ZERO_GROUP.as_ptr(); MAX_W / 2];
+    let mut p = [ZERO_GROUP.as_ptr(); MAX_BLOCK_ROWS];
     let mut t0 = 0;
     while t0 < n_tok {
         let nt = (n_tok - t0).min(T_CAP);

@@ -14,8 +14,8 @@ use std::marker::PhantomData;
 
 use super::knat512::rows_k_nat16;
 use super::{
-    column_rows, prefetch_block, rd_u16, rd_u32, ColumnTiles, KCols, KKind, CB_ROWS, COLS_MIN_ROWS,
-    Q4K, Q5K, Q6K, T_CAP,
+    column_rows, f16_cols, prefetch_block, rd_u32, ColumnTiles, KCols, KKind, CB_ROWS,
+    COLS_MIN_ROWS, Q4K, Q5K, Q6K, T_CAP,
 };
 use crate::quant::act::{OFF_BS, OFF_BS32, OFF_D};
 use crate::quant::x86_avx512::transpose16;
@@ -52,8 +52,16 @@ unsafe fn join(lo: __m256i, hi: __m256i) -> __m512i {
 
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn join_ps(lo: __m256, hi: __m256) -> __m512 {
+pub(super) unsafe fn join_ps(lo: __m256, hi: __m256) -> __m512 {
     _mm512_castsi512_ps(join(_mm256_castps_si256(lo), _mm256_castps_si256(hi)))
+}
+
+/// The f32 of the f16 at `p[c] + off` of 16 rows (`f16_cols` per eight).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn f16_cols16(p: &[*const u8; ROWS], off: usize) -> __m512 {
+    let half = |h: usize| -> [*const u8; CB_ROWS] { std::array::from_fn(|c| p[h * CB_ROWS + c]) };
+    join_ps(f16_cols(&half(0), off), f16_cols(&half(1), off))
 }
 
 /// The 16 registers `r[k]` whose lane `c` holds dword `k` of the 64 bytes at `p[c] + off`.
@@ -199,8 +207,7 @@ impl KCols16Kind for Q6K {
             let hi = _mm512_slli_epi32::<21>(out.sc[2 * q + 1]);
             out.bs[q] = _mm512_or_si512(lo, hi);
         }
-        let h: [u16; ROWS] = std::array::from_fn(|c| rd_u16(p[c].add(208)));
-        out.d = _mm512_cvtph_ps(_mm256_loadu_si256(h.as_ptr() as *const __m256i));
+        out.d = f16_cols16(p, 208);
         out.ndmin = _mm512_setzero_ps();
     }
 

@@ -10,13 +10,15 @@
 //! `acc = fma(isum_k, d_k·dx_k, acc)` and for Q4_1 then `acc = fma(m_k, s_k, acc)` (`s_k` the
 //! record's `dx·Σa`), from `acc = 0`: one chain per output row, which a column lane computes
 //! directly. Every row count (one, for decoding, included) runs these tiles, so the bits of a row
-//! never depend on the batch; they differ from the AVX-512 family's lane kernels (each family
-//! agrees with itself).
+//! never depend on the batch; the AVX-512 family's tiles (`lcols512`) compute the same bits.
 
 use std::arch::x86_64::*;
 use std::marker::PhantomData;
 
-use super::{chain, columns_avx2, f16_cols, ld, rd_u32, transpose8_epi32, ColumnTiles, CB_ROWS};
+use super::{
+    chain, columns_avx2, dwords8, f16_cols, f16_lanes, ld, rd_u32, transpose8_epi32, ColumnTiles,
+    CB_ROWS,
+};
 use crate::quant::act::{GROUP, OFF_D, OFF_S};
 use crate::quant::{GgmlType, QMatrix, YPtr};
 
@@ -52,17 +54,6 @@ trait LKind {
     unsafe fn build_block(p: &[*const u8; CB_ROWS], k: usize, out: &mut LCols);
 }
 
-/// The f32 of the low 16 bits (an f16) of each 32-bit lane, in lane order.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn f16_lanes(v: __m256i) -> __m256 {
-    let lo = _mm256_and_si256(v, _mm256_set1_epi32(0xffff));
-    let w = _mm256_packus_epi32(lo, lo); // [r0..r3 r0..r3 | r4..r7 r4..r7]
-    _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b1000>(
-        w,
-    )))
-}
-
 struct Q41;
 struct Q80;
 
@@ -96,16 +87,7 @@ impl LKind for Q41 {
             out.q[k][j] = _mm256_and_si256(*v, m4);
             out.q[k][4 + j] = _mm256_and_si256(_mm256_srli_epi16::<4>(*v), m4);
         }
-        let dm = _mm256_setr_epi32(
-            rd_u32(at(0)) as i32,
-            rd_u32(at(1)) as i32,
-            rd_u32(at(2)) as i32,
-            rd_u32(at(3)) as i32,
-            rd_u32(at(4)) as i32,
-            rd_u32(at(5)) as i32,
-            rd_u32(at(6)) as i32,
-            rd_u32(at(7)) as i32,
-        );
+        let dm = dwords8(&std::array::from_fn::<_, CB_ROWS, _>(at));
         out.d[k] = f16_lanes(dm);
         out.m[k] = f16_lanes(_mm256_srli_epi32::<16>(dm));
     }

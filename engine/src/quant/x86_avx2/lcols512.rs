@@ -8,9 +8,8 @@
 use std::arch::x86_64::*;
 use std::marker::PhantomData;
 
-use super::kcols512::columns_avx512;
-use super::lcols::f16_lanes;
-use super::{f16_cols, ld, rd_u32, ColumnTiles, CB_ROWS};
+use super::kcols512::{columns_avx512, f16_cols16, join_ps};
+use super::{dwords8, f16_lanes, ld, rd_u32, ColumnTiles, CB_ROWS};
 use crate::quant::act::{GROUP, OFF_D, OFF_QSUM, OFF_S};
 use crate::quant::{GgmlType, QMatrix, YPtr};
 
@@ -44,23 +43,6 @@ trait LKind16 {
     const OFFSET: bool;
     /// Unpacks block `k` of the groups at `p[c]` into `out`.
     unsafe fn build_block(p: &[*const u8; ROWS], k: usize, out: &mut LCols16);
-}
-
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn join_ps(lo: __m256, hi: __m256) -> __m512 {
-    _mm512_castpd_ps(_mm512_insertf64x4::<1>(
-        _mm512_castpd256_pd512(_mm256_castps_pd(lo)),
-        _mm256_castps_pd(hi),
-    ))
-}
-
-/// The dwords at `p[c]` of eight rows, in lane order.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn dwords8(p: &[*const u8]) -> __m256i {
-    let v = |c: usize| rd_u32(p[c]) as i32;
-    _mm256_setr_epi32(v(0), v(1), v(2), v(3), v(4), v(5), v(6), v(7))
 }
 
 struct Q41;
@@ -150,11 +132,7 @@ impl LKind16 for Q80 {
             out.q[k][m] = _mm512_xor_si512(lo, flip);
             out.q[k][4 + m] = _mm512_xor_si512(hi, flip);
         }
-        let (lo, hi): ([*const u8; CB_ROWS], [*const u8; CB_ROWS]) = (
-            std::array::from_fn(|c| at[c]),
-            std::array::from_fn(|c| at[CB_ROWS + c]),
-        );
-        out.d[k] = join_ps(f16_cols(&lo, 0), f16_cols(&hi, 0));
+        out.d[k] = f16_cols16(&at, 0);
     }
 }
 
