@@ -74,7 +74,7 @@ impl Verifier {
                 &backend,
                 &sizes,
                 128.min(ctx / 2).max(1),
-                2,
+                3,
             )?)
         };
         let mut sched = Scheduler::shared(

@@ -24,7 +24,7 @@ use crate::sample::verify::{Verifier, VerifyMode, VerifyOutcome};
 use crate::sample::Sampler;
 use crate::sched::adaptive::{
     choose_depths, drafting_pays, median, nodes_upto, row_cost, useful_budget, Acceptance,
-    DepthOptions, DraftBackoff, StepCost, COSTLY_DRAFT,
+    DepthOptions, DraftBackoff, StepCost, CHEAP_DRAFT, COSTLY_DRAFT,
 };
 use crate::tokenizer::Tokenizer;
 use crate::tree::{DrafterId, TokenTree, TreeMask};
@@ -888,6 +888,9 @@ pub fn generate<B: Backend>(
     });
     // Seconds of the plain steps before the first proposal (the curve's one-row point).
     let mut plain_secs: Vec<f64> = Vec::new();
+    // Whether the last drafting cost next to nothing against a pass (prompt lookup): then the
+    // drafters are asked for their whole depth, since a deeper draft costs no drafter passes.
+    let mut cheap_drafting = false;
     let mut session = SpecSession::new(model, backend, cache, seq, verifier, spec.budget)?;
     let mut pending: Vec<u32> = first.into_iter().collect();
     let mut finish_reason = FinishReason::Length;
@@ -926,12 +929,13 @@ pub fn generate<B: Backend>(
             continue;
         }
         // Draft two depths past the last verified one: room to grow, one depth to learn from,
-        // and no deep drafting (a model drafter's passes) while speculation does not pay.
-        // Before the cost curve exists, only as deep as the first tree can use.
-        let depth_cap = if cost.is_some() {
-            last_depth.saturating_add(2)
-        } else {
-            FIRST_DRAFT_DEPTH
+        // and no deep drafting (a model drafter's passes) while speculation does not pay; cheap
+        // drafters as deep as they like. Before the cost curve exists, only as deep as the first
+        // tree can use.
+        let depth_cap = match cost {
+            Some(_) if cheap_drafting => max_depth,
+            Some(_) => last_depth.saturating_add(2),
+            None => FIRST_DRAFT_DEPTH,
         };
         // Only as many nodes as a pass can verify for what drafts ever gain (the first tree:
         // as many as it verifies; wide drafters such as Token Recycling then draft their best
@@ -940,13 +944,16 @@ pub fn generate<B: Backend>(
             Some(c) => {
                 let rc = row_cost(c);
                 drafters.iter_mut().for_each(|d| d.set_row_cost(rc));
-                useful_budget(c, session.budget)
+                useful_budget(c, session.budget, acceptance)
             }
             None => FIRST_TREE_ROWS - 1,
         };
         let t_draft = Instant::now();
         let proposal = session.draft_within(drafters, max_depth.min(depth_cap), node_cap)?;
         let draft_secs = t_draft.elapsed().as_secs_f64();
+        if let Some(c) = cost.as_ref() {
+            cheap_drafting = draft_secs < CHEAP_DRAFT * c.secs(1);
+        }
         let Some(cost) = cost.as_mut() else {
             // No cost curve yet. Nothing proposed: a plain step, timed. The first proposal: verify
             // its largest prefix of at most `FIRST_TREE_ROWS` rows and take that pass's time as
@@ -975,17 +982,21 @@ pub fn generate<B: Backend>(
         let opts = [DepthOptions {
             acceptance,
             nodes_upto: nodes_upto(&proposal),
+            weight: 1.0,
         }];
-        let depth = choose_depths(&opts, 1, cost)[0];
+        let depth = choose_depths(&opts, 1, 1, 1, cost)[0];
         *last_depth = depth;
         let tree = proposal.truncate_depth(depth);
         let gain = acceptance.expected_tokens(depth) - 1.0;
         let pass = cost.secs(tree.len());
         let pays = drafting_pays(gain, 1.0 + gain, draft_secs, pass);
-        backoff.chose(
-            if pays { depth } else { 0 },
-            draft_secs >= COSTLY_DRAFT * pass,
-        );
+        // A proposal without nodes tells nothing about whether drafts pay.
+        if proposal.n_draft() > 0 {
+            backoff.chose(
+                if pays { depth } else { 0 },
+                draft_secs >= COSTLY_DRAFT * pass,
+            );
+        }
         let t0 = Instant::now();
         let o = session.verify(&tree, drafters)?;
         cost.record(tree.len(), t0.elapsed().as_secs_f64());

@@ -26,6 +26,69 @@ pub struct ModeFigures {
     /// Output tokens per second from the first submission to the last finish (prefill included).
     pub end_to_end_tok_s: f64,
     pub preemptions: u64,
+    /// Rows per forward pass (prefill included).
+    pub rows_per_step: f64,
+    /// Share of the steps' seconds spent in forward passes.
+    pub forward_share: f64,
+    /// Decode-phase tok/s of each round (`--rounds`; `tok_s` is over all rounds together).
+    pub rounds_tok_s: Vec<f64>,
+}
+
+/// Raw sums of one mode's runs (one per round), turned into [`ModeFigures`] at the end.
+#[derive(Clone, Debug, Default)]
+struct ModeSums {
+    decode_tokens: usize,
+    decode_secs: f64,
+    tokens: usize,
+    secs: f64,
+    per_request_tok_s: Vec<f64>,
+    spec_steps: usize,
+    accepted: usize,
+    kv_blocks: usize,
+    preemptions: u64,
+    rows: u64,
+    steps: u64,
+    forward_secs: f64,
+    step_secs: f64,
+    rounds_tok_s: Vec<f64>,
+}
+
+impl ModeSums {
+    fn add(&mut self, r: ModeSums) {
+        self.decode_tokens += r.decode_tokens;
+        self.decode_secs += r.decode_secs;
+        self.tokens += r.tokens;
+        self.secs += r.secs;
+        self.per_request_tok_s.extend(r.per_request_tok_s);
+        self.spec_steps += r.spec_steps;
+        self.accepted += r.accepted;
+        self.kv_blocks = self.kv_blocks.max(r.kv_blocks);
+        self.preemptions += r.preemptions;
+        self.rows += r.rows;
+        self.steps += r.steps;
+        self.forward_secs += r.forward_secs;
+        self.step_secs += r.step_secs;
+        self.rounds_tok_s.extend(r.rounds_tok_s);
+    }
+
+    fn figures(&self) -> ModeFigures {
+        let n = self.per_request_tok_s.len().max(1) as f64;
+        ModeFigures {
+            tok_s: self.decode_tokens as f64 / self.decode_secs.max(1e-12),
+            per_request_tok_s: self.per_request_tok_s.iter().sum::<f64>() / n,
+            mean_accepted: if self.spec_steps > 0 {
+                (self.spec_steps + self.accepted) as f64 / self.spec_steps as f64
+            } else {
+                1.0
+            },
+            kv_blocks: self.kv_blocks,
+            end_to_end_tok_s: self.tokens as f64 / self.secs.max(1e-9),
+            preemptions: self.preemptions,
+            rows_per_step: self.rows as f64 / self.steps.max(1) as f64,
+            forward_share: self.forward_secs / self.step_secs.max(1e-12),
+            rounds_tok_s: self.rounds_tok_s.clone(),
+        }
+    }
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -49,6 +112,16 @@ enum Mode {
     Adaptive,
 }
 
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::None => "none",
+            Mode::Fixed => "fixed",
+            Mode::Adaptive => "adaptive",
+        }
+    }
+}
+
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct BatchBench {
     pub model: String,
@@ -59,11 +132,16 @@ pub struct BatchBench {
     pub tokens: usize,
     pub temperature: f32,
     pub kv_block_bytes: usize,
+    /// Runs of every mode per concurrency, alternated (the figures sum them).
+    pub rounds: usize,
     /// The drafter of the fixed and adaptive modes (prompt lookup, longest n-gram).
     pub draft: String,
     pub budget: usize,
-    /// The calibrated forward-pass cost the adaptive mode starts from: (rows, ms).
+    /// The calibrated forward-pass cost the adaptive mode starts from: (rows, ms) of one
+    /// sequence's rows.
     pub step_cost_ms: Vec<(usize, f64)>,
+    /// The same for (sequences, ms) of that many sequences of one row each.
+    pub step_cost_seqs_ms: Vec<(usize, f64)>,
     pub results: Vec<BatchRow>,
 }
 
@@ -117,7 +195,9 @@ pub fn batch_bench(
     draft: &BenchDraft,
     budget: usize,
     modes: &[String],
+    rounds: usize,
 ) -> Result<BatchBench> {
+    let rounds = rounds.max(1);
     for m in modes {
         if !["none", "fixed", "adaptive"].contains(&m.as_str()) {
             return Err(EngineError::InvalidArgument(format!(
@@ -135,14 +215,21 @@ pub fn batch_bench(
     let kind = parse_draft(&draft.spec)?;
     let sizes = [1usize, 2, 4, 8, 16, 32, 64, 128, 256];
     let cost = if want("adaptive") {
-        StepCost::calibrate(model, backend, &sizes, prompt_tokens, 2)?
+        StepCost::calibrate(model, backend, &sizes, prompt_tokens, 3)?
     } else {
         StepCost::from_points(vec![])
     };
-    let step_cost_ms = if want("adaptive") {
-        sizes.iter().map(|&r| (r, cost.secs(r) * 1e3)).collect()
+    let (step_cost_ms, step_cost_seqs_ms) = if want("adaptive") {
+        (
+            sizes.iter().map(|&r| (r, cost.secs(r) * 1e3)).collect(),
+            sizes
+                .iter()
+                .filter(|&&n| n <= arbor_engine::sched::adaptive::CALIBRATION_SEQS)
+                .map(|&n| (n, cost.pass_secs(n, n) * 1e3))
+                .collect(),
+        )
     } else {
-        Vec::new()
+        (Vec::new(), Vec::new())
     };
     let mut results = Vec::new();
     let bar = crate::progress::steps(concurrency.len() as u64, "bench batch: concurrency levels");
@@ -164,11 +251,29 @@ pub fn batch_bench(
                 &cost,
             )
         };
+        // Modes in the order asked, rotated by one each round: a slow phase of a shared machine
+        // falls on every mode alike.
+        let order: Vec<Mode> = [Mode::None, Mode::Fixed, Mode::Adaptive]
+            .into_iter()
+            .filter(|m| want(m.name()))
+            .collect();
+        let mut sums = [
+            ModeSums::default(),
+            ModeSums::default(),
+            ModeSums::default(),
+        ];
+        for round in 0..rounds {
+            for k in 0..order.len() {
+                let mode = order[(k + round) % order.len()];
+                sums[mode as usize].add(run(mode)?);
+            }
+        }
+        let fig = |m: Mode| want(m.name()).then(|| sums[m as usize].figures());
         results.push(BatchRow {
             concurrency: c,
-            none: want("none").then(|| run(Mode::None)).transpose()?,
-            fixed: want("fixed").then(|| run(Mode::Fixed)).transpose()?,
-            adaptive: want("adaptive").then(|| run(Mode::Adaptive)).transpose()?,
+            none: fig(Mode::None),
+            fixed: fig(Mode::Fixed),
+            adaptive: fig(Mode::Adaptive),
         });
     }
     bar.finish_and_clear();
@@ -181,6 +286,7 @@ pub fn batch_bench(
         tokens,
         temperature,
         kv_block_bytes: KvPool::block_bytes(model.config.kv_dim(), model.config.n_layers),
+        rounds,
         draft: format!(
             "{}{}",
             draft.spec,
@@ -199,6 +305,7 @@ pub fn batch_bench(
         ),
         budget,
         step_cost_ms,
+        step_cost_seqs_ms,
         results,
     })
 }
@@ -251,7 +358,7 @@ fn run_mode(
     (kind, draft): (DraftKind, &BenchDraft),
     budget: usize,
     cost: &StepCost,
-) -> Result<ModeFigures> {
+) -> Result<ModeSums> {
     let pool = KvPool::with_memory(&model.config, kv_memory);
     // Model drafters' K/V: one pool for all requests (batched drafting), or one each.
     let draft_pool = match kind {
@@ -360,29 +467,35 @@ fn run_mode(
     let (ds, dp) = decode_start.unwrap_or((t0, 0));
     let dsecs = decode_end.duration_since(ds).as_secs_f64();
     let st = s.stats();
-    Ok(ModeFigures {
-        tok_s: if dsecs > 0.0 {
-            (produced - dp) as f64 / dsecs
+    let decode_tokens = produced - dp;
+    Ok(ModeSums {
+        decode_tokens,
+        decode_secs: dsecs,
+        tokens: produced,
+        secs: total,
+        per_request_tok_s: per_req,
+        spec_steps: steps,
+        accepted,
+        kv_blocks: st.peak_blocks,
+        preemptions: st.preemptions,
+        rows: st.rows,
+        steps: st.steps,
+        forward_secs: st.forward_secs,
+        step_secs: st.step_secs,
+        rounds_tok_s: vec![if dsecs > 0.0 {
+            decode_tokens as f64 / dsecs
         } else {
             0.0
-        },
-        per_request_tok_s: per_req.iter().sum::<f64>() / per_req.len().max(1) as f64,
-        mean_accepted: if steps > 0 {
-            (steps + accepted) as f64 / steps as f64
-        } else {
-            1.0
-        },
-        kv_blocks: st.peak_blocks,
-        end_to_end_tok_s: produced as f64 / total.max(1e-9),
-        preemptions: st.preemptions,
+        }],
     })
 }
 
 pub fn format_table(r: &BatchBench) -> String {
     let mut s = format!(
         "model: {}  cpu: {}  threads: {}  prompts: {} ({} tokens)  tokens: {}  T: {}\n\
-         fixed/adaptive: --draft {} budget {}; tok/s over the decode phase, e2e from submission\n\
-         {:>5} {:>9} {:>10} {:>10} {:>10} {:>8} {:>8} {:>7}\n",
+         fixed/adaptive: --draft {} budget {}; tok/s over the decode phase, e2e from submission; \
+         {} round(s), modes alternated\n\
+         {:>5} {:>9} {:>10} {:>10} {:>10} {:>8} {:>8} {:>7} {:>8} {:>5}\n",
         r.model,
         r.cpu,
         r.threads,
@@ -392,6 +505,7 @@ pub fn format_table(r: &BatchBench) -> String {
         r.temperature,
         r.draft,
         r.budget,
+        r.rounds,
         "conc",
         "mode",
         "tok/s",
@@ -399,7 +513,9 @@ pub fn format_table(r: &BatchBench) -> String {
         "e2e tok/s",
         "accepted",
         "blocks",
-        "preempt"
+        "preempt",
+        "rows/pass",
+        "fwd%"
     );
     for row in &r.results {
         for (name, f) in [
@@ -411,7 +527,7 @@ pub fn format_table(r: &BatchBench) -> String {
                 continue;
             };
             s.push_str(&format!(
-                "{:>5} {:>9} {:>10.1} {:>10.2} {:>10.1} {:>8.2} {:>8} {:>7}\n",
+                "{:>5} {:>9} {:>10.1} {:>10.2} {:>10.1} {:>8.2} {:>8} {:>7} {:>8.1} {:>5.1}{}\n",
                 row.concurrency,
                 name,
                 f.tok_s,
@@ -419,7 +535,16 @@ pub fn format_table(r: &BatchBench) -> String {
                 f.end_to_end_tok_s,
                 f.mean_accepted,
                 f.kv_blocks,
-                f.preemptions
+                f.preemptions,
+                f.rows_per_step,
+                100.0 * f.forward_share,
+                if f.rounds_tok_s.len() > 1 {
+                    let each: Vec<String> =
+                        f.rounds_tok_s.iter().map(|t| format!("{t:.1}")).collect();
+                    format!("  rounds: {}", each.join(" "))
+                } else {
+                    String::new()
+                }
             ));
         }
     }

@@ -493,6 +493,27 @@ impl KvCache {
     pub fn clear(&mut self) {
         self.truncate(0);
     }
+
+    /// Give this sequence its own copy of every block it shares (a fork made a deep copy: its
+    /// K/V then live in their own memory, as distinct sequences' do). Fails, changing nothing
+    /// more than the blocks already copied, when the pool runs out.
+    pub fn unshare(&mut self) -> Result<()> {
+        let pool = self.pool.clone();
+        let mut g = pool.lock();
+        for i in 0..self.blocks.len() {
+            let b = self.blocks[i];
+            if g.alloc.refcount(b) > 1 {
+                let nb = g
+                    .allocate()
+                    .ok_or(EngineError::KvPoolExhausted { needed: 1 })?;
+                g.copy_block(b, nb);
+                g.release_all(&[b]);
+                self.blocks[i] = nb;
+                self.hashes.truncate(i);
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Clone for KvCache {

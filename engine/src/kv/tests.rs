@@ -116,6 +116,37 @@ fn forks_share_blocks_until_written_and_everything_is_freed_on_drop() {
 }
 
 #[test]
+fn an_unshared_fork_owns_copies_of_every_block() {
+    let model = tiny_model(&TinySpec::default(), 1).expect("model");
+    let pool = KvPool::new(&model.config, model.config.n_layers, 5);
+    let mut a = KvCache::in_pool(&pool, 128);
+    fill(&mut a, 20, 0.0);
+    let mut b = a.clone();
+    b.unshare().expect("room for two copies");
+    assert_eq!(pool.stats().used, 4);
+    for (x, y) in a.blocks().iter().zip(b.blocks()) {
+        assert_ne!(x, y);
+    }
+    for l in 0..a.n_layers() {
+        for s in 0..20 {
+            assert_eq!(
+                slot_value(&a, l, s),
+                slot_value(&b, l, s),
+                "layer {l} slot {s}"
+            );
+        }
+    }
+    // Nothing shared is left to copy; a third fork finds the pool too small.
+    b.unshare().expect("nothing to copy");
+    assert_eq!(pool.stats().used, 4);
+    let mut c = a.clone();
+    let err = c.unshare().expect_err("one block left for two");
+    assert_eq!(err.error_type(), "kv_pool_exhausted");
+    drop((a, b, c));
+    assert_eq!(pool.stats().used, 0);
+}
+
+#[test]
 fn an_exhausted_pool_is_an_error_that_changes_nothing() {
     let model = tiny_model(&TinySpec::default(), 1).expect("model");
     let pool = KvPool::new(&model.config, model.config.n_layers, 2);

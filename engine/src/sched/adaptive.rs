@@ -11,34 +11,90 @@ use std::time::Instant;
 use crate::backend::{Backend, BatchMask};
 use crate::error::Result;
 use crate::kv::KvCache;
-use crate::model::Model;
+use crate::model::{Model, SeqBatch};
 use crate::tree::TokenTree;
 
-/// Seconds of one forward pass by its row count: the shape of the curve from calibration points
-/// `(rows, secs)` (linear between them, proportional past the last), times one factor that
-/// follows the measured passes. The policy's choices depend on the shape only (the factor
-/// cancels in its comparisons), so a noisy measurement never bends the curve it decides on; the
-/// factor keeps the seconds themselves current.
+/// Seconds of one forward pass by its row count and its number of sequences: the shape of the
+/// curve from calibration points — `rows` rows of one sequence, plus each extra sequence's own
+/// cost (its attention over its own K/V, its bookkeeping: `n` sequences of one row each cost
+/// more than `n` rows of one sequence) — times one factor that follows the measured passes. The
+/// policy's choices depend on the shape only (the factor cancels in its comparisons), so a
+/// noisy measurement never bends the curve it decides on; the factor keeps the seconds
+/// themselves current.
 #[derive(Clone, Debug)]
 pub struct StepCost {
+    /// `(rows, secs)` of passes over one sequence's new rows.
     points: Vec<(usize, f64)>,
+    /// `(seqs, secs)`: what `seqs` sequences cost beyond `seqs` rows of one sequence (`(1, 0)`
+    /// first; only that without a calibration of many sequences).
+    seq_extra: Vec<(usize, f64)>,
     scale: f64,
 }
 
 /// Weight of a new measurement in a point's moving average.
 const COST_EMA: f64 = 0.2;
 
+/// Most sequences [`StepCost::calibrate`] times together (a larger batch extends the per-sequence
+/// cost proportionally).
+pub const CALIBRATION_SEQS: usize = 32;
+
+/// `points` (sorted by x) at `x`: linear between points, the first value below the first,
+/// proportional to `x` past the last.
+fn interpolate(points: &[(usize, f64)], x: usize) -> f64 {
+    let Some(&(n0, s0)) = points.first() else {
+        return x as f64; // no measurement: one unit per row
+    };
+    if x <= n0 {
+        return s0;
+    }
+    for w in points.windows(2) {
+        let ((a, sa), (b, sb)) = (w[0], w[1]);
+        if x <= b {
+            return sa + (sb - sa) * (x - a) as f64 / (b - a) as f64;
+        }
+    }
+    let (nl, sl) = points[points.len() - 1];
+    sl * x as f64 / nl as f64
+}
+
+fn clean(mut points: Vec<(usize, f64)>) -> Vec<(usize, f64)> {
+    points.retain(|&(n, s)| n > 0 && s.is_finite() && s >= 0.0);
+    points.sort_by_key(|p| p.0);
+    points.dedup_by_key(|p| p.0);
+    points
+}
+
 impl StepCost {
-    /// A model from known points (sorted by rows, at least one).
-    pub fn from_points(mut points: Vec<(usize, f64)>) -> StepCost {
-        points.retain(|&(n, s)| n > 0 && s.is_finite() && s > 0.0);
-        points.sort_by_key(|p| p.0);
-        points.dedup_by_key(|p| p.0);
-        StepCost { points, scale: 1.0 }
+    /// A model from known points of one sequence's passes (at least one), sequences costing
+    /// nothing beyond their rows.
+    pub fn from_points(points: Vec<(usize, f64)>) -> StepCost {
+        let mut points = clean(points);
+        points.retain(|&(_, s)| s > 0.0);
+        StepCost {
+            points,
+            seq_extra: vec![(1, 0.0)],
+            scale: 1.0,
+        }
     }
 
-    /// Time forward passes over `sizes` rows (context `ctx` tokens, the median of `reps` runs)
-    /// in a private cache.
+    /// A model from one sequence's passes `rows` and passes over `seqs` sequences of one row
+    /// each (`(seqs, secs)`): the latter's excess over as many rows of one sequence (never
+    /// below zero) is each batch's per-sequence cost.
+    pub fn from_curves(rows: Vec<(usize, f64)>, seqs: Vec<(usize, f64)>) -> StepCost {
+        let mut c = StepCost::from_points(rows);
+        let mut extra = vec![(1, 0.0)];
+        for (n, s) in clean(seqs) {
+            if n >= 2 {
+                extra.push((n, (s - interpolate(&c.points, n)).max(0.0)));
+            }
+        }
+        c.seq_extra = extra;
+        c
+    }
+
+    /// Time forward passes over `sizes` rows of one sequence and over `sizes` sequences of one
+    /// row each (up to [`CALIBRATION_SEQS`]), every sequence with a context of `ctx` tokens in
+    /// its own memory: the fastest of `reps` rounds over every size in turn.
     pub fn calibrate<B: Backend>(
         model: &Model,
         backend: &B,
@@ -47,18 +103,66 @@ impl StepCost {
         reps: usize,
     ) -> Result<StepCost> {
         let vocab = model.config.vocab_size as u32;
+        let ctx = ctx.max(1);
         let max = sizes.iter().copied().max().unwrap_or(1);
-        let prompt: Vec<u32> = (0..ctx.max(1) as u32)
-            .map(|i| (i * 7 + 1) % vocab)
+        let seq_sizes: Vec<usize> = sizes
+            .iter()
+            .copied()
+            .filter(|&n| (2..=CALIBRATION_SEQS).contains(&n))
             .collect();
-        let mut cache = KvCache::new(&model.config, ctx.max(1) + max + 1);
+        let n_seqs = seq_sizes.iter().copied().max().unwrap_or(1);
+        let prompt: Vec<u32> = (0..ctx as u32).map(|i| (i * 7 + 1) % vocab).collect();
+        let cap = ctx + max + 1;
+        let blocks = (n_seqs + 1) * cap.div_ceil(crate::kv::BLOCK_SLOTS) + 4;
+        let pool = crate::kv::KvPool::elastic(&model.config, model.config.n_layers, blocks);
+        let mut cache = KvCache::in_pool(&pool, cap);
         let pos: Vec<usize> = (0..prompt.len()).collect();
         model.forward(backend, &mut cache, &prompt, &pos, BatchMask::Causal, &[])?;
-        Self::measure_in(model, backend, &mut cache, sizes, reps)
+        // The other sequences: deep copies of the first (their K/V in their own blocks).
+        let mut others = Vec::with_capacity(n_seqs.saturating_sub(1));
+        for _ in 1..n_seqs {
+            let mut c = cache.clone();
+            c.unshare()?;
+            others.push(c);
+        }
+        let sizes: Vec<usize> = sizes.iter().copied().filter(|&n| n > 0).collect();
+        let mut best = vec![f64::INFINITY; sizes.len()];
+        let mut best_seqs = vec![f64::INFINITY; seq_sizes.len()];
+        let tok = [5 % vocab];
+        let one_pos = [ctx];
+        for _ in 0..reps.max(1) {
+            time_rows(model, backend, &mut cache, &sizes, &mut best)?;
+            for (&n, best) in seq_sizes.iter().zip(best_seqs.iter_mut()) {
+                let mut batch: Vec<SeqBatch<'_>> = std::iter::once(&mut cache)
+                    .chain(others.iter_mut().take(n - 1))
+                    .map(|c| SeqBatch {
+                        cache: c,
+                        tokens: &tok,
+                        positions: &one_pos,
+                        mask: BatchMask::Causal,
+                        logit_rows: &[0],
+                    })
+                    .collect();
+                let t0 = Instant::now();
+                let r = model.forward_batch(backend, &mut batch);
+                *best = best.min(t0.elapsed().as_secs_f64());
+                for sb in batch.iter_mut() {
+                    sb.cache.truncate(ctx);
+                }
+                r?;
+            }
+        }
+        Ok(StepCost::from_curves(
+            sizes.into_iter().zip(best).collect(),
+            seq_sizes.into_iter().zip(best_seqs).collect(),
+        ))
     }
 
     /// Time forward passes over `sizes` rows (all logits, as verification needs) appended to
-    /// `cache` and dropped again (`cache` must have room for the largest); the median of `reps`.
+    /// `cache` and dropped again (`cache` must have room for the largest): `reps` rounds over
+    /// every size in turn, the fastest pass of each size. Noise on a shared machine only ever
+    /// adds time, and alternating the sizes spreads a slow phase over all of them, so the curve's
+    /// shape (all the policy decides on) is the machine's, not the phase's.
     pub fn measure_in<B: Backend>(
         model: &Model,
         backend: &B,
@@ -66,67 +170,79 @@ impl StepCost {
         sizes: &[usize],
         reps: usize,
     ) -> Result<StepCost> {
-        let vocab = model.config.vocab_size as u32;
-        let base = cache.len();
-        let mut points = Vec::new();
-        for &n in sizes.iter().filter(|&&n| n > 0) {
-            let toks: Vec<u32> = (0..n as u32).map(|i| (i * 13 + 5) % vocab).collect();
-            let pos: Vec<usize> = (base..base + n).collect();
-            let rows: Vec<usize> = (0..n).collect();
-            let mut t = Vec::new();
-            for _ in 0..reps.max(1) {
-                let t0 = Instant::now();
-                let r = model.forward(backend, cache, &toks, &pos, BatchMask::Causal, &rows);
-                t.push(t0.elapsed().as_secs_f64());
-                cache.truncate(base);
-                r?;
-            }
-            points.extend(median(&t).map(|m| (n, m)));
+        let sizes: Vec<usize> = sizes.iter().copied().filter(|&n| n > 0).collect();
+        let mut best = vec![f64::INFINITY; sizes.len()];
+        for _ in 0..reps.max(1) {
+            time_rows(model, backend, cache, &sizes, &mut best)?;
         }
-        Ok(StepCost::from_points(points))
+        Ok(StepCost::from_points(sizes.into_iter().zip(best).collect()))
     }
 
-    /// Fold in a measured pass over `rows` rows: the curve's factor moves toward the ratio of
-    /// the measurement to the calibrated shape (an exponential moving average). A pass over
-    /// more rows than any point of the curve extends it instead (a new point, in the shape's
-    /// units): the curve learns the sizes it is asked about, and never bends where it was
-    /// measured.
+    /// Fold in a measured pass over `rows` rows of one sequence ([`StepCost::record_pass`]).
     pub fn record(&mut self, rows: usize, secs: f64) {
+        self.record_pass(rows, 1, secs);
+    }
+
+    /// Fold in a measured pass over `rows` rows of `seqs` sequences: the curve's factor moves
+    /// toward the ratio of the measurement to the calibrated shape (an exponential moving
+    /// average). A pass over more rows than any point of the curve extends it instead (a new
+    /// point, in the shape's units): the curve learns the sizes it is asked about, and never
+    /// bends where it was measured.
+    pub fn record_pass(&mut self, rows: usize, seqs: usize, secs: f64) {
         if rows == 0 || !secs.is_finite() || secs <= 0.0 || self.points.is_empty() {
             return;
         }
+        let seqs = seqs.clamp(1, rows);
         if self.points.last().is_some_and(|&(n, _)| rows > n) {
-            self.points.push((rows, secs / self.scale));
+            let own = secs / self.scale - interpolate(&self.seq_extra, seqs);
+            if own > 0.0 {
+                self.points.push((rows, own));
+            }
             return;
         }
-        let ratio = secs / self.shape(rows).max(1e-12);
+        let ratio = secs / self.shape(rows, seqs).max(1e-12);
         self.scale = (1.0 - COST_EMA) * self.scale + COST_EMA * ratio;
     }
 
-    /// Estimated seconds of a pass over `rows` rows.
+    /// Estimated seconds of a pass over `rows` rows of one sequence.
     pub fn secs(&self, rows: usize) -> f64 {
-        self.scale * self.shape(rows)
+        self.pass_secs(rows, 1)
+    }
+
+    /// Estimated seconds of a pass over `rows` rows of `seqs` sequences (`rows >= seqs`).
+    pub fn pass_secs(&self, rows: usize, seqs: usize) -> f64 {
+        self.scale * self.shape(rows, seqs)
     }
 
     /// The calibrated curve.
-    fn shape(&self, rows: usize) -> f64 {
-        let pts = &self.points;
-        let Some(&(n0, s0)) = pts.first() else {
-            return rows as f64; // no measurement: one unit per row
-        };
-        let x = rows as f64;
-        if rows <= n0 {
-            return s0;
-        }
-        for w in pts.windows(2) {
-            let ((a, sa), (b, sb)) = (w[0], w[1]);
-            if rows <= b {
-                return sa + (sb - sa) * (x - a as f64) / (b - a) as f64;
-            }
-        }
-        let (nl, sl) = pts[pts.len() - 1];
-        sl * x / nl as f64
+    fn shape(&self, rows: usize, seqs: usize) -> f64 {
+        let seqs = seqs.max(1);
+        interpolate(&self.points, rows.max(seqs)) + interpolate(&self.seq_extra, seqs)
     }
+}
+
+/// Time one pass over each of `sizes` rows appended to `cache` (then dropped), keeping each
+/// size's fastest in `best`.
+fn time_rows<B: Backend>(
+    model: &Model,
+    backend: &B,
+    cache: &mut KvCache,
+    sizes: &[usize],
+    best: &mut [f64],
+) -> Result<()> {
+    let vocab = model.config.vocab_size as u32;
+    let base = cache.len();
+    for (&n, best) in sizes.iter().zip(best.iter_mut()) {
+        let toks: Vec<u32> = (0..n as u32).map(|i| (i * 13 + 5) % vocab).collect();
+        let pos: Vec<usize> = (base..base + n).collect();
+        let rows: Vec<usize> = (0..n).collect();
+        let t0 = Instant::now();
+        let r = model.forward(backend, cache, &toks, &pos, BatchMask::Causal, &rows);
+        *best = best.min(t0.elapsed().as_secs_f64());
+        cache.truncate(base);
+        r?;
+    }
+    Ok(())
 }
 
 /// The median of `v` (the upper one for an even count; `None` when empty).
@@ -230,6 +346,11 @@ pub const COSTLY_GIVE_UP: usize = 4;
 /// Drafting seconds, as a share of a pass, from which a drafter counts as costly.
 pub const COSTLY_DRAFT: f64 = 0.1;
 
+/// Drafting seconds, as a share of a one-row pass, below which drafting counts as free (prompt
+/// lookup): an adaptive request then asks its drafters for their whole depth every step instead
+/// of two depths past its last verified one (a limit that saves a model drafter's passes).
+pub const CHEAP_DRAFT: f64 = 0.02;
+
 /// When an adaptive request drafts at all: after a step whose chosen depth was 0 (its drafts
 /// were not worth verifying), it skips drafting for 0, 1, 3, 7, then 15 steps (doubling while the
 /// choice stays 0), and drafts every step again once a depth above 0 is chosen. A skipped step
@@ -291,18 +412,24 @@ pub fn drafting_pays(gain: f64, batch_tokens: f64, draft_secs: f64, pass_secs: f
             > DEPTH_HURDLE * draft_secs / pass_secs.max(f64::MIN_POSITIVE)
 }
 
-/// The most a verified tree may cost, in plain passes: the greatest mean acceptance measured on
-/// these CPUs stays under ~2 tokens per step, so a wider pass never pays.
+/// The most a verified tree may cost, in plain passes, whatever its drafts are expected to gain:
+/// a request's trees may cost more only as far as its measured acceptance expects more tokens.
 pub const MAX_TREE_COST: f64 = 2.5;
 
 /// Draft nodes worth proposing for an adaptive step (at most `budget`, at least 1): those whose
-/// pass costs at most [`MAX_TREE_COST`] plain passes on the learnt curve. Wide drafters (Token
-/// Recycling's first level has 8 candidates) then propose their best few nodes instead of a level
-/// no depth choice can afford.
-pub fn useful_budget(cost: &StepCost, budget: usize) -> usize {
-    let limit = MAX_TREE_COST * cost.secs(1);
+/// pass costs at most [`MAX_TREE_COST`] plain passes on the learnt curve, or at most the tokens a
+/// chain of that many nodes is expected to yield by the request's `acceptance` where that is
+/// more (drafts accepted deep, as prompt lookup on repeated text, earn long chains). Wide
+/// drafters (Token Recycling's first level has 8 candidates) then propose their best few nodes
+/// instead of a level no depth choice can afford.
+pub fn useful_budget(cost: &StepCost, budget: usize, acceptance: &Acceptance) -> usize {
+    let one = cost.secs(1);
     let mut n = 1;
-    while n < budget && cost.secs(n + 2) <= limit {
+    while n < budget {
+        let worth = MAX_TREE_COST.max(acceptance.expected_tokens(n + 1));
+        if cost.secs(n + 2) > worth * one {
+            break;
+        }
         n += 1;
     }
     n.min(budget)
@@ -333,30 +460,62 @@ pub struct DepthOptions<'a> {
     pub acceptance: &'a Acceptance,
     /// `nodes_upto[d]`: draft nodes of depth at most `d` (`nodes_upto[0] = 0`).
     pub nodes_upto: Vec<usize>,
+    /// What the request's extra tokens are worth against the batch's ([`catch_up_weight`]).
+    pub weight: f64,
 }
 
-/// How much a depth's expected gain must exceed its cost: a depth is added only while the
-/// relative gain in expected tokens beats the relative growth of the pass by this factor. Costs
+/// Bounds of [`catch_up_weight`].
+pub const CATCH_UP: (f64, f64) = (0.5, 2.0);
+
+/// What a request's extra tokens are worth in a step, from the tokens it may still produce
+/// (`left`) against the mean of the step's decoding requests: their ratio, within
+/// [`CATCH_UP`]. Requests that lag get deeper trees, those about to finish shallower ones, so a
+/// batch's requests finish closer together and the batch stays wide (a batch whose fast
+/// requests finished first runs its slow ones in small, costly steps).
+pub fn catch_up_weight(left: f64, mean_left: f64) -> f64 {
+    if mean_left > 0.0 && left.is_finite() {
+        (left / mean_left).clamp(CATCH_UP.0, CATCH_UP.1)
+    } else {
+        1.0
+    }
+}
+
+/// How much a depth's expected gain must exceed its cost: draft tokens count as `1 /
+/// DEPTH_HURDLE` of their expected number when choosing depths, so a speculative choice wins
+/// only where its relative gain in tokens beats the relative growth of the pass by about this
+/// factor. Costs
 /// the curve does not see (drafting, tree bookkeeping, the K/V commit) and the noise of
 /// acceptance estimates make break-even depths lose in practice (measured: prompt lookup on chat
 /// text through the server, 0.85x of plain decoding at concurrency 4 without it).
 pub const DEPTH_HURDLE: f64 = 1.25;
 
 /// Choose each request's verified depth for a step whose other rows (prefill chunks, the roots
-/// of every decoding request) number `base_rows`: greedily add the depth with the best expected
-/// tokens per extra row while the batch's expected tokens grow [`DEPTH_HURDLE`] times faster
-/// than the pass's cost. Depth 0 everywhere is plain decoding, so the choice never expects a
-/// slower step mix than no speculation.
+/// of every decoding request) number `base_rows` and yield `base_tokens` tokens without
+/// speculation (one per decoding request and per prompt that ends this step), over `seqs`
+/// sequences. Depths are added greedily, the best expected
+/// tokens per extra row first (a request's next depth never gains more than its previous one);
+/// of the choices along that order, the one with the most expected tokens per second on the
+/// cost curve wins, its draft tokens discounted by [`DEPTH_HURDLE`]. The whole order is weighed,
+/// not only its first steps: on a curve whose marginal row cost falls with the row count (a
+/// wider pass amortises its weight reads better), a depth that does not pay alone can pay with
+/// the next ones. Depth 0 everywhere is plain decoding, so the choice never expects a slower
+/// step mix than no speculation.
 pub fn choose_depths(
     options: &[DepthOptions<'_>],
     base_rows: usize,
+    base_tokens: usize,
+    seqs: usize,
     cost: &StepCost,
 ) -> Vec<usize> {
     let mut depth = vec![0usize; options.len()];
     let mut rows = base_rows;
-    let mut tokens: f64 = options.len() as f64;
+    let mut tokens = base_tokens.max(options.len()).max(1) as f64;
+    let rate = |tokens: f64, rows: usize| tokens / cost.pass_secs(rows.max(1), seqs);
+    let mut best_rate = rate(tokens, rows);
+    // The greedy order's additions, and how many of them the best choice takes.
+    let mut order = Vec::new();
+    let mut take = 0;
     loop {
-        let secs = cost.secs(rows.max(1));
         // The best next depth of any request: (request, extra rows, extra tokens).
         let best = options
             .iter()
@@ -367,7 +526,8 @@ pub fn choose_depths(
                     return None;
                 }
                 let extra = o.nodes_upto[d + 1] - o.nodes_upto[d];
-                let gain = o.acceptance.expected_tokens(d + 1) - o.acceptance.expected_tokens(d);
+                let gain = o.weight
+                    * (o.acceptance.expected_tokens(d + 1) - o.acceptance.expected_tokens(d));
                 Some((i, extra, gain))
             })
             .filter(|&(_, extra, _)| extra > 0)
@@ -375,16 +535,21 @@ pub fn choose_depths(
         let Some((i, extra, gain)) = best else {
             break;
         };
-        // Relative token gain against the hurdle times the relative cost growth.
-        let grows = cost.secs(rows + extra) / secs - 1.0;
-        if gain / tokens <= DEPTH_HURDLE * grows.max(0.0) {
-            break;
-        }
         depth[i] += 1;
         rows += extra;
-        tokens += gain;
+        tokens += gain / DEPTH_HURDLE;
+        order.push(i);
+        let r = rate(tokens, rows);
+        if r > best_rate {
+            best_rate = r;
+            take = order.len();
+        }
     }
-    depth
+    let mut chosen = vec![0usize; options.len()];
+    for &i in &order[..take] {
+        chosen[i] += 1;
+    }
+    chosen
 }
 
 #[cfg(test)]
@@ -508,18 +673,107 @@ mod tests {
         let mk = |a| DepthOptions {
             acceptance: a,
             nodes_upto: (0..=8).collect(),
+            weight: 1.0,
         };
         // Nearly free rows: even a 5% chance pays for a few; the accepting request goes deep.
-        let ds = choose_depths(&[mk(&good), mk(&bad)], 2, &flat);
+        let ds = choose_depths(&[mk(&good), mk(&bad)], 2, 2, 2, &flat);
         assert_eq!(ds[0], 8);
         assert!(ds[1] < ds[0]);
         // Rows at 3% of a pass each: the accepting request drafts deep, the rejecting one not.
         let moderate = StepCost::from_points(vec![(1, 0.01), (64, 0.03)]);
         assert_eq!(
-            choose_depths(&[mk(&good), mk(&bad)], 2, &moderate),
+            choose_depths(&[mk(&good), mk(&bad)], 2, 2, 2, &moderate),
             vec![8, 0]
         );
         // Each row costs a whole pass: plain decoding.
-        assert_eq!(choose_depths(&[mk(&good), mk(&bad)], 2, &steep), vec![0, 0]);
+        assert_eq!(
+            choose_depths(&[mk(&good), mk(&bad)], 2, 2, 2, &steep),
+            vec![0, 0]
+        );
+    }
+
+    /// An acceptance that accepted every depth of `chain`'s 8 tokens `n` times.
+    fn accepting(n: usize) -> Acceptance {
+        let d = DrafterId::try_from(0usize).unwrap();
+        let chain = TokenTree::chain(1, &[2, 3, 4, 5, 6, 7, 8, 9], d);
+        let mut a = Acceptance::new();
+        for _ in 0..n {
+            a.record(&chain, &[2, 3, 4, 5, 6, 7, 8, 9, 10]);
+        }
+        a
+    }
+
+    #[test]
+    fn the_whole_greedy_order_is_weighed_not_its_first_step() {
+        let good = accepting(30);
+        let o = DepthOptions {
+            acceptance: &good,
+            nodes_upto: (0..=8).collect(),
+            weight: 1.0,
+        };
+        // The first extra row doubles the pass, the next seven are almost free: depth 1 alone
+        // loses, depth 8 wins (about 5.6 expected tokens for 2.2 passes).
+        let kinked = StepCost::from_points(vec![(1, 0.010), (2, 0.020), (9, 0.022)]);
+        assert_eq!(choose_depths(&[o], 1, 1, 1, &kinked), vec![8]);
+    }
+
+    #[test]
+    fn the_batch_tokens_and_sequences_set_the_relative_gain() {
+        let good = accepting(30);
+        let mk = || DepthOptions {
+            acceptance: &good,
+            nodes_upto: (0..=8).collect(),
+            weight: 1.0,
+        };
+        // Rows cost 2% of a 16-row pass each. One drafting request among 16 decoding ones:
+        // its few extra tokens are small against the batch's 16.
+        let cost = StepCost::from_points(vec![(1, 0.010), (16, 0.016), (64, 0.064)]);
+        let alone = choose_depths(&[mk()], 1, 1, 1, &cost)[0];
+        let among = choose_depths(&[mk()], 16, 16, 16, &cost)[0];
+        assert_eq!(alone, 8);
+        assert!(among < alone, "{among}");
+        // 16 sequences cost much more than 16 rows of one: extra rows are then relatively
+        // cheaper, and the same request drafts deeper.
+        let per_seq = StepCost::from_curves(
+            vec![(1, 0.010), (16, 0.016), (64, 0.064)],
+            vec![(16, 0.040)],
+        );
+        assert!((per_seq.pass_secs(16, 16) - 0.040).abs() < 1e-12);
+        assert!((per_seq.pass_secs(32, 16) - (0.040 + 0.016)).abs() < 1e-12);
+        assert!((per_seq.secs(16) - 0.016).abs() < 1e-12);
+        let with_seqs = choose_depths(&[mk()], 16, 16, 16, &per_seq)[0];
+        assert!(with_seqs > among, "{with_seqs} vs {among}");
+    }
+
+    #[test]
+    fn lagging_requests_are_worth_more() {
+        assert_eq!(catch_up_weight(10.0, 40.0), CATCH_UP.0);
+        assert_eq!(catch_up_weight(80.0, 20.0), CATCH_UP.1);
+        assert!((catch_up_weight(30.0, 20.0) - 1.5).abs() < 1e-12);
+        assert_eq!(catch_up_weight(5.0, 0.0), 1.0);
+        let good = accepting(30);
+        let mk = |weight| DepthOptions {
+            acceptance: &good,
+            nodes_upto: (0..=8).collect(),
+            weight,
+        };
+        // A marginal cost: the same acceptance, the lagging request verifies deeper.
+        let cost = StepCost::from_points(vec![(1, 0.010), (8, 0.012), (64, 0.060)]);
+        let ds = choose_depths(&[mk(0.5), mk(2.0)], 8, 8, 8, &cost);
+        assert!(ds[1] > ds[0], "{ds:?}");
+    }
+
+    #[test]
+    fn a_request_accepting_deep_drafts_may_propose_costly_trees() {
+        // Nine rows cost 4 one-row passes: more than MAX_TREE_COST, less than what a request
+        // accepting everything expects from 8 nodes.
+        let cost = StepCost::from_points(vec![(1, 0.010), (9, 0.040), (64, 0.640)]);
+        let fresh = Acceptance::new();
+        let n = useful_budget(&cost, 8, &fresh);
+        assert!(
+            n < 8 && cost.secs(n + 1) <= MAX_TREE_COST * 0.010 + 1e-12,
+            "{n}"
+        );
+        assert_eq!(useful_budget(&cost, 8, &accepting(30)), 8);
     }
 }

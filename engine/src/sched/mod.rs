@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 pub use adaptive::{
-    choose_depths, drafting_pays, nodes_upto, row_cost, useful_budget, Acceptance, DepthOptions,
-    DraftBackoff, StepCost,
+    catch_up_weight, choose_depths, drafting_pays, nodes_upto, row_cost, useful_budget, Acceptance,
+    DepthOptions, DraftBackoff, StepCost,
 };
 
 use crate::backend::cuda::DeviceForward;
@@ -95,6 +95,10 @@ pub struct SchedStats {
     pub peak_blocks: usize,
     /// Drafters dropped from their request after an error, a panic or an invalid tree.
     pub drafter_failures: u64,
+    /// Seconds inside the steps' forward passes.
+    pub forward_secs: f64,
+    /// Seconds of whole steps (planning, drafting, the pass, verification, streaming).
+    pub step_secs: f64,
 }
 
 /// A drafter that failed and was dropped from its request (the request goes on without it).
@@ -173,6 +177,8 @@ pub struct PlannedStep {
     events: Vec<StepEvent>,
     /// Trees to draft outside (requests with `external` speculation).
     pub jobs: Vec<DraftJob>,
+    /// When the step began (its planning included in the step's seconds).
+    started: Instant,
 }
 
 struct SpecState<'a> {
@@ -187,6 +193,9 @@ struct SpecState<'a> {
     backoff: DraftBackoff,
     /// Seconds of in-process drafting per drafted step (moving average; 0 when drafted outside).
     draft_secs: f64,
+    /// Whether that drafting costs next to nothing ([`adaptive::CHEAP_DRAFT`]): drafts are then
+    /// asked for at full depth.
+    cheap_drafting: bool,
     metrics: SpecMetrics,
     external: bool,
     /// Candidates per row the outside drafters want, of verified rows and of prompt rows.
@@ -393,8 +402,9 @@ impl Request<'_> {
     fn draft_depth(&self) -> usize {
         let max_depth = self.max_depth();
         match &self.spec {
-            // Two depths past the last verified one: room to grow, one depth to learn from.
-            Some(sp) if sp.policy == SpecPolicy::Adaptive => {
+            // Two depths past the last verified one: room to grow, one depth to learn from
+            // (drafting that costs next to nothing: the whole depth).
+            Some(sp) if sp.policy == SpecPolicy::Adaptive && !sp.cheap_drafting => {
                 max_depth.min(sp.last_depth.saturating_add(2))
             }
             _ => max_depth,
@@ -615,6 +625,7 @@ impl<'a> Scheduler<'a> {
                     last_depth: usize::MAX,
                     backoff: DraftBackoff::default(),
                     draft_secs: 0.0,
+                    cheap_drafting: false,
                     metrics: SpecMetrics::default(),
                     external: rs.external,
                     candidates: rs.candidates,
@@ -745,6 +756,7 @@ impl<'a> Scheduler<'a> {
     /// blocks run short). Its `jobs` are the trees to draft outside; requests may be submitted
     /// or cancelled before [`Scheduler::finish_step`] runs it.
     pub fn begin_step(&mut self) -> PlannedStep {
+        let started = Instant::now();
         let mut events = Vec::new();
         self.admit(&mut events);
         let plan = loop {
@@ -792,6 +804,7 @@ impl<'a> Scheduler<'a> {
             slots: plan,
             events,
             jobs,
+            started,
         }
     }
 
@@ -808,6 +821,7 @@ impl<'a> Scheduler<'a> {
             slots: mut plan,
             mut events,
             jobs: _,
+            started,
         } = planned;
         // Requests cancelled since the plan was made drop out; the others may have moved (a
         // step finished at once, as `step` does, finds every slot where it was).
@@ -877,8 +891,10 @@ impl<'a> Scheduler<'a> {
                 None => self.model.forward_batch(backend, &mut batch)?,
             }
         };
+        let fwd = t0.elapsed().as_secs_f64();
+        self.stats.forward_secs += fwd;
         if let (Some(c), false) = (self.cost.as_mut(), self.freeze_step_cost) {
-            c.record(n_rows, t0.elapsed().as_secs_f64());
+            c.record_pass(n_rows, plan.len(), fwd);
         }
         self.stats.steps += 1;
         self.stats.rows += n_rows as u64;
@@ -1016,6 +1032,8 @@ impl<'a> Scheduler<'a> {
             });
         }
         self.stats.peak_blocks = self.stats.peak_blocks.max(self.pool.stats().used);
+        let all = started.elapsed().as_secs_f64();
+        self.stats.step_secs += all;
         Ok(events)
     }
 
@@ -1070,7 +1088,7 @@ impl<'a> Scheduler<'a> {
             // Adaptive requests draft only what a pass worth verifying holds.
             if let (Some(c), Some(sp)) = (self.cost.as_ref(), r.spec.as_ref()) {
                 if sp.policy == SpecPolicy::Adaptive && cap > 0 {
-                    cap = useful_budget(c, cap);
+                    cap = useful_budget(c, cap, &sp.acceptance);
                 }
             }
             budget -= cap;
@@ -1150,6 +1168,9 @@ impl<'a> Scheduler<'a> {
                 } else {
                     share
                 };
+                if let Some(c) = self.cost.as_ref() {
+                    sp.cheap_drafting = sp.draft_secs < adaptive::CHEAP_DRAFT * c.secs(1);
+                }
                 drop_drafters(
                     r.id,
                     sp,
@@ -1162,6 +1183,12 @@ impl<'a> Scheduler<'a> {
         }
         // Fixed requests verify the whole proposal; adaptive ones what the policy picks.
         let mut base_rows = 0;
+        // Tokens the step yields without speculation: one per decoding request and per prompt
+        // that ends in this step.
+        let base_tokens = plan
+            .iter()
+            .filter(|sl| sl.prefill == 0 || sl.logits)
+            .count();
         let mut adaptive = Vec::new();
         for (k, sl) in plan.iter().enumerate() {
             let r = &self.running[sl.idx];
@@ -1177,6 +1204,17 @@ impl<'a> Scheduler<'a> {
         let (depths, pays): (Vec<usize>, Vec<(bool, bool)>) =
             match (&self.cost, adaptive.is_empty()) {
                 (Some(cost), false) => {
+                    // Tokens each decoding request still may produce, and their mean.
+                    let left = |i: usize| {
+                        let r = &self.running[i];
+                        r.params.max_tokens.saturating_sub(r.generated()).max(1) as f64
+                    };
+                    let decoding: Vec<f64> = plan
+                        .iter()
+                        .filter(|sl| sl.prefill == 0)
+                        .map(|sl| left(sl.idx))
+                        .collect();
+                    let mean_left = decoding.iter().sum::<f64>() / decoding.len().max(1) as f64;
                     let options: Vec<DepthOptions<'_>> = adaptive
                         .iter()
                         .map(|&k| {
@@ -1189,10 +1227,11 @@ impl<'a> Scheduler<'a> {
                             DepthOptions {
                                 acceptance: &sp.acceptance,
                                 nodes_upto: nodes_upto(p),
+                                weight: catch_up_weight(left(sl.idx), mean_left),
                             }
                         })
                         .collect();
-                    let depths = choose_depths(&options, base_rows, cost);
+                    let depths = choose_depths(&options, base_rows, base_tokens, plan.len(), cost);
                     let gains: Vec<f64> = options
                         .iter()
                         .zip(&depths)
@@ -1204,8 +1243,9 @@ impl<'a> Scheduler<'a> {
                             .zip(&depths)
                             .map(|(o, &d)| o.nodes_upto[d])
                             .sum::<usize>();
-                    let batch_tokens = adaptive.len() as f64 + gains.iter().sum::<f64>();
-                    let pass = cost.secs(rows.max(1));
+                    let batch_tokens =
+                        base_tokens.max(adaptive.len()) as f64 + gains.iter().sum::<f64>();
+                    let pass = cost.pass_secs(rows.max(1), plan.len());
                     let pays = adaptive
                         .iter()
                         .zip(&gains)
@@ -1237,7 +1277,10 @@ impl<'a> Scheduler<'a> {
                     if let Some(sp) = self.running[sl.idx].spec.as_mut() {
                         sp.last_depth = depths[j];
                         let (pays, costly) = pays[j];
-                        sp.backoff.chose(if pays { depths[j] } else { 0 }, costly);
+                        // A proposal without nodes tells nothing about whether drafts pay.
+                        if p.n_draft() > 0 {
+                            sp.backoff.chose(if pays { depths[j] } else { 0 }, costly);
+                        }
                     }
                     sl.tree = Some(p.truncate_depth(depths[j]));
                 }

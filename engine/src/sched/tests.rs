@@ -954,3 +954,75 @@ fn scheduler_on_a_device_keeps_the_devices_outputs() {
         c.verdict(blocks).unwrap();
     }
 }
+
+/// Proposes `inner`'s tree every third call and nothing (the root alone) otherwise, as prompt
+/// lookup does where the text has no earlier match.
+struct EveryThird<D> {
+    inner: D,
+    calls: usize,
+}
+
+impl<D: Drafter> Drafter for EveryThird<D> {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    fn propose(&mut self, req: &crate::draft::DraftRequest<'_>) -> Result<TokenTree> {
+        self.calls += 1;
+        if self.calls.is_multiple_of(3) {
+            self.inner.propose(req)
+        } else {
+            Ok(TokenTree::root_only(*req.tokens.last().expect("a root")))
+        }
+    }
+
+    fn accept(&mut self, accepted: &[u32], bonus: u32) {
+        self.inner.accept(accepted, bonus);
+    }
+}
+
+/// A step whose drafters propose nothing says nothing about whether drafts pay: an adaptive
+/// request whose free, always-right drafter proposes only every third step keeps drafting every
+/// step (no backoff), and verifies those proposals at their full depth.
+#[test]
+fn empty_proposals_do_not_back_off_drafting() {
+    let be = CpuBackend::new(2).unwrap();
+    let model = tiny_model(&spec("qwen2", GgmlType::Q8_0), 41).unwrap();
+    let vocab = model.config.vocab_size as u32;
+    let prompt = repetitive(vocab, 16, 2);
+    let params = GenerateParams {
+        max_tokens: 60,
+        sampling: SamplingParams::greedy(),
+        ..GenerateParams::default()
+    };
+    let want = alone(&model, &be, &prompt, &params);
+    let mut truth = prompt.clone();
+    truth.extend(&want);
+    let (proposals, steps, accepted) = counted_run(
+        &model,
+        &be,
+        &prompt,
+        &params,
+        &want,
+        StepCost::from_points(vec![(1, 0.010), (64, 0.012)]),
+        EveryThird {
+            inner: crate::draft::OracleDrafter::new(
+                truth.clone(),
+                crate::tree::ExpansionConfig::chain(4),
+                3,
+            ),
+            calls: 0,
+        },
+        std::time::Duration::ZERO,
+        4,
+        SpecPolicy::Adaptive,
+    );
+    assert!(
+        proposals + 1 >= steps,
+        "a proposal every step ({proposals} proposals, {steps} steps, {accepted} accepted)"
+    );
+    assert!(
+        accepted >= 3 * (steps / 3 - 1),
+        "every third step accepts ~4 tokens ({proposals} proposals, {steps} steps, {accepted} accepted)"
+    );
+}

@@ -387,6 +387,10 @@ enum BenchCmd {
         /// Modes to run (comma-separated): none, fixed, adaptive.
         #[arg(long, value_delimiter = ',', default_value = "none,fixed,adaptive")]
         modes: Vec<String>,
+        /// Runs of every mode per concurrency, the modes alternated (their order rotated each
+        /// round); the figures are over all rounds together, each round's tok/s listed too.
+        #[arg(long, default_value_t = 1)]
+        rounds: usize,
         #[arg(long, value_enum, default_value_t = Format::Text)]
         format: Format,
     },
@@ -489,6 +493,7 @@ fn run(cli: Cli) -> Result<()> {
                 draft_batching,
                 budget,
                 modes,
+                rounds,
                 format,
             } => {
                 let kv = parse_bytes(&kv_memory)?;
@@ -511,6 +516,7 @@ fn run(cli: Cli) -> Result<()> {
                     },
                     budget,
                     &modes,
+                    rounds,
                 )?;
                 match format {
                     Format::Json => println!("{}", serde_json::to_string(&r)?),
