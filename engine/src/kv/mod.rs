@@ -345,16 +345,8 @@ impl KvCache {
         // The block holding slot `len` may be shared (a fork, a prefix hit) or cached: it is
         // about to change.
         if first < self.blocks.len() {
-            let b = self.blocks[first];
-            if g.alloc.refcount(b) > 1 {
-                let nb = g
-                    .allocate()
-                    .ok_or(EngineError::KvPoolExhausted { needed: 1 })?;
-                g.copy_block(b, nb);
-                g.release_all(&[b]);
-                self.blocks[first] = nb;
-            } else {
-                g.alloc.unregister(b);
+            if !self.copy_if_shared(g, first)? {
+                g.alloc.unregister(self.blocks[first]);
             }
             self.hashes.truncate(first);
         }
@@ -501,18 +493,26 @@ impl KvCache {
         let pool = self.pool.clone();
         let mut g = pool.lock();
         for i in 0..self.blocks.len() {
-            let b = self.blocks[i];
-            if g.alloc.refcount(b) > 1 {
-                let nb = g
-                    .allocate()
-                    .ok_or(EngineError::KvPoolExhausted { needed: 1 })?;
-                g.copy_block(b, nb);
-                g.release_all(&[b]);
-                self.blocks[i] = nb;
+            if self.copy_if_shared(&mut g, i)? {
                 self.hashes.truncate(i);
             }
         }
         Ok(())
+    }
+
+    /// Replace table entry `i` by a private copy when its block is shared; whether it was.
+    fn copy_if_shared(&mut self, g: &mut PoolInner, i: usize) -> Result<bool> {
+        let b = self.blocks[i];
+        if g.alloc.refcount(b) <= 1 {
+            return Ok(false);
+        }
+        let nb = g
+            .allocate()
+            .ok_or(EngineError::KvPoolExhausted { needed: 1 })?;
+        g.copy_block(b, nb);
+        g.release_all(&[b]);
+        self.blocks[i] = nb;
+        Ok(true)
     }
 }
 

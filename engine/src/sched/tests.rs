@@ -270,6 +270,26 @@ fn repetitive(vocab: u32, n: usize, salt: u32) -> Vec<u32> {
         .collect()
 }
 
+/// A tiny Q8_0 qwen2 model (`seed`), a repetitive prompt of `n` tokens (`salt`), greedy
+/// parameters for `max_tokens` tokens, and the model's own output for them.
+fn greedy_case(
+    be: &CpuBackend,
+    seed: u64,
+    n: usize,
+    salt: u32,
+    max_tokens: usize,
+) -> (Model, Vec<u32>, GenerateParams, Vec<u32>) {
+    let model = tiny_model(&spec("qwen2", GgmlType::Q8_0), seed).unwrap();
+    let prompt = repetitive(model.config.vocab_size as u32, n, salt);
+    let params = GenerateParams {
+        max_tokens,
+        sampling: SamplingParams::greedy(),
+        ..GenerateParams::default()
+    };
+    let want = alone(&model, be, &prompt, &params);
+    (model, prompt, params, want)
+}
+
 fn ngram_spec<'a>(policy: SpecPolicy, budget: usize) -> RequestSpec<'a> {
     in_process_spec(
         vec![Box::new(crate::draft::NgramDrafter::default())],
@@ -861,15 +881,7 @@ fn counted_run(
 #[test]
 fn adaptive_requests_back_off_drafting_where_drafts_fail() {
     let be = CpuBackend::new(2).unwrap();
-    let model = tiny_model(&spec("qwen2", GgmlType::Q8_0), 31).unwrap();
-    let vocab = model.config.vocab_size as u32;
-    let prompt = repetitive(vocab, 20, 5);
-    let params = GenerateParams {
-        max_tokens: 80,
-        sampling: SamplingParams::greedy(),
-        ..GenerateParams::default()
-    };
-    let want = alone(&model, &be, &prompt, &params);
+    let (model, prompt, params, want) = greedy_case(&be, 31, 20, 5, 80);
     let run = |policy| {
         counted_run(
             &model,
@@ -901,15 +913,7 @@ fn adaptive_requests_back_off_drafting_where_drafts_fail() {
 fn drafting_that_costs_more_than_it_gains_backs_off() {
     use std::time::Duration;
     let be = CpuBackend::new(2).unwrap();
-    let model = tiny_model(&spec("qwen2", GgmlType::Q8_0), 37).unwrap();
-    let vocab = model.config.vocab_size as u32;
-    let prompt = repetitive(vocab, 16, 2);
-    let params = GenerateParams {
-        max_tokens: 40,
-        sampling: SamplingParams::greedy(),
-        ..GenerateParams::default()
-    };
-    let want = alone(&model, &be, &prompt, &params);
+    let (model, prompt, params, want) = greedy_case(&be, 37, 16, 2, 40);
     let mut truth = prompt.clone();
     truth.extend(&want);
     let run = |delay| {
@@ -987,15 +991,7 @@ impl<D: Drafter> Drafter for EveryThird<D> {
 #[test]
 fn empty_proposals_do_not_back_off_drafting() {
     let be = CpuBackend::new(2).unwrap();
-    let model = tiny_model(&spec("qwen2", GgmlType::Q8_0), 41).unwrap();
-    let vocab = model.config.vocab_size as u32;
-    let prompt = repetitive(vocab, 16, 2);
-    let params = GenerateParams {
-        max_tokens: 60,
-        sampling: SamplingParams::greedy(),
-        ..GenerateParams::default()
-    };
-    let want = alone(&model, &be, &prompt, &params);
+    let (model, prompt, params, want) = greedy_case(&be, 41, 16, 2, 60);
     let mut truth = prompt.clone();
     truth.extend(&want);
     let (proposals, steps, accepted) = counted_run(
