@@ -1277,8 +1277,10 @@ impl<'a> Scheduler<'a> {
                     if let Some(sp) = self.running[sl.idx].spec.as_mut() {
                         sp.last_depth = depths[j];
                         let (pays, costly) = pays[j];
-                        // A proposal without nodes tells nothing about whether drafts pay.
-                        if p.n_draft() > 0 {
+                        // A proposal without nodes tells nothing about whether drafts pay
+                        // where drafting costs next to nothing (in process); drafting outside
+                        // costs each step a round trip, which only the backoff saves.
+                        if p.n_draft() > 0 || sp.external {
                             sp.backoff.chose(if pays { depths[j] } else { 0 }, costly);
                         }
                     }

@@ -1022,3 +1022,43 @@ fn empty_proposals_do_not_back_off_drafting() {
         "every third step accepts ~4 tokens ({proposals} proposals, {steps} steps, {accepted} accepted)"
     );
 }
+
+/// Drafting outside the scheduler (the server's drafter actors) costs every step a round trip:
+/// there, steps whose proposals are empty still back off, so a request whose outside drafter
+/// never finds anything is asked for drafts on few steps.
+#[test]
+fn empty_outside_proposals_back_off() {
+    let be = CpuBackend::new(2).unwrap();
+    let (model, prompt, params, want) = greedy_case(&be, 43, 16, 3, 48);
+    let pool = KvPool::new(&model.config, model.config.n_layers, 64);
+    let mut s = Scheduler::new(&model, None, pool, SchedConfig::default()).unwrap();
+    s.set_step_cost(StepCost::from_points(vec![(1, 0.010), (64, 0.012)]));
+    s.freeze_step_cost = true;
+    let mut sp = ngram_spec(SpecPolicy::Adaptive, 4);
+    sp.drafters.clear();
+    sp.external = true;
+    s.submit_spec(prompt, params, Some(sp)).unwrap();
+    let (mut steps, mut asked) = (0, 0);
+    let mut done = Vec::new();
+    while !s.is_idle() {
+        steps += 1;
+        let planned = s.begin_step();
+        asked += usize::from(!planned.jobs.is_empty());
+        let trees = planned
+            .jobs
+            .iter()
+            .map(|j| (j.id, TokenTree::root_only(*j.tokens.last().unwrap())))
+            .collect();
+        for ev in s.finish_step(&be, planned, trees).unwrap() {
+            if let Some(f) = ev.finish {
+                done.push(f);
+            }
+        }
+        s.take_commits();
+    }
+    assert_eq!(done_tokens(&done[0]).0, &want[..]);
+    assert!(
+        asked * 3 <= steps,
+        "{asked} of {steps} steps asked for drafts"
+    );
+}
