@@ -13,7 +13,7 @@
 //!   of the accumulator covers exactly one 16-element chunk of one scale group, which lets all four
 //!   64-byte registers of a 256-element group accumulate into one register (Q4_0, Q5_0, Q5_1);
 //!   K-quants, Q4_1 and Q8_0 instead run `x86_avx2::kcols512` / `lcols512` (`dpbusd` on 512-bit
-//!   column tiles of 16 output rows per register) and `x86_avx2::knat512` (one K-quant row), the
+//!   column tiles of 16 output rows per register) and `x86_avx2::knat512` (one or two K-quant rows), the
 //!   AVX2 family's exact integers and float steps: the two families agree bit for bit on them;
 //! * `amx` — AMX int8 tiles (`tdpbssd`, 16 output × 16 activation rows) for Q4_K/Q6_K/Q8_0
 //!   matmuls with at least `amx::MIN_TOK` activation rows, when the OS grants AMX, and for fewer

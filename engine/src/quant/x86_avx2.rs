@@ -29,8 +29,8 @@
 //!   float step runs on 8 rows at once without a horizontal sum.
 //!
 //! The AVX-512 family computes the same integers and float steps at 512 bits ([`kcols512`] and
-//! [`lcols512`]: column tiles of 16 output rows per register with `vpdpbusd`; `knat512`: one
-//! K-quant row), so the two families agree bit for bit on K-quants, Q4_1 and Q8_0.
+//! [`lcols512`]: column tiles of 16 output rows per register with `vpdpbusd`; `knat512`: one or
+//! two K-quant rows), so the two families agree bit for bit on K-quants, Q4_1 and Q8_0.
 
 use std::arch::x86_64::*;
 use std::marker::PhantomData;

@@ -17,7 +17,7 @@
 //!
 //! K-quants, Q4_1 and Q8_0 of this family do not use these lane kernels: they run the AVX2
 //! family's exact-integer kernels at 512 bits (`x86_avx2::kcols512` and `x86_avx2::lcols512`:
-//! column tiles; one K-quant row: `x86_avx2::knat512`), which measured faster and give the AVX2
+//! column tiles; one or two K-quant rows: `x86_avx2::knat512`), which measured faster and give the AVX2
 //! family's bits. The lane kernels serve Q4_0, Q5_0 and Q5_1; the Q4_K/Q6_K/Q8_0 lane unpacks
 //! here serve the AMX-order kernels (`amx_order_rows`).
 //!

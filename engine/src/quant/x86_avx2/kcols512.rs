@@ -6,16 +6,16 @@
 //! lanes of 16 output rows: no i16 partial sums (the AVX2 tiles' `maddubs` + add +
 //! `madd`), and no horizontal sums. The exact integers per (output row, activation row, group)
 //! and the float step are those of the AVX2 kernels (`k_epilogue`'s operations), so the AVX-512
-//! family computes K-quant rows bit for bit as the AVX2 family does, for any batch size; a single
-//! activation row runs the natural-order kernel at 512 bits (`knat512`).
+//! family computes K-quant rows bit for bit as the AVX2 family does, for any batch size; one or
+//! two activation rows run the natural-order kernel at 512 bits (`knat512`).
 
 use std::arch::x86_64::*;
 use std::marker::PhantomData;
 
 use super::knat512::rows_k_nat16;
 use super::{
-    column_rows, f16_cols, prefetch_block, rd_u32, ColumnTiles, KCols, KKind, CB_ROWS,
-    COLS_MIN_ROWS, Q4K, Q5K, Q6K, T_CAP,
+    column_rows, f16_cols, prefetch_block, rd_u32, ColumnTiles, KCols, KKind, CB_ROWS, Q4K, Q5K,
+    Q6K, T_CAP,
 };
 use crate::quant::act::{OFF_BS, OFF_BS32, OFF_D};
 use crate::quant::x86_avx512::transpose16;
@@ -382,9 +382,10 @@ pub(super) unsafe fn columns_avx512<T: ColumnTiles>(
     column_rows::<T, { T_CAP * CB * ROWS }>(w, act, stride, n_tok, r0, r1, y)
 }
 
-/// The AVX-512 family's K-quant rows `[r0, r1)` against natural records: 512-bit column tiles
-/// from [`COLS_MIN_ROWS`] activation rows, the natural-order kernel at 512 bits for one (`knat512`;
-/// both give the AVX2 family's bits).
+/// The AVX-512 family's K-quant rows `[r0, r1)` against natural records: the natural-order
+/// kernel at 512 bits for one or two activation rows (`knat512`: each group unpacked once for
+/// both; a two-row qwen2.5-coder-1.5b forward 27-28 ms against 33-34 ms on the tiles, see
+/// docs/benchmarks.md), 512-bit column tiles from three (both give the AVX2 family's bits).
 ///
 /// # Safety
 /// The CPU must support AVX-512 F/BW/VL/VNNI and AVX2/FMA/F16C; `act` holds `n_tok * stride`
@@ -401,14 +402,16 @@ pub(crate) unsafe fn k_rows(
 ) {
     debug_assert!(act.len() >= n_tok * stride);
     let a = act.as_ptr();
-    let cols = n_tok >= COLS_MIN_ROWS;
-    match w.ty {
-        GgmlType::Q4_K if cols => columns_avx512::<KTiles16<Q4K>>(w, a, stride, n_tok, r0, r1, y),
-        GgmlType::Q5_K if cols => columns_avx512::<KTiles16<Q5K>>(w, a, stride, n_tok, r0, r1, y),
-        GgmlType::Q6_K if cols => columns_avx512::<KTiles16<Q6K>>(w, a, stride, n_tok, r0, r1, y),
-        GgmlType::Q4_K => rows_k_nat16::<Q4K>(w, a, r0, r1, y),
-        GgmlType::Q5_K => rows_k_nat16::<Q5K>(w, a, r0, r1, y),
-        GgmlType::Q6_K => rows_k_nat16::<Q6K>(w, a, r0, r1, y),
+    match (w.ty, n_tok) {
+        (GgmlType::Q4_K, 1) => rows_k_nat16::<Q4K, 1>(w, a, stride, r0, r1, y),
+        (GgmlType::Q5_K, 1) => rows_k_nat16::<Q5K, 1>(w, a, stride, r0, r1, y),
+        (GgmlType::Q6_K, 1) => rows_k_nat16::<Q6K, 1>(w, a, stride, r0, r1, y),
+        (GgmlType::Q4_K, 2) => rows_k_nat16::<Q4K, 2>(w, a, stride, r0, r1, y),
+        (GgmlType::Q5_K, 2) => rows_k_nat16::<Q5K, 2>(w, a, stride, r0, r1, y),
+        (GgmlType::Q6_K, 2) => rows_k_nat16::<Q6K, 2>(w, a, stride, r0, r1, y),
+        (GgmlType::Q4_K, _) => columns_avx512::<KTiles16<Q4K>>(w, a, stride, n_tok, r0, r1, y),
+        (GgmlType::Q5_K, _) => columns_avx512::<KTiles16<Q5K>>(w, a, stride, n_tok, r0, r1, y),
+        (GgmlType::Q6_K, _) => columns_avx512::<KTiles16<Q6K>>(w, a, stride, n_tok, r0, r1, y),
         _ => {}
     }
 }

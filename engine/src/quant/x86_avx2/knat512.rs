@@ -1,4 +1,4 @@
-//! AVX-512 one-row K-quant kernel (Q4_K, Q5_K, Q6_K; decoding): the AVX2 natural-order kernel (`rows_k_nat`) at 512 bits, two 32-element sub-blocks per register, the same exact integers and `k_epilogue` step.
+//! AVX-512 one- and two-row K-quant kernel (Q4_K, Q5_K, Q6_K; decoding, two-row trees and batches): the AVX2 natural-order kernel (`rows_k_nat`) at 512 bits, two 32-element sub-blocks per register, the same exact integers and `k_epilogue` step.
 //!
 //! `maddubs` then `madd` against the sub-blocks' scales, as `k_dot_nat`, on registers that hold
 //! sub-blocks `2c` and `2c + 1` (unpacked from one value register broadcast to both halves and
@@ -138,33 +138,47 @@ impl KNat512 for Q6K {
     }
 }
 
-/// Exact `(Σ q·sc·x, Σ bs·bsum)` of a group against the natural record at `a` (`k_dot_nat`'s).
+/// The i16 scales of sub-blocks `2c` and `2c + 1` against the `maddubs` pairs of `w.q[c]`
+/// (the same for every activation row: built once per group).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn k_dot_nat16<K: KNat512>(w: &KNat16, a: *const u8) -> (i32, i32) {
-    let mut s = _mm512_setzero_si512();
-    for c in 0..4 {
-        let sc = if K::K6 {
+unsafe fn scales16<K: KNat512>(w: &KNat16) -> [__m512i; 4] {
+    let mut sc = [_mm512_setzero_si512(); 4];
+    for (c, sc) in sc.iter_mut().enumerate() {
+        *sc = if K::K6 {
             let ctl = _mm512_loadu_si512(SHUF_K6_2[c].as_ptr() as *const __m512i);
             _mm512_srai_epi16::<8>(_mm512_shuffle_epi8(w.scv, ctl))
         } else {
             let ctl = _mm512_loadu_si512(SHUF_K4_2[c].as_ptr() as *const __m512i);
             _mm512_shuffle_epi8(w.scv, ctl)
         };
+    }
+    sc
+}
+
+/// Exact `(Σ q·sc·x, Σ bs·bsum)` of a group against the natural record at `a` (`k_dot_nat`'s).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn k_dot_nat16(w: &KNat16, sc: &[__m512i; 4], a: *const u8) -> (i32, i32) {
+    let mut s = _mm512_setzero_si512();
+    for (c, sc) in sc.iter().enumerate() {
         let x = _mm512_loadu_si512(a.add(64 * c) as *const __m512i);
         let p = _mm512_maddubs_epi16(w.q[c], x);
-        s = _mm512_add_epi32(s, _mm512_madd_epi16(p, sc));
+        s = _mm512_add_epi32(s, _mm512_madd_epi16(p, *sc));
     }
     let mm = _mm256_madd_epi16(w.bs, ld(a.add(OFF_BS)));
     (_mm512_reduce_add_epi32(s), hsum_i32(mm))
 }
 
-/// K-quant rows `[r0, r1)` against one natural record (`rows_k_nat` at 512 bits).
+/// K-quant rows `[r0, r1)` against `R` natural records at `act + t * stride` (`rows_k_nat` at
+/// 512 bits): each group unpacked once for the `R` rows, every row with the integers and float
+/// steps it has alone.
 #[inline(never)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(super) unsafe fn rows_k_nat16<K: KNat512>(
+pub(super) unsafe fn rows_k_nat16<K: KNat512, const R: usize>(
     w: &QMatrix,
     act: *const u8,
+    stride: usize,
     r0: usize,
     r1: usize,
     y: YPtr,
@@ -173,15 +187,20 @@ pub(super) unsafe fn rows_k_nat16<K: KNat512>(
     let n_groups = w.n_in / GROUP;
     for o in r0..r1 {
         let row = w.data.as_ptr().add(o * rb);
-        let mut acc = 0f32;
+        let mut acc = [0f32; R];
         for g in 0..n_groups {
             prefetch_ahead(row, g, K::BB);
             let wg = K::unpack16(row.add(g * K::BB));
-            let at = act.add(g * REC);
-            let (s, m) = k_dot_nat16::<K>(&wg, at);
-            let dx = *(at.add(OFF_D) as *const f32);
-            acc = k_epilogue(K::K6, s, m, wg.d, wg.dmin, dx, acc);
+            let sc = scales16::<K>(&wg);
+            for (t, acc) in acc.iter_mut().enumerate() {
+                let at = act.add(t * stride + g * REC);
+                let (s, m) = k_dot_nat16(&wg, &sc, at);
+                let dx = *(at.add(OFF_D) as *const f32);
+                *acc = k_epilogue(K::K6, s, m, wg.d, wg.dmin, dx, *acc);
+            }
         }
-        y.write(0, o, acc);
+        for (t, acc) in acc.iter().enumerate() {
+            y.write(t, o, *acc);
+        }
     }
 }
