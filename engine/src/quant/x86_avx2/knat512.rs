@@ -142,7 +142,7 @@ impl KNat512 for Q6K {
 /// (the same for every activation row: built once per group).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn scales16<K: KNat512>(w: &KNat16) -> [__m512i; 4] {
+unsafe fn pair_scales<K: KNat512>(w: &KNat16) -> [__m512i; 4] {
     let mut sc = [_mm512_setzero_si512(); 4];
     for (c, sc) in sc.iter_mut().enumerate() {
         *sc = if K::K6 {
@@ -191,7 +191,7 @@ pub(super) unsafe fn rows_k_nat16<K: KNat512, const R: usize>(
         for g in 0..n_groups {
             prefetch_ahead(row, g, K::BB);
             let wg = K::unpack16(row.add(g * K::BB));
-            let sc = scales16::<K>(&wg);
+            let sc = pair_scales::<K>(&wg);
             for (t, acc) in acc.iter_mut().enumerate() {
                 let at = act.add(t * stride + g * REC);
                 let (s, m) = k_dot_nat16(&wg, &sc, at);
