@@ -1,5 +1,5 @@
 //! f32 vector kernels for attention (dot product, scaled accumulate), softmax and SwiGLU, dispatched at run time to
-//! AVX-512F or AVX2+FMA+F16C (`ARBOR_KERNEL=avx2` forces the latter, `scalar` the portable code).
+//! AVX-512F or AVX2+FMA+F16C (`ARBOR_KERNEL=avx2` or `avxvnni` forces the latter, `scalar` the portable code).
 
 use std::sync::OnceLock;
 
@@ -24,7 +24,11 @@ fn level() -> Level {
             if want.eq_ignore_ascii_case("scalar") {
                 return Level::Portable;
             }
-            if is_x86_feature_detected!("avx512f") && !want.eq_ignore_ascii_case("avx2") {
+            // `avxvnni` stands for an AVX2 + AVX-VNNI CPU (no AVX-512).
+            if is_x86_feature_detected!("avx512f")
+                && !want.eq_ignore_ascii_case("avx2")
+                && !want.eq_ignore_ascii_case("avxvnni")
+            {
                 return Level::Avx512;
             }
             if is_x86_feature_detected!("avx2")

@@ -80,7 +80,7 @@ pub(crate) fn quantize_row(level: KernelLevel, ty: GgmlType, x: &[f32], out: &mu
             }
             return;
         }
-        KernelLevel::Avx2 | KernelLevel::Avx512Vnni | KernelLevel::Amx => {
+        KernelLevel::Avx2 | KernelLevel::AvxVnni | KernelLevel::Avx512Vnni | KernelLevel::Amx => {
             for (g, rec) in out.chunks_exact_mut(REC).enumerate() {
                 let xs = &x[g * GROUP..x.len().min((g + 1) * GROUP)];
                 // SAFETY: as above.

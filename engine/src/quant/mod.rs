@@ -267,6 +267,10 @@ impl<'a> QMatrix<'a> {
 pub enum KernelLevel {
     Scalar,
     Avx2,
+    /// The AVX2 kernels with AVX-VNNI's VEX `vpdpbusd` in the K-quant column tiles (CPUs with
+    /// AVX-VNNI but no AVX-512: Intel Alder Lake and later clients, Xeon 6 E-cores). Bit for bit
+    /// the AVX2 family's results.
+    AvxVnni,
     Avx512Vnni,
     /// AVX-512 VNNI plus AMX int8 tiles for quantized matmuls with many activation rows (x86_64
     /// Linux, only when CPUID reports AMX-INT8 and the kernel grants the tile state).
@@ -275,7 +279,7 @@ pub enum KernelLevel {
 
 impl KernelLevel {
     /// The best level this CPU supports (runtime CPUID, and for AMX the OS grant), chosen by the
-    /// environment variable `ARBOR_KERNEL=scalar|avx2|avx512|amx` (it can never exceed the hardware):
+    /// environment variable `ARBOR_KERNEL=scalar|avx2|avxvnni|avx512|amx` (it can never exceed the hardware):
     ///
     /// * unset: the best level, but the AMX family only inside [`with_amx`] /
     ///   [`with_amx_family`] scopes (see `CpuBackend::with_amx_use`). The AMX family (tiles for
@@ -285,12 +289,21 @@ impl KernelLevel {
     ///   equal incremental output token for token;
     /// * `amx`: the AMX family for every quantized matmul it covers (prefill, decoding and
     ///   verification alike, still bit-identical to each other);
-    /// * `avx512`: VNNI only, never AMX; `avx2`, `scalar`: those kernels only.
+    /// * `avx512`: VNNI only, never AMX; `avxvnni`, `avx2`, `scalar`: those kernels only.
     pub fn detect() -> KernelLevel {
         let hw = hw_level();
         match std::env::var("ARBOR_KERNEL").ok().as_deref().map(str::trim) {
             Some(s) if s.eq_ignore_ascii_case("scalar") => KernelLevel::Scalar,
             Some(s) if s.eq_ignore_ascii_case("avx2") => hw.min_with(KernelLevel::Avx2),
+            // AVX-VNNI alongside AVX-512 (Zen 5, Sapphire Rapids): the family an AVX2 + AVX-VNNI
+            // CPU would run.
+            Some(s) if s.eq_ignore_ascii_case("avxvnni") => {
+                if avx_vnni() {
+                    KernelLevel::AvxVnni
+                } else {
+                    hw.min_with(KernelLevel::Avx2)
+                }
+            }
             Some(s) if s.eq_ignore_ascii_case("avx512") => hw.min_with(KernelLevel::Avx512Vnni),
             _ => hw,
         }
@@ -304,11 +317,12 @@ impl KernelLevel {
         })
     }
 
-    /// Short name ("scalar", "avx2", "avx512", "amx").
+    /// Short name ("scalar", "avx2", "avxvnni", "avx512", "amx").
     pub fn name(self) -> &'static str {
         match self {
             KernelLevel::Scalar => "scalar",
             KernelLevel::Avx2 => "avx2",
+            KernelLevel::AvxVnni => "avxvnni",
             KernelLevel::Avx512Vnni => "avx512",
             KernelLevel::Amx => "amx",
         }
@@ -318,8 +332,19 @@ impl KernelLevel {
         match self {
             KernelLevel::Scalar => 0,
             KernelLevel::Avx2 => 1,
-            KernelLevel::Avx512Vnni => 2,
-            KernelLevel::Amx => 3,
+            KernelLevel::AvxVnni => 2,
+            KernelLevel::Avx512Vnni => 3,
+            KernelLevel::Amx => 4,
+        }
+    }
+
+    /// `self`, or the best level below it this CPU runs (AVX-VNNI is not implied by AVX-512:
+    /// Ice Lake and Zen 4 have AVX-512 VNNI without it).
+    fn on_this_cpu(self) -> KernelLevel {
+        if self == KernelLevel::AvxVnni && !avx_vnni() {
+            hw_level().min_with(KernelLevel::Avx2)
+        } else {
+            self.min_with(hw_level())
         }
     }
 
@@ -331,17 +356,25 @@ impl KernelLevel {
         }
     }
 
-    /// Levels this machine can run, lowest first.
+    /// Levels this machine can run, lowest first (`AvxVnni` wherever the CPU has AVX-VNNI, also
+    /// beside AVX-512).
     pub fn available() -> Vec<KernelLevel> {
         let hw = hw_level();
         [
             KernelLevel::Scalar,
             KernelLevel::Avx2,
+            KernelLevel::AvxVnni,
             KernelLevel::Avx512Vnni,
             KernelLevel::Amx,
         ]
         .into_iter()
-        .filter(|l| l.rank() <= hw.rank())
+        .filter(|l| {
+            if *l == KernelLevel::AvxVnni {
+                avx_vnni()
+            } else {
+                l.rank() <= hw.rank()
+            }
+        })
         .collect()
     }
 }
@@ -350,6 +383,20 @@ impl KernelLevel {
 fn hw_level() -> KernelLevel {
     static HW: OnceLock<KernelLevel> = OnceLock::new();
     *HW.get_or_init(detect_hw)
+}
+
+/// Whether the CPU has AVX2/FMA/F16C and AVX-VNNI (the `AvxVnni` family's features).
+#[cfg(target_arch = "x86_64")]
+fn avx_vnni() -> bool {
+    is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+        && is_x86_feature_detected!("avxvnni")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn avx_vnni() -> bool {
+    false
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -366,6 +413,8 @@ fn detect_hw() -> KernelLevel {
         KernelLevel::Amx
     } else if avx512 {
         KernelLevel::Avx512Vnni
+    } else if avx2 && avx_vnni() {
+        KernelLevel::AvxVnni
     } else if avx2 {
         KernelLevel::Avx2
     } else {
@@ -537,7 +586,7 @@ pub fn matmul_with(
         y.fill(0.0);
         return Ok(());
     }
-    let level = level.min_with(hw_level());
+    let level = level.on_this_cpu();
     // The AMX family: tiles for large batches, the AMX-order VNNI kernel for small ones, so every
     // row is computed bit for bit alike whatever the batch size.
     #[cfg(target_arch = "x86_64")]
@@ -835,6 +884,9 @@ fn quant_rows(
             KernelLevel::Avx2 => {
                 return unsafe { x86_avx2::quant_rows(w, act, stride, n_tok, r0, r1, y) }
             }
+            KernelLevel::AvxVnni => {
+                return unsafe { x86_avx2::kvnni::quant_rows(w, act, stride, n_tok, r0, r1, y) }
+            }
             KernelLevel::Scalar => {}
         }
     }
@@ -858,7 +910,9 @@ fn float_rows(
             KernelLevel::Avx512Vnni | KernelLevel::Amx => {
                 return unsafe { x86_avx512::float_rows(w, x, n_tok, r0, r1, y) }
             }
-            KernelLevel::Avx2 => return unsafe { x86_avx2::float_rows(w, x, n_tok, r0, r1, y) },
+            KernelLevel::Avx2 | KernelLevel::AvxVnni => {
+                return unsafe { x86_avx2::float_rows(w, x, n_tok, r0, r1, y) }
+            }
             KernelLevel::Scalar => {}
         }
     }

@@ -500,6 +500,20 @@ fn avx2_rows_bit_identical_to_single_row() {
     rows_bit_identical_to_single_row(KernelLevel::Avx2);
 }
 
+/// The same for the AVX-VNNI family (its column tiles of 16 output × 3 activation rows).
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avxvnni_rows_bit_identical_to_single_row() {
+    if !levels().contains(&KernelLevel::AvxVnni) {
+        skip_hardware(
+            "quant::avxvnni_rows_bit_identical_to_single_row",
+            "no AVX-VNNI",
+        );
+        return;
+    }
+    rows_bit_identical_to_single_row(KernelLevel::AvxVnni);
+}
+
 /// The AVX-512 family's column tiles (`x86_avx2::kcols512` for K-quants, `x86_avx2::lcols512` for
 /// Q4_1 and Q8_0) compute the AVX2 family's exact integers and float steps: every output equals
 /// the AVX2 kernels' bit for bit, for raw random blocks (every scale, min and value pattern; Q8_0
@@ -515,7 +529,28 @@ fn avx512_column_tiles_bit_identical_to_avx2() {
         );
         return;
     }
-    let mut rng = StdRng::seed_from_u64(23);
+    bit_identical_to_avx2(KernelLevel::Avx512Vnni, 23);
+}
+
+/// The same for the AVX-VNNI family (`x86_avx2::kvnni`: `vpdpbusd` into i32 per scale run in
+/// place of the AVX2 tiles' i16 sums and `madd`).
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avxvnni_column_tiles_bit_identical_to_avx2() {
+    if !levels().contains(&KernelLevel::AvxVnni) {
+        skip_hardware(
+            "quant::avxvnni_column_tiles_bit_identical_to_avx2",
+            "no AVX-VNNI",
+        );
+        return;
+    }
+    bit_identical_to_avx2(KernelLevel::AvxVnni, 29);
+}
+
+/// Every output of `level` equals the AVX2 family's bit for bit (see the tests above).
+#[cfg(target_arch = "x86_64")]
+fn bit_identical_to_avx2(level: KernelLevel, seed: u64) {
+    let mut rng = StdRng::seed_from_u64(seed);
     for ty in [
         GgmlType::Q4_K,
         GgmlType::Q5_K,
@@ -536,14 +571,15 @@ fn avx512_column_tiles_bit_identical_to_avx2() {
                 let mut want = vec![f32::NAN; n_tok * n_out];
                 matmul_with(KernelLevel::Avx2, &w, &x, n_tok, &mut want).unwrap();
                 let mut got = vec![f32::NAN; n_tok * n_out];
-                matmul_with(KernelLevel::Avx512Vnni, &w, &x, n_tok, &mut got).unwrap();
+                matmul_with(level, &w, &x, n_tok, &mut got).unwrap();
                 for (i, (a, b)) in got.iter().zip(&want).enumerate() {
                     assert_eq!(
                         a.to_bits(),
                         b.to_bits(),
-                        "{ty} {n_out}x{n_in} n_tok {n_tok} [t {}, o {}]: avx512 {a} vs avx2 {b}",
+                        "{ty} {n_out}x{n_in} n_tok {n_tok} [t {}, o {}]: {} {a} vs avx2 {b}",
                         i / n_out,
-                        i % n_out
+                        i % n_out,
+                        level.name()
                     );
                 }
             }

@@ -30,7 +30,8 @@
 //!
 //! The AVX-512 family computes the same integers and float steps at 512 bits ([`kcols512`] and
 //! [`lcols512`]: column tiles of 16 output rows per register with `vpdpbusd`; `knat512`: one or
-//! two K-quant rows), so the two families agree bit for bit on K-quants, Q4_1 and Q8_0.
+//! two K-quant rows), so the two families agree bit for bit on K-quants, Q4_1 and Q8_0; so does
+//! the AVX-VNNI family ([`kvnni`] and `lcols`' VNNI tile: these tiles with VEX `vpdpbusd`).
 
 use std::arch::x86_64::*;
 use std::marker::PhantomData;
@@ -41,6 +42,7 @@ use super::{GgmlType, QMatrix, YPtr};
 
 pub(crate) mod kcols512;
 mod knat512;
+pub(crate) mod kvnni;
 mod lcols;
 pub(crate) mod lcols512;
 

@@ -10,16 +10,19 @@
 //! `acc = fma(isum_k, d_k·dx_k, acc)` and for Q4_1 then `acc = fma(m_k, s_k, acc)` (`s_k` the
 //! record's `dx·Σa`), from `acc = 0`: one chain per output row, which a column lane computes
 //! directly. Every row count (one, for decoding, included) runs these tiles, so the bits of a row
-//! never depend on the batch; the AVX-512 family's tiles (`lcols512`) compute the same bits.
+//! never depend on the batch; the AVX-512 family's tiles (`lcols512`) compute the same bits, and
+//! so do the AVX-VNNI family's ([`tile_vnni`]: one VEX `vpdpbusd` per 32 products, Q8_0 as
+//! `lcols512` stores it, `w + 128` against the record's exact `Σ a`).
 
 use std::arch::x86_64::*;
 use std::marker::PhantomData;
 
+use super::kvnni::columns_avxvnni;
 use super::{
     chain, columns_avx2, dwords8, f16_cols, f16_lanes, ld, rd_u32, transpose8_epi32, ColumnTiles,
     CB_ROWS,
 };
-use crate::quant::act::{GROUP, OFF_D, OFF_S};
+use crate::quant::act::{GROUP, OFF_D, OFF_QSUM, OFF_S};
 use crate::quant::{GgmlType, QMatrix, YPtr};
 
 /// 32-element blocks of one activation record.
@@ -232,5 +235,134 @@ pub(super) unsafe fn legacy_cols(
         GgmlType::Q4_1 => columns_avx2::<LTiles<Q41>>(w, act, stride, n_tok, r0, r1, y),
         GgmlType::Q8_0 => columns_avx2::<LTiles<Q80>>(w, act, stride, n_tok, r0, r1, y),
         _ => debug_assert!(false, "legacy_cols: {}", w.ty),
+    }
+}
+
+/// The AVX-VNNI tile: as [`tile`], with each block's exact i32 sums from one `vpdpbusd` per
+/// four values of eight rows (`w` built by [`LTilesVnni::build`]: Q8_0's `q` holds `w + 128`,
+/// whose sums less `128·Σ a` are the signed ones).
+#[allow(clippy::needless_range_loop)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+unsafe fn tile_vnni<K: LKind, const RT: usize>(
+    w: &[LCols; CB],
+    nb: usize,
+    a: *const u8,
+    stride: usize,
+    acc: *mut f32,
+) {
+    const W: usize = CB * CB_ROWS;
+    let mut f: [[__m256; RT]; CB] = std::array::from_fn(|b| {
+        std::array::from_fn(|t| _mm256_loadu_ps(acc.add(t * W + b * CB_ROWS)))
+    });
+    for k in 0..nb {
+        let mut h = [[_mm256_setzero_si256(); RT]; CB];
+        for i in 0..8 {
+            let wv: [__m256i; CB] = std::array::from_fn(|b| w[b].q[k][i]);
+            for t in 0..RT {
+                let av = _mm256_set1_epi32(rd_u32(a.add(t * stride + 32 * k + 4 * i)) as i32);
+                for b in 0..CB {
+                    h[b][t] = _mm256_dpbusd_avx_epi32(h[b][t], wv[b], av);
+                    chain(&mut h[b][t]);
+                }
+            }
+        }
+        for t in 0..RT {
+            let at = a.add(t * stride);
+            let dx = _mm256_broadcast_ss(&*(at.add(OFF_D + 4 * k) as *const f32));
+            let off = _mm256_set1_epi32(128 * *(at.add(OFF_QSUM + 4 * k) as *const i32));
+            for b in 0..CB {
+                let isum = if K::SIGNED {
+                    _mm256_sub_epi32(h[b][t], off)
+                } else {
+                    h[b][t]
+                };
+                let sc = _mm256_mul_ps(w[b].d[k], dx);
+                f[b][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sc, f[b][t]);
+                if K::MINS {
+                    let sx = _mm256_broadcast_ss(&*(at.add(OFF_S + 4 * k) as *const f32));
+                    f[b][t] = _mm256_fmadd_ps(w[b].m[k], sx, f[b][t]);
+                }
+            }
+        }
+    }
+    for b in 0..CB {
+        for t in 0..RT {
+            _mm256_storeu_ps(acc.add(t * W + b * CB_ROWS), f[b][t]);
+        }
+    }
+}
+
+/// The AVX-VNNI legacy column tiles: `CB` blocks of eight output rows, `CT_VNNI` activation rows.
+struct LTilesVnni<K>(PhantomData<K>);
+
+/// Activation rows of an AVX-VNNI tile (its i32 sums need no i16 stage, so more rows fit).
+const CT_VNNI: usize = 5;
+
+impl<K: LKind> ColumnTiles for LTilesVnni<K> {
+    const W: usize = CB * CB_ROWS;
+    const BLOCK_ROWS: usize = CB_ROWS;
+    const CT: usize = CT_VNNI;
+    const GROUP_BYTES: usize = BLOCKS * K::BB;
+    type Cols = [LCols; CB];
+    /// The AVX2 unpack; Q8_0's `q` then becomes `w + 128` (the signed bytes with the top bit
+    /// flipped: unsigned for `vpdpbusd`).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    unsafe fn build(p: &[*const u8], b: usize, nb: usize, cols: &mut [LCols; CB]) {
+        let pb: [*const u8; CB_ROWS] = std::array::from_fn(|c| p[c]);
+        let out = &mut cols[b];
+        let flip = _mm256_set1_epi8(-128);
+        for k in 0..nb {
+            K::build_block(&pb, k, out);
+            if K::SIGNED {
+                for i in 0..8 {
+                    out.q[k][i] = _mm256_xor_si256(out.s[k][i], flip);
+                }
+            }
+        }
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    unsafe fn tile(cols: &[LCols; CB], nb: usize, a: *const u8, stride: usize, acc: *mut f32) {
+        tile_vnni::<K, CT_VNNI>(cols, nb, a, stride, acc)
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    unsafe fn tile_tail(
+        cols: &[LCols; CB],
+        nb: usize,
+        rt: usize,
+        a: *const u8,
+        stride: usize,
+        acc: *mut f32,
+    ) {
+        match rt {
+            4 => tile_vnni::<K, 4>(cols, nb, a, stride, acc),
+            3 => tile_vnni::<K, 3>(cols, nb, a, stride, acc),
+            2 => tile_vnni::<K, 2>(cols, nb, a, stride, acc),
+            _ => tile_vnni::<K, 1>(cols, nb, a, stride, acc),
+        }
+    }
+}
+
+/// [`legacy_cols`] for the AVX-VNNI family.
+///
+/// # Safety
+/// As [`legacy_cols`], and the CPU must support AVX-VNNI.
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+pub(super) unsafe fn legacy_cols_vnni(
+    w: &QMatrix,
+    act: *const u8,
+    stride: usize,
+    n_tok: usize,
+    r0: usize,
+    r1: usize,
+    y: YPtr,
+) {
+    match w.ty {
+        GgmlType::Q4_1 => columns_avxvnni::<LTilesVnni<Q41>>(w, act, stride, n_tok, r0, r1, y),
+        GgmlType::Q8_0 => columns_avxvnni::<LTilesVnni<Q80>>(w, act, stride, n_tok, r0, r1, y),
+        _ => debug_assert!(false, "legacy_cols_vnni: {}", w.ty),
     }
 }
