@@ -145,8 +145,17 @@ pub struct BatchBench {
     pub results: Vec<BatchRow>,
 }
 
-/// The CPU's model name (from /proc/cpuinfo on Linux).
+/// The CPU's model name (from /proc/cpuinfo on Linux) and the kernel family the process runs
+/// (`ARBOR_KERNEL` or the CPU's best): `AMD EPYC (avx512 kernels)`.
 pub fn cpu_name() -> String {
+    format!(
+        "{} ({} kernels)",
+        cpu_model(),
+        arbor_engine::quant::kernel_level().name()
+    )
+}
+
+fn cpu_model() -> String {
     std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|s| {

@@ -17,6 +17,8 @@ range(n):\n        a, b = b, a + b\n    return a\n\nfor i in range(10):\n    pri
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct DecodeBench {
     pub model: String,
+    /// The CPU and the kernel family (`batch_bench::cpu_name`).
+    pub cpu: String,
     pub threads: usize,
     pub prompt_tokens: usize,
     pub decode_tokens: usize,
@@ -136,6 +138,7 @@ pub fn decode_bench(
     }
     Ok(DecodeBench {
         model: model_name.to_string(),
+        cpu: crate::batch_bench::cpu_name(),
         threads: backend.threads(),
         prompt_tokens: prompt.len(),
         decode_tokens,

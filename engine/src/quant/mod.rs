@@ -491,6 +491,12 @@ pub fn amx_active() -> bool {
 /// The process-wide kernel level, detected once.
 static LEVEL: OnceLock<KernelLevel> = OnceLock::new();
 
+/// The kernel level this process's quantized matmuls run (`KernelLevel::detect`, once), for
+/// reports: benchmarks name it beside the CPU.
+pub fn kernel_level() -> KernelLevel {
+    *LEVEL.get_or_init(KernelLevel::detect)
+}
+
 /// y[t, o] = sum_k W[o, k] * x[t, k]. `x`: [n_tok, n_in] f32 row-major; `y`: [n_tok, n_out] f32
 /// row-major. Runs on the current rayon pool (wrap in `pool.install` to choose one), with the
 /// kernel level of `KernelLevel::detect()` (detected once per process; AMX as [`amx_scope`]

@@ -1144,7 +1144,7 @@ fn cmd_bench_decode(
     match format {
         Format::Json => println!("{}", serde_json::to_string(&r)?),
         Format::Text => {
-            println!("model: {}  threads: {}", r.model, r.threads);
+            println!("model: {}  cpu: {}  threads: {}", r.model, r.cpu, r.threads);
             println!(
                 "prefill: {:.1} tok/s ({} tokens)",
                 r.prefill_tok_s, r.prompt_tokens
