@@ -269,6 +269,7 @@ unsafe fn tile16<K: KCols16Kind, const RT: usize>(
                     let av = _mm512_set1_epi32(rd_u32(a.add(t * stride + 32 * j + 4 * i)) as i32);
                     for b in 0..CB {
                         p[b][t] = _mm512_dpbusd_epi32(p[b][t], wv[b], av);
+                        chain512(&mut p[b][t]);
                     }
                 }
             }
@@ -305,6 +306,19 @@ unsafe fn tile16<K: KCols16Kind, const RT: usize>(
             _mm512_storeu_ps(ap, _mm512_fmadd_ps(v, dx, _mm512_loadu_ps(ap)));
         }
     }
+}
+
+/// Keeps `v` in a register at this point of the instruction stream (the 512-bit `chain`): LLVM
+/// otherwise schedules each scale run's `vpdpbusd` chains one after another, two at a time,
+/// which leaves most of their latency uncovered.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn chain512(v: &mut __m512i) {
+    std::arch::asm!(
+        "/* {0} */",
+        inout(zmm_reg) * v,
+        options(pure, nomem, nostack, preserves_flags)
+    );
 }
 
 /// A K-quant group of `CB × ROWS` output rows, unpacked (`half`: scratch for the scales built per
