@@ -15,6 +15,9 @@
 //!   K-quants, Q4_1 and Q8_0 instead run `x86_avx2::kcols512` / `lcols512` (`dpbusd` on 512-bit
 //!   column tiles of 16 output rows per register) and `x86_avx2::knat512` (one or two K-quant rows), the
 //!   AVX2 family's exact integers and float steps: the two families agree bit for bit on them;
+//! * `x86_avx2::kvnni` (and `lcols`' VNNI tile) — the AVX-VNNI family: the AVX2 column tiles with
+//!   VEX `vpdpbusd` (K-quants, Q4_1, Q8_0), for AVX2 CPUs with AVX-VNNI and no AVX-512; the AVX2
+//!   family's bits;
 //! * `amx` — AMX int8 tiles (`tdpbssd`, 16 output × 16 activation rows) for Q4_K/Q6_K/Q8_0
 //!   matmuls with at least `amx::MIN_TOK` activation rows, when the OS grants AMX, and for fewer
 //!   rows `x86_avx512::amx_order_rows`, VNNI kernels that repeat the tiles' f32 arithmetic bit for
@@ -267,7 +270,8 @@ impl<'a> QMatrix<'a> {
 pub enum KernelLevel {
     Scalar,
     Avx2,
-    /// The AVX2 kernels with AVX-VNNI's VEX `vpdpbusd` in the K-quant column tiles (CPUs with
+    /// The AVX2 kernels with AVX-VNNI's VEX `vpdpbusd` in the column tiles of K-quants, Q4_1 and
+    /// Q8_0 (CPUs with
     /// AVX-VNNI but no AVX-512: Intel Alder Lake and later clients, Xeon 6 E-cores). Bit for bit
     /// the AVX2 family's results.
     AvxVnni,
@@ -883,7 +887,7 @@ fn quant_rows(
     #[cfg(target_arch = "x86_64")]
     {
         match level {
-            // SAFETY: the level was clamped to what `hw_level()` detected on this CPU.
+            // SAFETY: `matmul_with` clamped the level to what this CPU runs (`on_this_cpu`).
             KernelLevel::Avx512Vnni | KernelLevel::Amx => {
                 return unsafe { x86_avx512::quant_rows(w, act, stride, n_tok, r0, r1, y) }
             }
@@ -912,7 +916,7 @@ fn float_rows(
     #[cfg(target_arch = "x86_64")]
     {
         match level {
-            // SAFETY: the level was clamped to what `hw_level()` detected on this CPU.
+            // SAFETY: `matmul_with` clamped the level to what this CPU runs (`on_this_cpu`).
             KernelLevel::Avx512Vnni | KernelLevel::Amx => {
                 return unsafe { x86_avx512::float_rows(w, x, n_tok, r0, r1, y) }
             }

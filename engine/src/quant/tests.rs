@@ -313,7 +313,7 @@ fn simd_matches_scalar() {
     if lv.is_empty() {
         skip_hardware(
             "quant::simd_matches_scalar",
-            "no SIMD kernel level (AVX2, AVX-512 VNNI)",
+            "no SIMD kernel level (AVX2, AVX-VNNI, AVX-512 VNNI)",
         );
         return;
     }
@@ -500,7 +500,7 @@ fn avx2_rows_bit_identical_to_single_row() {
     rows_bit_identical_to_single_row(KernelLevel::Avx2);
 }
 
-/// The same for the AVX-VNNI family (its column tiles of 16 output × 3 activation rows).
+/// The same for the AVX-VNNI family (its column tiles of 16 output × 5 activation rows).
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn avxvnni_rows_bit_identical_to_single_row() {
@@ -653,6 +653,44 @@ fn rows_bit_identical_to_single_row(level: KernelLevel) {
     }
 }
 
+/// Every level a caller may ask for runs on this CPU as a level it has (AVX-VNNI is not implied
+/// by AVX-512: Ice Lake and Zen 4 have AVX-512 VNNI without it), and a matmul asked for at any
+/// level gives the bits of the level it runs.
+#[test]
+fn every_level_falls_back_to_one_this_cpu_runs() {
+    let have = KernelLevel::available();
+    let mut rng = StdRng::seed_from_u64(31);
+    let data = random_matrix(&mut rng, GgmlType::Q4_K, 24, 512, true);
+    let w = QMatrix::new(GgmlType::Q4_K, &data, 24, 512).unwrap();
+    let x = activations(&mut rng, 3, 512);
+    for level in [
+        KernelLevel::Scalar,
+        KernelLevel::Avx2,
+        KernelLevel::AvxVnni,
+        KernelLevel::Avx512Vnni,
+        KernelLevel::Amx,
+    ] {
+        let runs = level.on_this_cpu();
+        assert!(
+            have.contains(&runs),
+            "{level:?} runs as {runs:?}, not in {have:?}"
+        );
+        assert!(
+            runs == level || !have.contains(&level),
+            "{level:?} is here but runs as {runs:?}"
+        );
+        let mut got = vec![f32::NAN; 3 * 24];
+        matmul_with(level, &w, &x, 3, &mut got).unwrap();
+        let mut want = vec![f32::NAN; 3 * 24];
+        matmul_with(runs, &w, &x, 3, &mut want).unwrap();
+        assert_eq!(
+            got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            "{level:?}"
+        );
+    }
+}
+
 #[test]
 fn malformed_lengths_are_errors() {
     let data = vec![0u8; 144 * 2];
@@ -670,6 +708,7 @@ fn malformed_lengths_are_errors() {
     for level in [
         KernelLevel::Scalar,
         KernelLevel::Avx2,
+        KernelLevel::AvxVnni,
         KernelLevel::Avx512Vnni,
     ] {
         let mut y = vec![0f32; 2];
