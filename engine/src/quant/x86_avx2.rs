@@ -1017,6 +1017,23 @@ unsafe fn tile_cols<K: KKind, const RT: usize>(
             r += K::ACC;
         }
     }
+    tile_epilogue::<K, RT>(w, &s, a, stride, acc);
+}
+
+/// The float step of a K-quant column tile (`k_epilogue`'s operations, eight output rows at a
+/// time): the group's exact sums `s` (`[column block][activation row]`) and the activations' block
+/// sums against the mins (or Q6_K's offset), into `acc[t * CB * CB_ROWS + row]`. Shared by the
+/// AVX2 and AVX-VNNI tiles, which differ only in how they reach `s`.
+#[allow(clippy::needless_range_loop)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_epilogue<K: KKind, const RT: usize>(
+    w: &[KCols; CB],
+    s: &[[__m256i; RT]; CB],
+    a: *const u8,
+    stride: usize,
+    acc: *mut f32,
+) {
     for t in 0..RT {
         let at = a.add(t * stride);
         let dx = _mm256_set1_ps(*(at.add(OFF_D) as *const f32));

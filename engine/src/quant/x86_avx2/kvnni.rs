@@ -12,14 +12,11 @@ use std::arch::x86_64::*;
 use std::marker::PhantomData;
 
 use super::{
-    build_cols, chain, column_rows, rd_u32, ColumnTiles, KCols, KKind, CB_ROWS, COLS_MIN_ROWS, Q4K,
-    Q5K, Q6K, T_CAP,
+    build_cols, chain, column_rows, rd_u32, tile_epilogue, ColumnTiles, KCols, KKind, CB, CB_ROWS,
+    COLS_MIN_ROWS, Q4K, Q5K, Q6K, T_CAP,
 };
-use crate::quant::act::{OFF_BS, OFF_BS32, OFF_D};
 use crate::quant::{GgmlType, QMatrix, YPtr};
 
-/// Column blocks of a tile (`CB × CB_ROWS` output rows per pass over the activations).
-const CB: usize = 2;
 /// Activation rows of a tile: `CB × CT` run sums, two weight registers and a broadcast stay in
 /// AVX2's 16 registers; the `CB × CT` running sums, touched once per scale run, spill (5 measured
 /// against 3, 4 and 6 in cache: within a few percent of the best for every type).
@@ -27,7 +24,7 @@ const CT: usize = 5;
 
 /// The tile: exact i32 sums of `CB × CB_ROWS` output rows × `RT` activation rows (natural
 /// records at `a + t * stride`), then the AVX2 tiles' float step into `acc[t * CB * CB_ROWS +
-/// row]`. `w[b].sc` holds i32 scales (see [`KTilesVnni::build`]).
+/// row]` (`tile_epilogue`). `w[b].sc` holds i32 scales (see [`KTilesVnni::build`]).
 // The tile's registers are indexed [column block][activation row] throughout.
 #[allow(clippy::needless_range_loop)]
 #[inline]
@@ -64,29 +61,7 @@ unsafe fn tile_vnni<K: KKind, const RT: usize>(
             r += K::SCN;
         }
     }
-    for t in 0..RT {
-        let at = a.add(t * stride);
-        let dx = _mm256_set1_ps(*(at.add(OFF_D) as *const f32));
-        for b in 0..CB {
-            let mut m = _mm256_setzero_si256();
-            let (n_bs, off) = if K::K6 { (8, OFF_BS) } else { (4, OFF_BS32) };
-            for q in 0..n_bs {
-                let bs = _mm256_set1_epi32(rd_u32(at.add(off + 4 * q)) as i32);
-                m = _mm256_add_epi32(m, _mm256_madd_epi16(w[b].bs[q], bs));
-            }
-            let v = if K::K6 {
-                _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s[b][t], m)), w[b].d)
-            } else {
-                _mm256_fmadd_ps(
-                    _mm256_cvtepi32_ps(m),
-                    w[b].ndmin,
-                    _mm256_mul_ps(_mm256_cvtepi32_ps(s[b][t]), w[b].d),
-                )
-            };
-            let ap = acc.add(t * CB * CB_ROWS + b * CB_ROWS);
-            _mm256_storeu_ps(ap, _mm256_fmadd_ps(v, dx, _mm256_loadu_ps(ap)));
-        }
-    }
+    tile_epilogue::<K, RT>(w, &s, a, stride, acc);
 }
 
 /// The AVX-VNNI K-quant column tiles: `CB` blocks of eight output rows, `CT` activation rows.

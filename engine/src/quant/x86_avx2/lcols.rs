@@ -151,27 +151,46 @@ unsafe fn tile<K: LKind, const RT: usize>(
                 }
             }
         }
-        for t in 0..RT {
-            let at = a.add(t * stride);
-            let dx = _mm256_broadcast_ss(&*(at.add(OFF_D + 4 * k) as *const f32));
-            for b in 0..CB {
-                let isum = if K::SIGNED {
-                    h[b][t]
-                } else {
-                    _mm256_madd_epi16(h[b][t], ones)
-                };
-                let sc = _mm256_mul_ps(w[b].d[k], dx);
-                f[b][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sc, f[b][t]);
-                if K::MINS {
-                    let sx = _mm256_broadcast_ss(&*(at.add(OFF_S + 4 * k) as *const f32));
-                    f[b][t] = _mm256_fmadd_ps(w[b].m[k], sx, f[b][t]);
+        if !K::SIGNED {
+            for hb in &mut h {
+                for ht in hb.iter_mut() {
+                    *ht = _mm256_madd_epi16(*ht, ones);
                 }
             }
         }
+        block_step::<K, RT>(w, k, &h, a, stride, &mut f);
     }
     for b in 0..CB {
         for t in 0..RT {
             _mm256_storeu_ps(acc.add(t * W + b * CB_ROWS), f[b][t]);
+        }
+    }
+}
+
+/// The f32 step of block `k` for every (output row, activation row) of a tile, from the block's
+/// exact i32 sums `isum` (`[column block][activation row]`): `f = fma(isum, d·dx, f)`, then for
+/// Q4_1 `f = fma(m, s, f)`. Shared by the AVX2 and AVX-VNNI tiles.
+#[allow(clippy::needless_range_loop)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn block_step<K: LKind, const RT: usize>(
+    w: &[LCols; CB],
+    k: usize,
+    isum: &[[__m256i; RT]; CB],
+    a: *const u8,
+    stride: usize,
+    f: &mut [[__m256; RT]; CB],
+) {
+    for t in 0..RT {
+        let at = a.add(t * stride);
+        let dx = _mm256_broadcast_ss(&*(at.add(OFF_D + 4 * k) as *const f32));
+        for b in 0..CB {
+            let sc = _mm256_mul_ps(w[b].d[k], dx);
+            f[b][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[b][t]), sc, f[b][t]);
+            if K::MINS {
+                let sx = _mm256_broadcast_ss(&*(at.add(OFF_S + 4 * k) as *const f32));
+                f[b][t] = _mm256_fmadd_ps(w[b].m[k], sx, f[b][t]);
+            }
         }
     }
 }
@@ -267,24 +286,16 @@ unsafe fn tile_vnni<K: LKind, const RT: usize>(
                 }
             }
         }
-        for t in 0..RT {
-            let at = a.add(t * stride);
-            let dx = _mm256_broadcast_ss(&*(at.add(OFF_D + 4 * k) as *const f32));
-            let off = _mm256_set1_epi32(128 * *(at.add(OFF_QSUM + 4 * k) as *const i32));
-            for b in 0..CB {
-                let isum = if K::SIGNED {
-                    _mm256_sub_epi32(h[b][t], off)
-                } else {
-                    h[b][t]
-                };
-                let sc = _mm256_mul_ps(w[b].d[k], dx);
-                f[b][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sc, f[b][t]);
-                if K::MINS {
-                    let sx = _mm256_broadcast_ss(&*(at.add(OFF_S + 4 * k) as *const f32));
-                    f[b][t] = _mm256_fmadd_ps(w[b].m[k], sx, f[b][t]);
+        if K::SIGNED {
+            for t in 0..RT {
+                let qsum = *(a.add(t * stride + OFF_QSUM + 4 * k) as *const i32);
+                let off = _mm256_set1_epi32(128 * qsum);
+                for hb in &mut h {
+                    hb[t] = _mm256_sub_epi32(hb[t], off);
                 }
             }
         }
+        block_step::<K, RT>(w, k, &h, a, stride, &mut f);
     }
     for b in 0..CB {
         for t in 0..RT {
