@@ -119,6 +119,7 @@ pub fn run(o: ServeOptions) -> anyhow::Result<()> {
             kv_memory = engine.info().kv_memory,
             drafters = ?engine.info().drafters,
             auth = o.auth_token.is_some(),
+            cpu = %crate::batch_bench::cpu_name(),
             "engine started"
         );
         {
