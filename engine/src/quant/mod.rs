@@ -271,9 +271,8 @@ pub enum KernelLevel {
     Scalar,
     Avx2,
     /// The AVX2 kernels with AVX-VNNI's VEX `vpdpbusd` in the column tiles of K-quants, Q4_1 and
-    /// Q8_0 (CPUs with
-    /// AVX-VNNI but no AVX-512: Intel Alder Lake and later clients, Xeon 6 E-cores). Bit for bit
-    /// the AVX2 family's results.
+    /// Q8_0 (CPUs with AVX-VNNI but no AVX-512: Intel Alder Lake and later clients, Xeon 6
+    /// E-cores). Bit for bit the AVX2 family's results.
     AvxVnni,
     Avx512Vnni,
     /// AVX-512 VNNI plus AMX int8 tiles for quantized matmuls with many activation rows (x86_64
@@ -282,6 +281,15 @@ pub enum KernelLevel {
 }
 
 impl KernelLevel {
+    /// Every level, lowest first.
+    const ALL: [KernelLevel; 5] = [
+        KernelLevel::Scalar,
+        KernelLevel::Avx2,
+        KernelLevel::AvxVnni,
+        KernelLevel::Avx512Vnni,
+        KernelLevel::Amx,
+    ];
+
     /// The best level this CPU supports (runtime CPUID, and for AMX the OS grant), chosen by the
     /// environment variable `ARBOR_KERNEL=scalar|avx2|avxvnni|avx512|amx` (it can never exceed the hardware):
     ///
@@ -298,17 +306,11 @@ impl KernelLevel {
         let hw = hw_level();
         match std::env::var("ARBOR_KERNEL").ok().as_deref().map(str::trim) {
             Some(s) if s.eq_ignore_ascii_case("scalar") => KernelLevel::Scalar,
-            Some(s) if s.eq_ignore_ascii_case("avx2") => hw.min_with(KernelLevel::Avx2),
-            // AVX-VNNI alongside AVX-512 (Zen 5, Sapphire Rapids): the family an AVX2 + AVX-VNNI
-            // CPU would run.
-            Some(s) if s.eq_ignore_ascii_case("avxvnni") => {
-                if avx_vnni() {
-                    KernelLevel::AvxVnni
-                } else {
-                    hw.min_with(KernelLevel::Avx2)
-                }
-            }
-            Some(s) if s.eq_ignore_ascii_case("avx512") => hw.min_with(KernelLevel::Avx512Vnni),
+            Some(s) if s.eq_ignore_ascii_case("avx2") => KernelLevel::Avx2.on_this_cpu(),
+            // Also beside AVX-512 (Zen 5, Sapphire Rapids): the family an AVX2 + AVX-VNNI CPU
+            // would run.
+            Some(s) if s.eq_ignore_ascii_case("avxvnni") => KernelLevel::AvxVnni.on_this_cpu(),
+            Some(s) if s.eq_ignore_ascii_case("avx512") => KernelLevel::Avx512Vnni.on_this_cpu(),
             _ => hw,
         }
     }
@@ -342,14 +344,22 @@ impl KernelLevel {
         }
     }
 
-    /// `self`, or the best level below it this CPU runs (AVX-VNNI is not implied by AVX-512:
-    /// Ice Lake and Zen 4 have AVX-512 VNNI without it).
-    fn on_this_cpu(self) -> KernelLevel {
-        if self == KernelLevel::AvxVnni && !avx_vnni() {
-            hw_level().min_with(KernelLevel::Avx2)
-        } else {
-            self.min_with(hw_level())
+    /// Whether this CPU runs the level's kernels: every level up to the best one it has, except
+    /// AVX-VNNI, which AVX-512 does not imply (Ice Lake and Zen 4 have AVX-512 VNNI without it).
+    fn runs_here(self) -> bool {
+        match self {
+            KernelLevel::AvxVnni => avx_vnni(),
+            l => l.rank() <= hw_level().rank(),
         }
+    }
+
+    /// `self`, or the best level below it this CPU runs.
+    fn on_this_cpu(self) -> KernelLevel {
+        KernelLevel::ALL
+            .into_iter()
+            .rev()
+            .find(|l| l.rank() <= self.rank() && l.runs_here())
+            .unwrap_or(KernelLevel::Scalar)
     }
 
     fn min_with(self, other: KernelLevel) -> KernelLevel {
@@ -363,23 +373,10 @@ impl KernelLevel {
     /// Levels this machine can run, lowest first (`AvxVnni` wherever the CPU has AVX-VNNI, also
     /// beside AVX-512).
     pub fn available() -> Vec<KernelLevel> {
-        let hw = hw_level();
-        [
-            KernelLevel::Scalar,
-            KernelLevel::Avx2,
-            KernelLevel::AvxVnni,
-            KernelLevel::Avx512Vnni,
-            KernelLevel::Amx,
-        ]
-        .into_iter()
-        .filter(|l| {
-            if *l == KernelLevel::AvxVnni {
-                avx_vnni()
-            } else {
-                l.rank() <= hw.rank()
-            }
-        })
-        .collect()
+        KernelLevel::ALL
+            .into_iter()
+            .filter(|l| l.runs_here())
+            .collect()
     }
 }
 
@@ -478,7 +475,7 @@ pub fn with_amx_family<R>(f: impl FnOnce() -> R) -> R {
 /// The AMX scope a matmul issued here now runs in (`Off` where AMX is not granted or
 /// `ARBOR_KERNEL` rules it out, `Family` everywhere with `ARBOR_KERNEL=amx`).
 pub fn amx_scope() -> AmxScope {
-    if *LEVEL.get_or_init(KernelLevel::detect) != KernelLevel::Amx {
+    if kernel_level() != KernelLevel::Amx {
         AmxScope::Off
     } else if KernelLevel::amx_everywhere() {
         AmxScope::Family
@@ -495,8 +492,8 @@ pub fn amx_active() -> bool {
 /// The process-wide kernel level, detected once.
 static LEVEL: OnceLock<KernelLevel> = OnceLock::new();
 
-/// The kernel level this process's quantized matmuls run (`KernelLevel::detect`, once), for
-/// reports: benchmarks name it beside the CPU.
+/// The kernel level this process's quantized matmuls run (`KernelLevel::detect`, once; the
+/// benchmarks name it beside the CPU).
 pub fn kernel_level() -> KernelLevel {
     *LEVEL.get_or_init(KernelLevel::detect)
 }
@@ -543,9 +540,7 @@ pub fn matmul_new(w: &QMatrix, x: &[f32], n_tok: usize) -> Result<Vec<f32>> {
 /// (`matmul_many_in`) or an uninitialized output (`matmul_new`).
 #[cfg(target_arch = "x86_64")]
 fn tiles_take(scope: AmxScope, n_tok: usize) -> bool {
-    scope != AmxScope::Off
-        && n_tok >= amx_min_rows()
-        && *LEVEL.get_or_init(KernelLevel::detect) == KernelLevel::Amx
+    scope != AmxScope::Off && n_tok >= amx_min_rows() && kernel_level() == KernelLevel::Amx
 }
 
 /// `matmul` in the AMX scope the caller read (`amx_scope()` on the thread that owns the scope):
@@ -557,7 +552,7 @@ pub fn matmul_in(
     n_tok: usize,
     y: &mut [f32],
 ) -> Result<()> {
-    let level = *LEVEL.get_or_init(KernelLevel::detect);
+    let level = kernel_level();
     let amx = match scope {
         AmxScope::Off => false,
         AmxScope::Prefill => n_tok >= amx_min_rows(),

@@ -659,6 +659,17 @@ fn rows_bit_identical_to_single_row(level: KernelLevel) {
 #[test]
 fn every_level_falls_back_to_one_this_cpu_runs() {
     let have = KernelLevel::available();
+    // AVX-VNNI is offered exactly where the CPU reports it (with AVX2/FMA/F16C), whatever else
+    // the CPU has.
+    #[cfg(target_arch = "x86_64")]
+    assert_eq!(
+        have.contains(&KernelLevel::AvxVnni),
+        is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+            && is_x86_feature_detected!("avxvnni"),
+        "{have:?}"
+    );
     let mut rng = StdRng::seed_from_u64(31);
     let data = random_matrix(&mut rng, GgmlType::Q4_K, 24, 512, true);
     let w = QMatrix::new(GgmlType::Q4_K, &data, 24, 512).unwrap();

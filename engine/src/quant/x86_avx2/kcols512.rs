@@ -313,7 +313,7 @@ unsafe fn tile16<K: KCols16Kind, const RT: usize>(
 /// which leaves most of their latency uncovered.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(super) unsafe fn chain512(v: &mut __m512i) {
+unsafe fn chain512(v: &mut __m512i) {
     std::arch::asm!(
         "/* {0} */",
         inout(zmm_reg) * v,

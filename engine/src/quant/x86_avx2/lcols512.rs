@@ -8,7 +8,7 @@
 use std::arch::x86_64::*;
 use std::marker::PhantomData;
 
-use super::kcols512::{chain512, columns_avx512, f16_cols16, join_ps};
+use super::kcols512::{columns_avx512, f16_cols16, join_ps};
 use super::{dwords8, f16_lanes, ld, rd_u32, ColumnTiles, CB_ROWS};
 use crate::quant::act::{GROUP, OFF_D, OFF_QSUM, OFF_S};
 use crate::quant::{GgmlType, QMatrix, YPtr};
@@ -162,7 +162,6 @@ unsafe fn tile16<K: LKind16, const RT: usize>(
                 let av = _mm512_set1_epi32(rd_u32(a.add(t * stride + 32 * k + 4 * i)) as i32);
                 for b in 0..CB {
                     h[b][t] = _mm512_dpbusd_epi32(h[b][t], wv[b], av);
-                    chain512(&mut h[b][t]);
                 }
             }
         }
