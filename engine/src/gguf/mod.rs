@@ -352,6 +352,41 @@ impl GgufFile {
         &self.storage.bytes()[info.offset..info.offset + info.n_bytes]
     }
 
+    /// Rewrites tensors in place: `f` gets each of `infos`' bytes in turn (the weight packing of
+    /// `quant::packed`). Returns false, changing nothing, where the image is a read-only file
+    /// mapping ([`GgufFile::open_mapped`]).
+    pub(crate) fn rewrite_tensors(
+        &mut self,
+        infos: &[TensorInfo],
+        f: impl Fn(&TensorInfo, &mut [u8]),
+    ) -> Result<bool> {
+        let rewrite = |bytes: &mut [u8]| {
+            for t in infos {
+                f(t, &mut bytes[t.offset..t.offset + t.n_bytes]);
+            }
+        };
+        match std::mem::replace(&mut self.storage, Storage::Owned(Vec::new())) {
+            Storage::Owned(mut v) => {
+                rewrite(&mut v);
+                self.storage = Storage::Owned(v);
+            }
+            Storage::Anon(m, len) => {
+                let io = |e| EngineError::Io {
+                    path: self.path.clone().unwrap_or_default(),
+                    source: e,
+                };
+                let mut m = m.make_mut().map_err(io)?;
+                rewrite(&mut m[..len]);
+                self.storage = Storage::Anon(m.make_read_only().map_err(io)?, len);
+            }
+            mapped @ Storage::Mmap(_) => {
+                self.storage = mapped;
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
     /// Total size of the file image.
     pub fn file_len(&self) -> usize {
         self.storage.bytes().len()

@@ -9,6 +9,8 @@ pub use config::{Arch, ModelConfig, RopeStyle};
 pub(crate) use forward::RopeTable;
 pub use forward::{BatchMask, SeqBatch};
 
+use std::collections::HashSet;
+
 use crate::error::{EngineError, Result};
 use crate::gguf::{GgufFile, TensorInfo};
 use crate::quant::{self, QMatrix};
@@ -32,6 +34,8 @@ pub(crate) struct LayerWeights {
 /// A loaded decoder-only model.
 pub struct Model {
     gguf: GgufFile,
+    /// Offsets of the tensors whose rows were column-packed at load (`quant::packed`).
+    packed: HashSet<usize>,
     pub config: ModelConfig,
     tok_embd: TensorInfo,
     output_norm: Vec<f32>,
@@ -53,7 +57,48 @@ impl Model {
         Self::from_gguf(GgufFile::open(path)?)
     }
 
+    /// The model of a parsed GGUF image. With `ARBOR_PACK=1`, where this process's matmuls run
+    /// the AVX-512 family, the K-quant weight matrices are column-packed in place first
+    /// ([`quant::packed`]; not in a read-only file mapping): the same results, cheaper passes
+    /// over several rows.
     pub fn from_gguf(gguf: GgufFile) -> Result<Model> {
+        Self::from_gguf_packing(gguf, quant::packed::pack_requested())
+    }
+
+    /// [`Model::from_gguf`] choosing whether to pack (`pack` is ignored where no kernel reads
+    /// packed rows, i.e. unless [`quant::packed::packs_here`]).
+    pub fn from_gguf_packing(gguf: GgufFile, pack: bool) -> Result<Model> {
+        let mut model = Self::from_gguf_natural(gguf)?;
+        if pack && quant::packed::packs_here() {
+            model.pack()?;
+        }
+        Ok(model)
+    }
+
+    /// Packs every packable weight matrix the forward pass multiplies by (not the embedding
+    /// table, which is also read row by row, nor an output head tied to it).
+    fn pack(&mut self) -> Result<()> {
+        let mut infos: Vec<TensorInfo> = self
+            .layers
+            .iter()
+            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
+            .chain(std::iter::once(&self.output))
+            .filter(|t| t.offset != self.tok_embd.offset)
+            .filter(|t| quant::packed::packable(t.ty, t.dims[1] as usize, t.dims[0] as usize))
+            .cloned()
+            .collect();
+        infos.sort_by_key(|t| t.offset);
+        infos.dedup_by_key(|t| t.offset);
+        let packed = self.gguf.rewrite_tensors(&infos, |t, bytes| {
+            quant::packed::pack(t.ty, bytes, t.dims[1] as usize, t.dims[0] as usize)
+        })?;
+        if packed {
+            self.packed = infos.iter().map(|t| t.offset).collect();
+        }
+        Ok(())
+    }
+
+    fn from_gguf_natural(gguf: GgufFile) -> Result<Model> {
         let config = ModelConfig::from_gguf(&gguf)?;
         let c = &config;
         let q_dim = c.n_head * c.head_dim;
@@ -89,6 +134,7 @@ impl Model {
         }
         Ok(Model {
             gguf,
+            packed: HashSet::new(),
             config,
             tok_embd,
             output_norm,
@@ -107,6 +153,7 @@ impl Model {
             data: self.gguf.tensor_bytes(t),
             n_out: t.dims[1] as usize,
             n_in: t.dims[0] as usize,
+            packed: self.packed.contains(&t.offset),
         }
     }
 

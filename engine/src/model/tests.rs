@@ -1,5 +1,6 @@
 use crate::backend::{AmxUse, Backend, BatchMask, CpuBackend};
 use crate::kv::KvCache;
+use crate::model::Model;
 use crate::quant::GgmlType;
 use crate::sample::Rng;
 use crate::testing::{skip_hardware, tiny_model, TinySpec};
@@ -471,5 +472,60 @@ fn mixed_batch_rows_bit_identical_to_each_sequence_alone() {
             },
         ];
         assert!(model.forward_batch(&backend, &mut two).is_err());
+    }
+}
+
+/// A model whose K-quant matrices were column-packed at load (`quant::packed`, the AVX-512
+/// family) computes the natural model's logits and K/V bit for bit: prefill, decoding and
+/// tree-sized batches.
+#[test]
+fn packed_model_bit_identical_to_natural() {
+    if !crate::quant::packed::packs_here() {
+        skip_hardware(
+            "model::packed_model_bit_identical_to_natural",
+            "packed rows are read by the AVX-512 VNNI family only, which this process does not run",
+        );
+        return;
+    }
+    let backend = CpuBackend::new(2).unwrap();
+    for spec in [specs()[2].clone(), specs()[3].clone(), specs()[7].clone()] {
+        let bytes = crate::testing::tiny_model_gguf(&spec, 5).unwrap();
+        let load = |pack| {
+            Model::from_gguf_packing(
+                crate::gguf::GgufFile::from_bytes(bytes.clone()).unwrap(),
+                pack,
+            )
+            .unwrap()
+        };
+        let (packed, natural) = (load(true), load(false));
+        assert!(matches!(
+            packed.layers[0].w_gate.ty,
+            GgmlType::Q4_K | GgmlType::Q6_K
+        ));
+        assert!(packed.mat(&packed.layers[0].w_gate).is_packed());
+        assert!(!natural.mat(&natural.layers[0].w_gate).is_packed());
+        let vocab = packed.config.vocab_size as u32;
+        let run = |m: &Model| {
+            let mut cache = KvCache::new(&m.config, 128);
+            let mut out = Vec::new();
+            let mut pos = 0;
+            for n in [20usize, 1, 3, 1, 9, 2] {
+                let toks: Vec<u32> = (0..n as u32)
+                    .map(|i| (i * 37 + pos as u32) % vocab)
+                    .collect();
+                let p: Vec<usize> = (pos..pos + n).collect();
+                let rows: Vec<usize> = (0..n).collect();
+                out.extend(
+                    m.forward(&backend, &mut cache, &toks, &p, BatchMask::Causal, &rows)
+                        .unwrap()
+                        .iter()
+                        .map(|x| x.to_bits()),
+                );
+                pos += n;
+            }
+            out.extend(cache.k_row(1, pos - 1).iter().map(|x| x.to_bits()));
+            out
+        };
+        assert_eq!(run(&packed), run(&natural), "{spec:?}");
     }
 }

@@ -32,6 +32,7 @@ mod act;
 #[cfg(target_arch = "x86_64")]
 mod amx;
 mod formats;
+pub mod packed;
 mod scalar;
 #[cfg(test)]
 mod tests;
@@ -220,6 +221,8 @@ pub struct QMatrix<'a> {
     pub data: &'a [u8],
     pub n_out: usize,
     pub n_in: usize,
+    /// `data` holds the rows column-packed ([`packed`]), not in GGUF order.
+    pub(crate) packed: bool,
 }
 
 impl std::fmt::Debug for QMatrix<'_> {
@@ -229,6 +232,7 @@ impl std::fmt::Debug for QMatrix<'_> {
             .field("n_out", &self.n_out)
             .field("n_in", &self.n_in)
             .field("bytes", &self.data.len())
+            .field("packed", &self.packed)
             .finish()
     }
 }
@@ -256,7 +260,23 @@ impl<'a> QMatrix<'a> {
             data,
             n_out,
             n_in,
+            packed: false,
         })
+    }
+
+    /// Whether the rows are column-packed ([`packed`]; only the AVX-512 family's kernels read
+    /// them as they are, the others see an unpacked copy).
+    pub fn is_packed(&self) -> bool {
+        self.packed
+    }
+
+    /// The rows in GGUF order: `data` itself, or an unpacked copy of packed rows.
+    pub fn natural_bytes(&self) -> std::borrow::Cow<'a, [u8]> {
+        if self.packed {
+            std::borrow::Cow::Owned(packed::unpack(self.ty, self.data, self.n_out, self.n_in))
+        } else {
+            std::borrow::Cow::Borrowed(self.data)
+        }
     }
 
     /// Bytes of one row.
@@ -592,6 +612,17 @@ pub fn matmul_with(
         return Ok(());
     }
     let level = level.on_this_cpu();
+    if w.packed && level != KernelLevel::Avx512Vnni {
+        // Only the AVX-512 family reads packed rows: the others run on natural ones (a copy;
+        // tests and explicit levels, never a forward pass of a process that packed).
+        let nat = w.natural_bytes();
+        let natural = QMatrix {
+            data: &nat,
+            packed: false,
+            ..*w
+        };
+        return matmul_with(level, &natural, x, n_tok, y);
+    }
     // The AMX family: tiles for large batches, the AMX-order VNNI kernel for small ones, so every
     // row is computed bit for bit alike whatever the batch size.
     #[cfg(target_arch = "x86_64")]
@@ -865,8 +896,9 @@ fn run_rows(w: &QMatrix, n_tok: usize, y: &mut [f32], f: &(dyn Fn(usize, usize, 
         f(0, n_out, yp);
         return;
     }
-    // Multiples of 4 rows keep the kernels' row tiles whole.
-    run_tiles(n_out, 4, &|r0, r1| f(r0, r1, yp));
+    // Multiples of 4 rows keep the kernels' row tiles whole (of 16, packed slices).
+    let tile = if w.packed { packed::PACK_ROWS } else { 4 };
+    run_tiles(n_out, tile, &|r0, r1| f(r0, r1, yp));
 }
 
 fn quant_rows(

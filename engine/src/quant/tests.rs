@@ -734,6 +734,7 @@ fn malformed_lengths_are_errors() {
             data: &data,
             n_out: 5,
             n_in: 256,
+            packed: false,
         };
         assert!(matches!(
             matmul_with(level, &bad, &[0.0; 256], 1, &mut [0.0; 5]),
@@ -744,6 +745,7 @@ fn malformed_lengths_are_errors() {
             data: &data,
             n_out: 1,
             n_in: 100,
+            packed: false,
         };
         assert!(matmul_with(level, &bad, &[0.0; 100], 1, &mut [0.0; 1]).is_err());
     }
@@ -752,6 +754,7 @@ fn malformed_lengths_are_errors() {
         data: &data[..84],
         n_out: 1,
         n_in: 256,
+        packed: false,
     };
     assert!(matches!(
         matmul(&q2, &[0.0; 256], 1, &mut [0.0; 1]),
@@ -1099,6 +1102,119 @@ fn matmul_swiglu_equals_matmuls_then_gate() {
                     );
                 }
             }
+        }
+    }
+}
+
+/// Column-packed K-quant matrices (`packed`): unpacking gives the GGUF rows back byte for byte,
+/// and the AVX-512 family computes every output of a packed matrix bit for bit as of the natural
+/// one, for batch sizes around the tile heights, 16- and 32-row slices, several row splits
+/// (one and two threads), and every other level through the unpacked copy.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn packed_matrices_bit_identical_to_natural() {
+    let mut rng = StdRng::seed_from_u64(41);
+    let two = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
+    for ty in [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
+        assert!(!packed::packable(ty, 40, 256) && !packed::packable(ty, 16, 100));
+        for &(n_out, n_in) in &[(16usize, 256usize), (48, 512), (96, 2304)] {
+            assert!(packed::packable(ty, n_out, n_in));
+            let data = random_matrix(&mut rng, ty, n_out, n_in, true);
+            let mut pk = data.clone();
+            packed::pack(ty, &mut pk, n_out, n_in);
+            assert_ne!(pk, data, "{ty}: packing changed nothing");
+            assert_eq!(
+                packed::unpack(ty, &pk, n_out, n_in),
+                data,
+                "{ty} round trip"
+            );
+            let nat = QMatrix::new(ty, &data, n_out, n_in).unwrap();
+            let pw = QMatrix {
+                packed: true,
+                ..QMatrix::new(ty, &pk, n_out, n_in).unwrap()
+            };
+            assert_eq!(pw.natural_bytes().as_ref(), &data[..]);
+            for n_tok in [1usize, 2, 3, 4, 5, 6, 7, 8, 9, 13, 64, 70] {
+                let x = activations(&mut rng, n_tok, n_in);
+                for level in levels() {
+                    let mut want = vec![f32::NAN; n_tok * n_out];
+                    matmul_with(level, &nat, &x, n_tok, &mut want).unwrap();
+                    for pool in [None, Some(&two)] {
+                        let mut got = vec![f32::NAN; n_tok * n_out];
+                        match pool {
+                            Some(p) => {
+                                p.install(|| matmul_with(level, &pw, &x, n_tok, &mut got).unwrap())
+                            }
+                            None => matmul_with(level, &pw, &x, n_tok, &mut got).unwrap(),
+                        }
+                        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                            assert_eq!(
+                                a.to_bits(),
+                                b.to_bits(),
+                                "{ty} {n_out}x{n_in} n_tok {n_tok} {} [t {}, o {}]: packed {a} vs {b}",
+                                level.name(),
+                                i / n_out,
+                                i % n_out,
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// In-cache cost of packed against natural K-quant matrices at the AVX-512 level, one thread
+/// (`cargo test --release -p arbor-engine quant::tests::packed_timing -- --ignored --nocapture`).
+#[cfg(target_arch = "x86_64")]
+#[test]
+#[ignore]
+fn packed_timing() {
+    use std::time::Instant;
+    if !levels().contains(&KernelLevel::Avx512Vnni) {
+        return;
+    }
+    let one = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap();
+    let mut rng = StdRng::seed_from_u64(5);
+    for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
+        let (n_out, n_in) = (256usize, 2048usize);
+        let data = random_matrix(&mut rng, ty, n_out, n_in, true);
+        let mut pk = data.clone();
+        packed::pack(ty, &mut pk, n_out, n_in);
+        let nat = QMatrix::new(ty, &data, n_out, n_in).unwrap();
+        let pw = QMatrix {
+            packed: true,
+            ..QMatrix::new(ty, &pk, n_out, n_in).unwrap()
+        };
+        for n_tok in [1usize, 2, 3, 4, 6, 8, 16, 64] {
+            let x = activations(&mut rng, n_tok, n_in);
+            let mut y = vec![0f32; n_tok * n_out];
+            let mut best = [f64::INFINITY; 2];
+            for _round in 0..5 {
+                for (k, w) in [&nat, &pw].into_iter().enumerate() {
+                    let t = Instant::now();
+                    one.install(|| {
+                        for _ in 0..200 {
+                            matmul_with(KernelLevel::Avx512Vnni, w, &x, n_tok, &mut y).unwrap();
+                        }
+                    });
+                    best[k] = best[k].min(t.elapsed().as_secs_f64() / 200.0);
+                }
+            }
+            let gp = |s: f64| (n_out * n_in * n_tok) as f64 / s / 1e9;
+            eprintln!(
+                "{ty} n{n_tok}: natural {:.1} us ({:.0} Gprod/s), packed {:.1} us ({:.0} Gprod/s)",
+                best[0] * 1e6,
+                gp(best[0]),
+                best[1] * 1e6,
+                gp(best[1])
+            );
         }
     }
 }

@@ -1120,6 +1120,8 @@ const T_CAP: usize = 64;
 /// Zero bytes standing in for output rows past the end of a pass (a whole group of every type,
 /// Q8_0's 272 bytes included, and `kcols512`'s 64-byte loads).
 static ZERO_GROUP: [u8; 512] = [0; 512];
+/// Zero bytes standing in for a packed group past the end of a pass (16 rows of Q6_K, 3,360).
+static ZERO_SLICE: [u8; 4096] = [0; 4096];
 
 /// A column-tile kernel: each pass over `W` output rows unpacks every weight group of those rows
 /// once (`build`) and dots it with the activation rows, up to `CT` at a time (`tile`).
@@ -1133,6 +1135,9 @@ trait ColumnTiles {
     const CT: usize;
     /// Weight bytes of one whole 256-element group of a row.
     const GROUP_BYTES: usize;
+    /// The weights are column-packed (`quant::packed`): `build` gets the packed group of the
+    /// block's rows in `p[0]` instead of one pointer per row.
+    const PACKED: bool = false;
     /// A group of the pass's rows, unpacked.
     type Cols;
     /// Unpacks the first `nb` 32-element blocks of the groups at `p[c]` into column block `b`
@@ -1192,6 +1197,23 @@ unsafe fn column_rows<T: ColumnTiles, const ACC: usize>(
             for g in 0..n_groups {
                 let nb = (n_blocks - g * (GROUP / 32)).min(GROUP / 32);
                 for b in 0..T::W / T::BLOCK_ROWS {
+                    if T::PACKED {
+                        // Slices of `BLOCK_ROWS` rows (whole: the caller's row range is), each
+                        // its groups in order.
+                        let o = b * T::BLOCK_ROWS;
+                        p[0] = if o < n_c {
+                            let at = w
+                                .data
+                                .as_ptr()
+                                .add((o0 + o) * rb + g * T::BLOCK_ROWS * T::GROUP_BYTES);
+                            T::prefetch(at, g, n_groups, rb, nb);
+                            at
+                        } else {
+                            ZERO_SLICE.as_ptr()
+                        };
+                        T::build(&p[..1], b, nb, &mut cols);
+                        continue;
+                    }
                     for (i, pc) in p[..T::BLOCK_ROWS].iter_mut().enumerate() {
                         let c = b * T::BLOCK_ROWS + i;
                         *pc = if c < n_c {

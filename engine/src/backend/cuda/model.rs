@@ -31,11 +31,13 @@ struct DeviceMatrix<O: DeviceOps> {
 impl<O: DeviceOps> DeviceMatrix<O> {
     /// Dequantize a GGUF matrix and upload it as f16 (converted once, at load).
     fn upload(ops: &O, m: &QMatrix<'_>) -> Result<DeviceMatrix<O>> {
-        let row_bytes = m.data.len() / m.n_out.max(1);
+        // GGUF row order (a CPU-packed matrix unpacked).
+        let data = m.natural_bytes();
+        let row_bytes = data.len() / m.n_out.max(1);
         let mut row = vec![0.0f32; m.n_in];
         let mut bits = Vec::with_capacity(m.n_out * m.n_in);
         for r in 0..m.n_out {
-            quant::dequantize_row(m.ty, &m.data[r * row_bytes..(r + 1) * row_bytes], &mut row)?;
+            quant::dequantize_row(m.ty, &data[r * row_bytes..(r + 1) * row_bytes], &mut row)?;
             bits.extend(row.iter().map(|&x| f16::from_f32(x).to_bits()));
         }
         Ok(DeviceMatrix {

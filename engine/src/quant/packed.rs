@@ -1,0 +1,101 @@
+//! Column-packed K-quant weights for the AVX-512 family: each 16-row group of 256-element blocks stored dword-transposed, the layout the 512-bit column tiles read (llama.cpp's `repack` idea, our own layout).
+//!
+//! The AVX-512 column tiles (`x86_avx2::kcols512`) hold 16 output rows per register, lane `c` =
+//! row `c`, so every pass over natural GGUF rows begins with 16×16 dword transposes of the
+//! rows' blocks (a fifth of a 4- to 8-row qwen2.5-coder-1.5b forward pass on a Zen 5 EPYC). Packed at
+//! load, the transposes are gone: for rows `16 i .. 16 i + 16` and block `g`, the packed group is
+//! the `[16 rows, BB bytes]` matrix of their blocks transposed at dword granularity (dword `k` of
+//! row `c` at byte `64 k + 4 c`), followed, for Q6_K's 210-byte blocks, by the 16 trailing f16
+//! (`d`) at `64 · 52 + 2 c`. So the tiles load what `dwords16` used to build, one register per
+//! 64 bytes. The groups of a 16-row slice follow each other, slices follow each other: a packed
+//! matrix has exactly the natural matrix's bytes, in place, and the same integers and float
+//! steps per output, hence the same bits.
+
+use rayon::prelude::*;
+
+use super::{GgmlType, KernelLevel};
+
+/// Output rows of a packed slice.
+pub(crate) const PACK_ROWS: usize = 16;
+
+/// Whether an `n_out × n_in` matrix of `ty` can be packed: a K-quant (Q4_K, Q5_K, Q6_K) with
+/// whole 16-row slices.
+pub fn packable(ty: GgmlType, n_out: usize, n_in: usize) -> bool {
+    matches!(ty, GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K)
+        && n_out > 0
+        && n_out.is_multiple_of(PACK_ROWS)
+        && n_in > 0
+        && n_in.is_multiple_of(256)
+}
+
+/// Whether this process's matmuls read packed rows as they are: where they run the AVX-512 VNNI
+/// family (the AMX family reads natural rows; the others get an unpacked copy).
+pub fn packs_here() -> bool {
+    super::kernel_level() == KernelLevel::Avx512Vnni
+}
+
+/// Whether models are packed at load by default: only with `ARBOR_PACK=1` for now. Measured on
+/// a Zen 5 EPYC (docs/benchmarks.md, 2026-12-03 "Column-packed K-quant weights"): forward passes
+/// over 3-16 rows 15-30% cheaper, 64 rows level, but single-row decoding up to 13% slower in
+/// `bench decode` (not resolved within that VM's noise), so decoding-heavy use keeps GGUF order.
+pub fn pack_requested() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var("ARBOR_PACK").is_ok_and(|v| matches!(v.as_str(), "1" | "on" | "true"))
+    })
+}
+
+/// Pack `data` (`n_out` natural rows of `n_in` elements of `ty`, [`packable`]) in place.
+pub(crate) fn pack(ty: GgmlType, data: &mut [u8], n_out: usize, n_in: usize) {
+    let (bb, rb) = (ty.block_bytes(), ty.block_bytes() * (n_in / 256));
+    debug_assert!(packable(ty, n_out, n_in) && data.len() == n_out * rb);
+    let slices = data.par_chunks_exact_mut(PACK_ROWS * rb);
+    slices.for_each_init(
+        || vec![0u8; PACK_ROWS * rb],
+        |nat, slice| {
+            nat.copy_from_slice(slice);
+            for (g, out) in slice.chunks_exact_mut(PACK_ROWS * bb).enumerate() {
+                for c in 0..PACK_ROWS {
+                    let block = &nat[c * rb + g * bb..c * rb + (g + 1) * bb];
+                    let dws = block.chunks_exact(4);
+                    let tail = dws.remainder();
+                    for (k, dw) in dws.enumerate() {
+                        out[64 * k + 4 * c..64 * k + 4 * c + 4].copy_from_slice(dw);
+                    }
+                    if let [a, b] = *tail {
+                        // Q6_K's trailing f16.
+                        let at = 64 * (bb / 4) + 2 * c;
+                        out[at..at + 2].copy_from_slice(&[a, b]);
+                    }
+                }
+            }
+        },
+    );
+}
+
+/// The natural rows of a packed matrix (the inverse of [`pack`]).
+pub(crate) fn unpack(ty: GgmlType, data: &[u8], n_out: usize, n_in: usize) -> Vec<u8> {
+    let (bb, rb) = (ty.block_bytes(), ty.block_bytes() * (n_in / 256));
+    debug_assert!(packable(ty, n_out, n_in) && data.len() == n_out * rb);
+    let mut nat = vec![0u8; data.len()];
+    for (slice, out) in data
+        .chunks_exact(PACK_ROWS * rb)
+        .zip(nat.chunks_exact_mut(PACK_ROWS * rb))
+    {
+        for (g, packed) in slice.chunks_exact(PACK_ROWS * bb).enumerate() {
+            for c in 0..PACK_ROWS {
+                let block = &mut out[c * rb + g * bb..c * rb + (g + 1) * bb];
+                let mut dws = block.chunks_exact_mut(4);
+                for (k, dw) in dws.by_ref().enumerate() {
+                    dw.copy_from_slice(&packed[64 * k + 4 * c..64 * k + 4 * c + 4]);
+                }
+                let tail = dws.into_remainder();
+                if tail.len() == 2 {
+                    let at = 64 * (bb / 4) + 2 * c;
+                    tail.copy_from_slice(&packed[at..at + 2]);
+                }
+            }
+        }
+    }
+    nat
+}
