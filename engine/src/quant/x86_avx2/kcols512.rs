@@ -112,8 +112,13 @@ unsafe fn srl_bytes(v: __m512i, s: usize) -> __m512i {
 trait KCols16Kind: KKind {
     unsafe fn q16<S: Src16>(src: S, q: &mut [[__m512i; 8]; 8]);
 
-    /// `sc`, `bs`, `d` and `ndmin` of a packed group at `base` (`quant::packed`).
-    unsafe fn scales16_packed(base: *const u8, out: &mut KCols16);
+    /// `sc`, `bs`, `d` and `ndmin` of a packed group at `base` (`quant::packed`): by default
+    /// the Q4_K/Q5_K block head's.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn scales16_packed(base: *const u8, out: &mut KCols16) {
+        k4_scales16_packed(base, out)
+    }
 
     /// `q16`'s `q[j]` of a packed group (unit `j` alone, straight from its bytes).
     unsafe fn unit16_packed(base: *const u8, j: usize) -> [__m512i; 8];
@@ -157,11 +162,6 @@ impl KCols16Kind for Q4K {
             }
         }
     }
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn scales16_packed(base: *const u8, out: &mut KCols16) {
-        k4_scales16_packed(base, out)
-    }
     /// Unit `2cc + h`: nibble `h` of the dwords `8 (cc % 2) ..` of `qs` half `cc / 2`.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -197,11 +197,6 @@ impl KCols16Kind for Q5K {
                 );
             }
         }
-    }
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn scales16_packed(base: *const u8, out: &mut KCols16) {
-        k4_scales16_packed(base, out)
     }
     /// Q4_K's unit from `qs` at byte 48, bit `j` of the `qh` dwords as its fifth bit.
     #[inline]
