@@ -471,21 +471,7 @@ unsafe fn tile16<K: KCols16Kind, const RT: usize>(
         let at = a.add(t * stride);
         let dx = _mm512_set1_ps(*(at.add(OFF_D) as *const f32));
         for b in 0..CB {
-            let mut m = _mm512_setzero_si512();
-            let (n_bs, off) = if K::K6 { (8, OFF_BS) } else { (4, OFF_BS32) };
-            for q in 0..n_bs {
-                let bs = _mm512_set1_epi32(rd_u32(at.add(off + 4 * q)) as i32);
-                m = _mm512_add_epi32(m, _mm512_madd_epi16(w[b].bs[q], bs));
-            }
-            let v = if K::K6 {
-                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s[b][t], m)), w[b].d)
-            } else {
-                _mm512_fmadd_ps(
-                    _mm512_cvtepi32_ps(m),
-                    w[b].ndmin,
-                    _mm512_mul_ps(_mm512_cvtepi32_ps(s[b][t]), w[b].d),
-                )
-            };
+            let v = k16_group_value::<K>(&w[b], s[b][t], at);
             let ap = acc.add(t * CB * ROWS + b * ROWS);
             _mm512_storeu_ps(ap, _mm512_fmadd_ps(v, dx, _mm512_loadu_ps(ap)));
         }
@@ -669,7 +655,8 @@ unsafe fn slice_packed<K: KCols16Kind, const R: usize>(
 }
 
 /// The f32 value of one group for 16 output rows from its exact i32 sums `s` against the record
-/// at `at` (block sums against `bs`), before the activation scale: `tile16`'s float step.
+/// at `at` (block sums against `bs`), before the activation scale: the float step of `tile16`
+/// and `slice_packed` alike.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn k16_group_value<K: KCols16Kind>(w: &KCols16, s: __m512i, at: *const u8) -> __m512 {
