@@ -7,7 +7,7 @@ use std::task::{Context as TaskContext, Poll};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use actix::{Actor, Addr, SyncArbiter};
+use actix::{Actor, Addr, Arbiter, SyncArbiter};
 use parking_lot::Mutex;
 
 use crate::config::{EngineConfig, Limits};
@@ -15,6 +15,7 @@ use crate::drafter::DrafterActor;
 use crate::error::{codes, Result, ServeError};
 use crate::events::{Completion, EngineStats, Event, RequestId};
 use crate::intake::Intake;
+use crate::kv_allocator::{KvAllocator, LedgerClient};
 use crate::merger::TreeMerger;
 use crate::messages::{CancelRequest, EventSink, GetStats, Shutdown, Submit};
 use crate::request::{Request, SpecLimits, ValidRequest};
@@ -44,7 +45,6 @@ pub struct Engine {
 impl Engine {
     /// Load the pool and the scheduler, start the actors, and return once they take requests.
     pub fn start(config: EngineConfig) -> Result<Engine> {
-        let mut verifier = Verifier::new(&config)?;
         let info = EngineInfo {
             model: config
                 .model
@@ -63,35 +63,47 @@ impl Engine {
             depth: config.spec_depth,
         };
         let limits = config.limits.clone();
-        let interrupt = verifier.interrupt_flag();
-        let first_state = verifier.state();
-        let slot = Arc::new(Mutex::new(Some(verifier)));
         let (tx, rx) = crossbeam_channel::bounded(1);
         let stopped = Arc::new(AtomicBool::new(false));
         let stopped_in = Arc::clone(&stopped);
         let intake_limits = limits.clone();
-        let factories = config.drafters.clone();
-        let vocab = config.model.config.vocab_size;
         let thread = std::thread::Builder::new()
             .name("arbor-engine".into())
             .spawn(move || {
                 let sys = actix::System::new();
-                sys.block_on(async move {
+                let started = sys.block_on(async move {
+                    // The block metadata on a thread of its own (bookkeeping only, answered in
+                    // microseconds); the Verifier's pool asks it for every block it writes.
+                    let kv = KvAllocator::start_in_arbiter(&Arbiter::new().handle(), {
+                        let n_blocks = config.kv_blocks();
+                        move |_| KvAllocator::new(n_blocks)
+                    });
+                    let verifier = Verifier::new(&config, LedgerClient::new(kv))?;
+                    let interrupt = verifier.interrupt_flag();
+                    let slot = Arc::new(Mutex::new(Some(verifier)));
+                    let first_state = slot
+                        .lock()
+                        .as_mut()
+                        .map(Verifier::state)
+                        .unwrap_or_default();
                     let verifier = SyncArbiter::start(1, move || {
                         slot.lock()
                             .take()
                             .expect("the verifier is built once (SyncArbiter with one thread)")
                     });
+                    let vocab = config.model.config.vocab_size;
                     // One thread per drafter, one for the merger.
-                    let drafters = factories
-                        .into_iter()
+                    let drafters = config
+                        .drafters
+                        .iter()
                         .enumerate()
                         .map(|(i, f)| {
+                            let f = f.clone();
                             SyncArbiter::start(1, move || DrafterActor::new(i, f.clone(), vocab))
                         })
                         .collect();
                     let merger = SyncArbiter::start(1, TreeMerger::default);
-                    let intake = Intake::new(
+                    Ok(Intake::new(
                         verifier,
                         interrupt,
                         drafters,
@@ -99,9 +111,13 @@ impl Engine {
                         intake_limits,
                         first_state,
                     )
-                    .start();
-                    let _ = tx.send(intake);
+                    .start())
                 });
+                let failed = started.is_err();
+                let _ = tx.send(started);
+                if failed {
+                    actix::System::current().stop();
+                }
                 if let Err(e) = sys.run() {
                     tracing::error!(error = %e, "engine event loop ended with an error");
                 }
@@ -110,7 +126,15 @@ impl Engine {
             .map_err(|e| ServeError::internal(format!("cannot start the engine thread: {e}")))?;
         let intake = rx
             .recv()
-            .map_err(|_| ServeError::internal("the engine thread stopped at start"))?;
+            .map_err(|_| ServeError::internal("the engine thread stopped at start"))
+            .and_then(|started| started);
+        let intake = match intake {
+            Ok(intake) => intake,
+            Err(e) => {
+                let _ = thread.join();
+                return Err(e);
+            }
+        };
         Ok(Engine {
             intake,
             next_id: AtomicU64::new(0),

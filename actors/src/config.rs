@@ -288,6 +288,12 @@ impl EngineConfig {
     pub(crate) fn kv_bytes(&self) -> usize {
         self.kv_memory.unwrap_or_else(default_kv_memory)
     }
+
+    /// Blocks of the LLM's KV pool: as many as `kv_bytes` holds (at least one).
+    pub(crate) fn kv_blocks(&self) -> usize {
+        let c = &self.model.config;
+        (self.kv_bytes() / KvPool::block_bytes(c.kv_dim(), c.n_layers).max(1)).max(1)
+    }
 }
 
 /// A quarter of `MemAvailable`, clamped to 256 MiB..4 GiB (1 GiB when unknown).

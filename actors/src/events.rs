@@ -149,4 +149,8 @@ pub struct EngineStats {
     /// Mean milliseconds the Verifier idled between consecutive steps while requests ran: the
     /// actors' own per-step overhead.
     pub step_gap_ms: f64,
+    /// Mean messages per step from the Verifier's pool to the KvAllocator actor, and the mean
+    /// milliseconds per step the Verifier waited for their answers.
+    pub kv_messages_per_step: f64,
+    pub kv_wait_ms: f64,
 }

@@ -561,6 +561,8 @@ impl Intake {
             } else {
                 st.gap_secs * 1e3 / st.gaps as f64
             },
+            kv_messages_per_step: st.kv_messages as f64 / st.steps.max(1) as f64,
+            kv_wait_ms: st.kv_wait_secs * 1e3 / st.steps.max(1) as f64,
         }
     }
 }

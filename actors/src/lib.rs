@@ -1,4 +1,4 @@
-//! Arbor actors: request intake, drafters and the tree merger (each on its own `SyncArbiter` thread), verification (the LLM on a `SyncArbiter` thread), the in-process [`Engine`] API, and the line-delimited JSON TCP server.
+//! Arbor actors: request intake, drafters and the tree merger (each on its own `SyncArbiter` thread), KV block allocation (its own arbiter thread), verification (the LLM on a `SyncArbiter` thread), the in-process [`Engine`] API, and the line-delimited JSON TCP server.
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -24,6 +24,7 @@ pub mod drafter;
 pub mod error;
 pub mod events;
 pub mod intake;
+pub mod kv_allocator;
 pub mod merger;
 pub mod messages;
 pub mod request;

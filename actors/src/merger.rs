@@ -1,7 +1,7 @@
-//! The TreeMerger actor: collects the drafters' trees of a step and merges them per request into one token tree (SpecInfer's tree merge: shared prefixes become one path), in drafter order so drafter ids match what each request was promised.
+//! The TreeMerger actor: collects the drafters' trees of a step, merges them per request into one token tree (SpecInfer's tree merge: shared prefixes become one path) in drafter order so drafter ids match what each request was promised, and builds each merged tree's topology-aware attention mask.
 
 use actix::{Actor, Handler, SyncContext};
-use arbor_engine::tree::TokenTree;
+use arbor_engine::tree::{MaskedTree, TokenTree};
 
 use crate::messages::{Merge, Merged};
 
@@ -34,7 +34,8 @@ impl Handler<Merge> for TreeMerger {
             all.push(TokenTree::root_only(root));
             all.extend(parts.into_iter().map(|(_, t)| t.clone()));
             if let Ok(t) = TokenTree::merge(&all) {
-                trees.push((w.id, t));
+                // The Verifier attends with this mask (restricted to the rows it keeps).
+                trees.push((w.id, MaskedTree::new(t)));
             }
         }
         actix::MessageResult(Merged {

@@ -120,6 +120,9 @@ pub struct VerifierState {
     pub step_secs: f64,
     pub gap_secs: f64,
     pub gaps: u64,
+    /// Messages the Verifier's pool sent the KvAllocator, and the seconds it waited for them.
+    pub kv_messages: u64,
+    pub kv_wait_secs: f64,
 }
 
 /// What one step did.
@@ -228,7 +231,8 @@ pub struct Merge {
 
 pub struct Merged {
     pub step: u64,
-    pub trees: Vec<(RequestId, arbor_engine::tree::TokenTree)>,
+    /// Per request, its merged tree and the tree's attention mask.
+    pub trees: Vec<(RequestId, arbor_engine::tree::MaskedTree)>,
 }
 
 /// Intake (via TreeMerger's trees) → Verifier: run the planned step with these trees.
@@ -236,6 +240,6 @@ pub struct Merged {
 #[rtype(result = "()")]
 pub struct Verify {
     pub step: u64,
-    pub trees: Vec<(RequestId, arbor_engine::tree::TokenTree)>,
+    pub trees: Vec<(RequestId, arbor_engine::tree::MaskedTree)>,
     pub report_to: actix::Recipient<StepDone>,
 }

@@ -1,4 +1,4 @@
-//! The Verifier actor: owns the LLM, the KV pool and the scheduler on a `SyncArbiter` thread; each step is one batched forward pass (prefill chunks, decode tokens, draft trees) with verification and commit (SpecInfer tree verification inside continuous batching).
+//! The Verifier actor: owns the LLM, the K/V storage (its blocks granted by the KvAllocator actor) and the scheduler on a `SyncArbiter` thread; each step is one batched forward pass (prefill chunks, decode tokens, draft trees) with verification and commit (SpecInfer tree verification inside continuous batching).
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -14,6 +14,7 @@ use arbor_engine::{CpuBackend, KvPool, Tokenizer};
 use crate::config::EngineConfig;
 use crate::error::{codes, Result, ServeError};
 use crate::events::RequestId;
+use crate::kv_allocator::{LedgerClient, LedgerTraffic};
 use crate::messages::{
     Cancel, DraftWork, Enqueue, PlanReply, PlanStep, StepDone, StepReport, VerifierState, Verify,
 };
@@ -42,6 +43,8 @@ pub struct Verifier {
     gaps: u64,
     /// Raised by the Intake before it sends a message: stop running steps back to back.
     interrupt: Arc<AtomicBool>,
+    /// Messages to the KvAllocator and the time waited for them.
+    kv_traffic: Arc<LedgerTraffic>,
 }
 
 /// A request the scheduler holds.
@@ -58,10 +61,12 @@ impl Actor for Verifier {
 impl Verifier {
     /// Build the pool and the scheduler; calibrate the step cost when drafters are configured
     /// (adaptive speculation plans with it).
-    pub fn new(config: &EngineConfig) -> Result<Verifier> {
+    pub fn new(config: &EngineConfig, ledger: LedgerClient) -> Result<Verifier> {
         let model = Arc::clone(&config.model);
         let backend = CpuBackend::new(config.threads).map_err(ServeError::from)?;
-        let pool = KvPool::with_memory(&model.config, config.kv_bytes());
+        let kv_traffic = ledger.traffic();
+        let pool = KvPool::with_ledger(&model.config, model.config.n_layers, Box::new(ledger))
+            .map_err(ServeError::from)?;
         let device =
             open_device(&model, config.device, pool.max_blocks()).map_err(ServeError::from)?;
         let ctx = model.config.context_length;
@@ -113,6 +118,7 @@ impl Verifier {
             gap_secs: 0.0,
             gaps: 0,
             interrupt: Arc::new(AtomicBool::new(false)),
+            kv_traffic,
         })
     }
 
@@ -135,6 +141,8 @@ impl Verifier {
             step_secs: self.step_secs,
             gap_secs: self.gap_secs,
             gaps: self.gaps,
+            kv_messages: self.kv_traffic.totals().0,
+            kv_wait_secs: self.kv_traffic.totals().1,
         }
     }
 
@@ -280,9 +288,9 @@ impl Verifier {
         step: u64,
         planned: PlannedStep,
         started: Instant,
-        trees: Vec<(RequestId, arbor_engine::tree::TokenTree)>,
+        trees: Vec<(RequestId, arbor_engine::tree::MaskedTree)>,
     ) -> StepReport {
-        let trees: Vec<(u64, arbor_engine::tree::TokenTree)> = trees
+        let trees: Vec<(u64, arbor_engine::tree::MaskedTree)> = trees
             .into_iter()
             .filter_map(|(id, t)| self.requests.get(&id).map(|r| (r.sid, t)))
             .collect();

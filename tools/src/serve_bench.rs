@@ -137,6 +137,12 @@ pub fn serve_bench(
             st.step_gap_ms,
             100.0 * st.step_gap_ms / st.step_ms.max(1e-9)
         );
+        println!(
+            "# KV allocator: {:.1} messages per step, {:.3} ms per step waiting for them ({:.2}% of a step)",
+            st.kv_messages_per_step,
+            st.kv_wait_ms,
+            100.0 * st.kv_wait_ms / st.step_ms.max(1e-9)
+        );
         if st.drafted_steps > 0 {
             println!(
                 "# drafting steps: {}, mean wait for drafters + merger: {:.3} ms per step",

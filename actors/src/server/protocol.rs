@@ -408,6 +408,8 @@ pub fn stats_line(s: &EngineStats, connections: usize) -> String {
         "steps": s.steps,
         "step_ms": s.step_ms,
         "step_gap_ms": s.step_gap_ms,
+        "kv_messages_per_step": s.kv_messages_per_step,
+        "kv_wait_ms": s.kv_wait_ms,
         "connections": connections,
     }})
     .to_string()

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use half::f16;
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 
-pub use pool::{block_hash, BlockAllocator, BlockId, PoolStats, BLOCK_SLOTS};
+pub use pool::{block_hash, BlockAllocator, BlockId, BlockLedger, PoolStats, BLOCK_SLOTS};
 
 use crate::backend::KvLayer;
 use crate::error::{EngineError, Result};
@@ -52,11 +52,11 @@ impl F16Buf {
     }
 }
 
-/// The pool's state behind its lock: the allocator and every layer's K and V rows.
+/// The pool's state behind its lock: the block ledger and every layer's K and V rows.
 pub(crate) struct PoolInner {
-    alloc: BlockAllocator,
+    alloc: Box<dyn BlockLedger>,
     /// An elastic pool grows up to this many blocks when it runs out; a fixed pool has
-    /// `max_blocks == alloc.total()`.
+    /// `max_blocks ==` the ledger's total.
     max_blocks: usize,
     kv_dim: usize,
     k: Vec<F16Buf>, // [n_layers][total * BLOCK_SLOTS * kv_dim]
@@ -70,7 +70,7 @@ impl PoolInner {
         if let Some(b) = self.alloc.allocate() {
             return Some(b);
         }
-        let total = self.alloc.total();
+        let total = self.alloc.stats().total;
         if total >= self.max_blocks {
             return None;
         }
@@ -102,12 +102,13 @@ impl PoolInner {
     }
 
     fn release_all(&mut self, blocks: &[BlockId]) {
-        for &b in blocks {
-            // A sequence holds one reference per entry of its table, so this cannot fail; a
-            // failure would be a bookkeeping bug, never worth a panic in a drop path.
-            let released = self.alloc.release(b);
-            debug_assert!(released.is_ok(), "{released:?}");
+        if blocks.is_empty() {
+            return;
         }
+        // A sequence holds one reference per entry of its table, so this cannot fail; a
+        // failure would be a bookkeeping bug, never worth a panic in a drop path.
+        let released = self.alloc.release_all(blocks);
+        debug_assert!(released.is_ok(), "{released:?}");
     }
 }
 
@@ -146,10 +147,45 @@ impl KvPool {
         Self::build(config.kv_dim(), n_layers, max_blocks.min(4), max_blocks)
     }
 
+    /// A fixed pool whose metadata `ledger` keeps (a ledger none of whose blocks is handed out
+    /// yet): the K/V storage for the ledger's blocks lives here, and every allocation, share,
+    /// copy-on-write check, prefix lookup and release is asked of the ledger.
+    pub fn with_ledger(
+        config: &ModelConfig,
+        n_layers: usize,
+        ledger: Box<dyn BlockLedger>,
+    ) -> Result<KvPool> {
+        let s = ledger.stats();
+        if s.total == 0 || s.free != s.total {
+            return Err(EngineError::InvalidArgument(format!(
+                "a KV pool needs a ledger with every block free ({} of {} are)",
+                s.free, s.total
+            )));
+        }
+        Ok(Self::build_with(
+            config.kv_dim(),
+            n_layers,
+            s.total,
+            s.total,
+            ledger,
+        ))
+    }
+
     fn build(kv_dim: usize, n_layers: usize, n_blocks: usize, max_blocks: usize) -> KvPool {
+        let ledger = Box::new(BlockAllocator::new(n_blocks));
+        Self::build_with(kv_dim, n_layers, n_blocks, max_blocks, ledger)
+    }
+
+    fn build_with(
+        kv_dim: usize,
+        n_layers: usize,
+        n_blocks: usize,
+        max_blocks: usize,
+        ledger: Box<dyn BlockLedger>,
+    ) -> KvPool {
         let len = n_blocks * BLOCK_SLOTS * kv_dim;
         let inner = PoolInner {
-            alloc: BlockAllocator::new(n_blocks),
+            alloc: ledger,
             max_blocks: max_blocks.max(n_blocks),
             kv_dim,
             k: (0..n_layers).map(|_| F16Buf::zeroed(len)).collect(),
@@ -183,7 +219,8 @@ impl KvPool {
     /// Blocks that can be handed out now (free, evictable cached, and an elastic pool's growth).
     pub fn available(&self) -> usize {
         let g = self.lock();
-        g.alloc.available() + (g.max_blocks - g.alloc.total())
+        let s = g.alloc.stats();
+        s.free + s.cached + g.max_blocks.saturating_sub(s.total)
     }
 
     /// Most blocks this pool can ever hold (a sequence needing more can never run).
@@ -250,20 +287,20 @@ impl KvCache {
     pub fn with_prefix(pool: &KvPool, capacity: usize, tokens: &[u32]) -> KvCache {
         let mut c = KvCache::in_pool(pool, capacity);
         let full = tokens.len().saturating_sub(1) / BLOCK_SLOTS;
-        let mut g = pool.lock();
         let mut parent = None;
-        for chunk in tokens.chunks_exact(BLOCK_SLOTS).take(full) {
-            let h = block_hash(parent, chunk);
-            match g.alloc.lookup(h) {
-                Some(b) => {
-                    c.blocks.push(b);
-                    c.hashes.push(h);
-                    parent = Some(h);
-                }
-                None => break,
-            }
+        let hashes: Vec<u64> = tokens
+            .chunks_exact(BLOCK_SLOTS)
+            .take(full)
+            .map(|chunk| {
+                let h = block_hash(parent, chunk);
+                parent = Some(h);
+                h
+            })
+            .collect();
+        if !hashes.is_empty() {
+            c.blocks = pool.lock().alloc.lookup_chain(&hashes);
+            c.hashes = hashes[..c.blocks.len()].to_vec();
         }
-        drop(g);
         c.len = c.blocks.len() * BLOCK_SLOTS;
         c
     }
@@ -275,13 +312,14 @@ impl KvCache {
         if self.hashes.len() >= full {
             return;
         }
-        let mut g = self.pool.lock();
+        let mut entries = Vec::with_capacity(full - self.hashes.len());
         for i in self.hashes.len()..full {
             let parent = i.checked_sub(1).map(|p| self.hashes[p]);
             let h = block_hash(parent, &tokens[i * BLOCK_SLOTS..(i + 1) * BLOCK_SLOTS]);
-            g.alloc.register(self.blocks[i], h);
+            entries.push((self.blocks[i], h));
             self.hashes.push(h);
         }
+        self.pool.lock().alloc.register_all(&entries);
     }
 
     /// Number of filled slots.
@@ -345,8 +383,8 @@ impl KvCache {
         // The block holding slot `len` may be shared (a fork, a prefix hit) or cached: it is
         // about to change.
         if first < self.blocks.len() {
-            if !self.copy_if_shared(g, first)? {
-                g.alloc.unregister(self.blocks[first]);
+            if g.alloc.claim_for_write(self.blocks[first]) {
+                self.copy_block_at(g, first)?;
             }
             self.hashes.truncate(first);
         }
@@ -502,29 +540,33 @@ impl KvCache {
 
     /// Replace table entry `i` by a private copy when its block is shared; whether it was.
     fn copy_if_shared(&mut self, g: &mut PoolInner, i: usize) -> Result<bool> {
-        let b = self.blocks[i];
-        if g.alloc.refcount(b) <= 1 {
+        if g.alloc.refcount(self.blocks[i]) <= 1 {
             return Ok(false);
         }
+        self.copy_block_at(g, i)?;
+        Ok(true)
+    }
+
+    /// Replace table entry `i` (a shared block) by a private copy.
+    fn copy_block_at(&mut self, g: &mut PoolInner, i: usize) -> Result<()> {
+        let b = self.blocks[i];
         let nb = g
             .allocate()
             .ok_or(EngineError::KvPoolExhausted { needed: 1 })?;
         g.copy_block(b, nb);
         g.release_all(&[b]);
         self.blocks[i] = nb;
-        Ok(true)
+        Ok(())
     }
 }
 
 impl Clone for KvCache {
     /// A fork: the same slots, sharing every block (copied on the first write into it).
     fn clone(&self) -> KvCache {
-        let mut g = self.pool.lock();
-        for &b in &self.blocks {
-            let r = g.alloc.retain(b);
+        if !self.blocks.is_empty() {
+            let r = self.pool.lock().alloc.retain_all(&self.blocks);
             debug_assert!(r.is_ok(), "{r:?}");
         }
-        drop(g);
         KvCache {
             pool: self.pool.clone(),
             blocks: self.blocks.clone(),

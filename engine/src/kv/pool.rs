@@ -315,6 +315,86 @@ impl BlockAllocator {
     }
 }
 
+/// The block metadata a [`KvPool`](super::KvPool) consults: reference counts, the free queue and
+/// the prefix index. The pool keeps the K/V storage and asks its ledger which blocks a sequence
+/// may write; by default the ledger is a [`BlockAllocator`] inside the pool, and a server keeps it
+/// in an actor of its own (arbor-actors' `KvAllocator`) that answers these calls as messages.
+/// Calls are batched where the pool has several blocks at hand, so one step of a sequence asks
+/// about twice (a refcount query while planning, a write claim while reserving).
+pub trait BlockLedger: Send {
+    /// A block with refcount 1, or None when none is left (see [`BlockAllocator::allocate`]).
+    fn allocate(&mut self) -> Option<BlockId>;
+    /// Add `n` new blocks (an elastic pool grows).
+    fn grow(&mut self, n: usize);
+    /// refcount += 1 for each block (a fork shares them), stopping at the first error.
+    fn retain_all(&mut self, blocks: &[BlockId]) -> Result<(), String>;
+    /// refcount -= 1 for each block; the first error is returned after trying them all.
+    fn release_all(&mut self, blocks: &[BlockId]) -> Result<(), String>;
+    /// Reference count of `b`.
+    fn refcount(&self, b: BlockId) -> u32;
+    /// Before a write into `b`: true when `b` is shared (the writer copies it first); otherwise
+    /// `b` leaves the prefix index (its content is about to change) and false.
+    fn claim_for_write(&mut self, b: BlockId) -> bool;
+    /// Register full blocks under their chained prefix hashes ([`BlockAllocator::register`]).
+    fn register_all(&mut self, entries: &[(BlockId, u64)]);
+    /// Look the chained hashes up in order, stopping at the first miss; the blocks found are
+    /// retained for the caller ([`BlockAllocator::lookup`]).
+    fn lookup_chain(&mut self, hashes: &[u64]) -> Vec<BlockId>;
+    /// The counters (blocks total / used / cached / free, prefix hits and lookups).
+    fn stats(&self) -> PoolStats;
+}
+
+impl BlockLedger for BlockAllocator {
+    fn allocate(&mut self) -> Option<BlockId> {
+        BlockAllocator::allocate(self)
+    }
+
+    fn grow(&mut self, n: usize) {
+        BlockAllocator::grow(self, n)
+    }
+
+    fn retain_all(&mut self, blocks: &[BlockId]) -> Result<(), String> {
+        blocks.iter().try_for_each(|&b| self.retain(b))
+    }
+
+    fn release_all(&mut self, blocks: &[BlockId]) -> Result<(), String> {
+        let mut first = Ok(());
+        for &b in blocks {
+            let r = self.release(b);
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
+
+    fn refcount(&self, b: BlockId) -> u32 {
+        BlockAllocator::refcount(self, b)
+    }
+
+    fn claim_for_write(&mut self, b: BlockId) -> bool {
+        if BlockAllocator::refcount(self, b) > 1 {
+            return true;
+        }
+        self.unregister(b);
+        false
+    }
+
+    fn register_all(&mut self, entries: &[(BlockId, u64)]) {
+        for &(b, h) in entries {
+            self.register(b, h);
+        }
+    }
+
+    fn lookup_chain(&mut self, hashes: &[u64]) -> Vec<BlockId> {
+        hashes.iter().map_while(|&h| self.lookup(h)).collect()
+    }
+
+    fn stats(&self) -> PoolStats {
+        BlockAllocator::stats(self)
+    }
+}
+
 /// FNV-1a 64 offset basis.
 const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
 /// FNV-1a 64 prime.

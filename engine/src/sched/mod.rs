@@ -27,7 +27,7 @@ use crate::sample::Sampler;
 use crate::shared::Shared;
 use crate::spec::{draft_trees, DraftJobRef, SpecMetrics};
 use crate::tokenizer::Tokenizer;
-use crate::tree::{TokenTree, TreeMask};
+use crate::tree::{MaskedTree, TokenTree, TreeMask};
 
 /// Limits of one scheduler step.
 #[derive(Clone, Debug)]
@@ -224,8 +224,12 @@ struct Slot {
     tree_cap: usize,
     /// The tree to verify (root first), for speculating requests.
     tree: Option<TokenTree>,
+    /// `tree`'s attention mask when the tree merger built it (else built from `tree`).
+    tree_mask: Option<TreeMask>,
     /// The drafters' whole proposal (acceptance is measured on it).
     proposal: Option<TokenTree>,
+    /// `proposal`'s mask from the tree merger (trees drafted outside the scheduler).
+    proposal_mask: Option<TreeMask>,
     /// A prefill chunk's top candidates per row for the request's drafters (Token Recycling's
     /// warm start; 0: none, and only the last row's logits when `logits`).
     candidates: usize,
@@ -240,7 +244,9 @@ impl Slot {
             logits: true,
             tree_cap: 0,
             tree: None,
+            tree_mask: None,
             proposal: None,
+            proposal_mask: None,
             candidates: 0,
         }
     }
@@ -815,7 +821,7 @@ impl<'a> Scheduler<'a> {
         &mut self,
         backend: &B,
         planned: PlannedStep,
-        trees: Vec<(u64, TokenTree)>,
+        trees: Vec<(u64, MaskedTree)>,
     ) -> Result<Vec<StepEvent>> {
         let PlannedStep {
             slots: mut plan,
@@ -842,18 +848,25 @@ impl<'a> Scheduler<'a> {
             return Ok(events);
         }
         let vocab = self.model.config.vocab_size;
-        for (id, tree) in trees {
+        for (id, masked) in trees {
             let Some(sl) = plan.iter_mut().find(|sl| sl.id == id && sl.tree_cap > 0) else {
                 continue;
             };
             let r = &self.running[sl.idx];
+            let tree = &masked.tree;
             if tree.root_token() != r.root() || tree.validate(vocab).is_err() {
                 continue;
             }
-            sl.proposal = Some(
-                tree.truncate_depth(r.draft_depth())
-                    .truncate_nodes(sl.tree_cap),
-            );
+            let masked = if masked.mask.len() == tree.len() {
+                masked.truncate(r.draft_depth(), sl.tree_cap)
+            } else {
+                MaskedTree::new(
+                    tree.truncate_depth(r.draft_depth())
+                        .truncate_nodes(sl.tree_cap),
+                )
+            };
+            sl.proposal = Some(masked.tree);
+            sl.proposal_mask = Some(masked.mask);
         }
         self.draft(&mut plan)?;
         // The batch, in running order.
@@ -1077,7 +1090,9 @@ impl<'a> Scheduler<'a> {
                     logits: logits_at_end && n == left,
                     tree_cap: 0,
                     tree: None,
+                    tree_mask: None,
                     proposal: None,
+                    proposal_mask: None,
                     candidates,
                 });
             }
@@ -1284,10 +1299,24 @@ impl<'a> Scheduler<'a> {
                             sp.backoff.chose(if pays { depths[j] } else { 0 }, costly);
                         }
                     }
-                    sl.tree = Some(p.truncate_depth(depths[j]));
+                    match sl.proposal_mask.take() {
+                        Some(mask) => {
+                            let masked = MaskedTree {
+                                tree: p.clone(),
+                                mask,
+                            }
+                            .truncate(depths[j], usize::MAX);
+                            sl.tree = Some(masked.tree);
+                            sl.tree_mask = Some(masked.mask);
+                        }
+                        None => sl.tree = Some(p.truncate_depth(depths[j])),
+                    }
                 }
                 // Fixed trees: the whole proposal (acceptance is only measured for adaptive).
-                None => sl.tree = sl.proposal.take(),
+                None => {
+                    sl.tree = sl.proposal.take();
+                    sl.tree_mask = sl.proposal_mask.take();
+                }
             }
         }
         Ok(())
@@ -1316,7 +1345,10 @@ impl<'a> Scheduler<'a> {
             Some(tree) if tree.len() > 1 => StepInput {
                 tokens: tree.tokens(),
                 positions: tree.positions(start),
-                mask: Some(tree.mask()),
+                mask: Some(match &sl.tree_mask {
+                    Some(m) if m.len() == tree.len() => m.clone(),
+                    _ => tree.mask(),
+                }),
                 logit_rows: (0..tree.len()).collect(),
             },
             _ => StepInput {

@@ -622,7 +622,7 @@ fn external_drafting_equals_in_process_drafting() {
                         vocab as usize,
                     )
                     .unwrap();
-                    trees.push((j.id, t));
+                    trees.push((j.id, MaskedTree::new(t)));
                 }
                 for ev in s.finish_step(&be, planned, trees).unwrap() {
                     if let Some(f) = ev.finish {
@@ -1047,7 +1047,12 @@ fn empty_outside_proposals_back_off() {
         let trees = planned
             .jobs
             .iter()
-            .map(|j| (j.id, TokenTree::root_only(*j.tokens.last().unwrap())))
+            .map(|j| {
+                (
+                    j.id,
+                    MaskedTree::new(TokenTree::root_only(*j.tokens.last().unwrap())),
+                )
+            })
             .collect();
         for ev in s.finish_step(&be, planned, trees).unwrap() {
             if let Some(f) = ev.finish {

@@ -39,6 +39,32 @@ impl TreeMask {
         }
     }
 
+    /// The mask of the subtree made of `rows` (ascending node indices, closed under ancestors,
+    /// as [`TokenTree::truncate_depth`] and [`TokenTree::truncate_nodes`] keep): row and column
+    /// `k` of the result are row and column `rows[k]` here, so it equals `from_tree` of that
+    /// subtree without walking it again. None when `rows` is not ascending or out of range.
+    pub fn restrict(&self, rows: &[usize]) -> Option<TreeMask> {
+        if rows.windows(2).any(|w| w[0] >= w[1]) || rows.last().is_some_and(|&r| r >= self.n) {
+            return None;
+        }
+        let n = rows.len();
+        let words_per_row = n.div_ceil(64).max(1);
+        let mut bits = vec![0u64; n * words_per_row];
+        let src = self.as_batch_mask();
+        for (a, &i) in rows.iter().enumerate() {
+            for (b, &j) in rows[..=a].iter().enumerate() {
+                if src.visible(i, j) {
+                    bits[a * words_per_row + b / 64] |= 1u64 << (b % 64);
+                }
+            }
+        }
+        Some(TreeMask {
+            n,
+            words_per_row,
+            bits,
+        })
+    }
+
     /// Number of rows (tree nodes).
     pub fn len(&self) -> usize {
         self.n

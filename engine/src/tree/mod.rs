@@ -66,6 +66,32 @@ pub struct TreeNode {
     pub child_dists: Vec<(DrafterId, SparseDist)>,
 }
 
+/// A merged draft tree with its attention mask (SpecInfer's topology-aware causal mask), as the
+/// tree merger hands it to verification: the verifier attends with this mask, restricted to the
+/// rows it keeps when it verifies less than the whole tree.
+#[derive(Clone, Debug)]
+pub struct MaskedTree {
+    pub tree: TokenTree,
+    pub mask: TreeMask,
+}
+
+impl MaskedTree {
+    pub fn new(tree: TokenTree) -> MaskedTree {
+        let mask = tree.mask();
+        MaskedTree { tree, mask }
+    }
+
+    /// [`TokenTree::truncate_rows`] with the mask restricted to the rows kept.
+    pub fn truncate(&self, max_depth: usize, max_draft: usize) -> MaskedTree {
+        let (tree, rows) = self.tree.truncate_rows(max_depth, max_draft);
+        let mask = match self.mask.restrict(&rows) {
+            Some(m) if m.len() == tree.len() => m,
+            _ => tree.mask(),
+        };
+        MaskedTree { tree, mask }
+    }
+}
+
 /// A token tree in depth-first order (node 0 = root). Sibling tokens are unique.
 #[derive(Clone, Debug)]
 pub struct TokenTree {
@@ -223,7 +249,25 @@ impl TokenTree {
         if self.max_depth() <= max_depth {
             return self.clone();
         }
-        self.filter(|n| n.depth <= max_depth)
+        self.filter(|n| n.depth <= max_depth).0
+    }
+
+    /// [`TokenTree::truncate_depth`] then [`TokenTree::truncate_nodes`], with the indices (here)
+    /// of the nodes kept, ascending: a mask of this tree restricted to them
+    /// ([`TreeMask::restrict`]) is the mask of the result.
+    pub fn truncate_rows(&self, max_depth: usize, max_draft: usize) -> (TokenTree, Vec<usize>) {
+        let (t, rows) = if self.max_depth() <= max_depth {
+            (self.clone(), (0..self.len()).collect())
+        } else {
+            self.filter(|n| n.depth <= max_depth)
+        };
+        if t.n_draft() <= max_draft {
+            return (t, rows);
+        }
+        let keep = t.keep_shallowest(max_draft);
+        let (t2, sub) = t.filter_by_index(&keep);
+        let rows = sub.iter().map(|&k| rows[k]).collect();
+        (t2, rows)
     }
 
     /// Keep at most `max_draft` draft nodes, shallowest first (breadth-first order; the kept set
@@ -233,13 +277,24 @@ impl TokenTree {
         if self.n_draft() <= max_draft {
             return self.clone();
         }
+        let keep = self.keep_shallowest(max_draft);
+        self.filter_by_index(&keep).0
+    }
+
+    /// Which nodes `truncate_nodes(max_draft)` keeps (the root and the `max_draft` shallowest
+    /// draft nodes; needs `max_draft < n_draft()`).
+    fn keep_shallowest(&self, max_draft: usize) -> Vec<bool> {
         let mut order: Vec<usize> = (1..self.len()).collect();
         order.sort_by_key(|&i| (self.nodes[i].depth, i));
         let mut keep = vec![false; self.len()];
         keep[0] = true;
-        for &i in &order[..max_draft] {
+        for &i in &order[..max_draft.min(order.len())] {
             keep[i] = true;
         }
+        keep
+    }
+
+    fn filter_by_index(&self, keep: &[bool]) -> (TokenTree, Vec<usize>) {
         let mut i = 0;
         self.filter(|_| {
             i += 1;
@@ -247,10 +302,12 @@ impl TokenTree {
         })
     }
 
-    /// Nodes for which `keep` holds (called once per node in order; must be ancestor-closed).
-    fn filter(&self, mut keep: impl FnMut(&TreeNode) -> bool) -> TokenTree {
+    /// Nodes for which `keep` holds (called once per node in order; must be ancestor-closed),
+    /// with their indices here.
+    fn filter(&self, mut keep: impl FnMut(&TreeNode) -> bool) -> (TokenTree, Vec<usize>) {
         let mut map = vec![usize::MAX; self.len()];
         let mut nodes = Vec::new();
+        let mut rows = Vec::new();
         for (i, n) in self.nodes.iter().enumerate() {
             let parent_kept = match n.parent {
                 Some(p) => map[p] != usize::MAX,
@@ -261,9 +318,10 @@ impl TokenTree {
                 let mut n = n.clone();
                 n.parent = n.parent.map(|p| map[p]);
                 nodes.push(n);
+                rows.push(i);
             }
         }
-        TokenTree::from_dfs_nodes(nodes)
+        (TokenTree::from_dfs_nodes(nodes), rows)
     }
 
     /// Wrap nodes already in depth-first order.

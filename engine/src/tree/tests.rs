@@ -170,6 +170,29 @@ fn mask_rows_are_ancestor_sets_beyond_64_bits() {
     }
 }
 
+/// A merged tree's mask restricted to the rows a truncation keeps is the truncated tree's own
+/// mask (the verifier attends with the merger's mask), across the 64-bit word boundary too.
+#[test]
+fn restricted_masks_are_the_masks_of_truncated_trees() {
+    let mut r = RandomShape::new(21);
+    for (n_draft, vocab) in [(0, 5), (3, 4), (40, 6), (150, 12)] {
+        let t = r.tree(n_draft, vocab);
+        let masked = MaskedTree::new(t.clone());
+        for depth in 0..=t.max_depth() + 1 {
+            for cap in [0, 1, 2, 7, 63, 64, 65, 200] {
+                let cut = masked.truncate(depth, cap);
+                let want = t.truncate_depth(depth).truncate_nodes(cap);
+                assert_eq!(cut.tree.tokens(), want.tokens(), "depth {depth} cap {cap}");
+                assert_eq!(cut.tree.positions(0), want.positions(0));
+                assert_eq!(cut.mask, want.mask(), "depth {depth} cap {cap}");
+            }
+        }
+    }
+    let m = RandomShape::new(3).tree(10, 5).mask();
+    assert!(m.restrict(&[0, 2, 1]).is_none());
+    assert!(m.restrict(&[0, 99]).is_none());
+}
+
 /// Random tree shapes: each new node picks a random existing parent and a random token.
 struct RandomShape(Rng);
 
