@@ -400,6 +400,69 @@ impl KernelLevel {
     }
 }
 
+/// Most activation rows for which the AVX-512 family multiplies natural K-quant weights on the
+/// natural-order kernel (`x86_avx2::knat512`: each weight group unpacked once, then every row's
+/// exact integers and float step as it has alone) instead of its 512-bit column tiles; both
+/// give the AVX2 family's bits (`avx512_column_tiles_bit_identical_to_avx2`). The tiles transpose
+/// every weight group into registers first, a fixed cost per group that pays from a few rows on
+/// where 512-bit shuffles are cheap (2 on Zen 5), while a core that splits 512-bit shuffles into
+/// two 256-bit halves (AMD Zen 4) runs the natural kernel cheaper up to 8 rows (docs/benchmarks.md,
+/// 2026-12-03 afternoon). `ARBOR_NAT_ROWS=N` (1 to 8) overrides.
+pub fn natural_kernel_rows() -> usize {
+    static N: OnceLock<usize> = OnceLock::new();
+    *N.get_or_init(|| {
+        let env = std::env::var("ARBOR_NAT_ROWS")
+            .ok()
+            .and_then(|s| s.trim().parse::<usize>().ok());
+        match env {
+            Some(n) => n.clamp(1, MAX_NATURAL_ROWS),
+            None if splits_512_bit_shuffles() => MAX_NATURAL_ROWS,
+            None => 2,
+        }
+    })
+}
+
+/// Most rows the natural-order kernel is built for.
+pub(crate) const MAX_NATURAL_ROWS: usize = 8;
+
+/// Whether this is an AMD family 19h core with AVX-512 (Zen 4: 512-bit operations run as two
+/// 256-bit halves; Zen 3, the other family 19h cores, has no AVX-512).
+#[cfg(target_arch = "x86_64")]
+fn splits_512_bit_shuffles() -> bool {
+    use std::arch::x86_64::__cpuid;
+    let (vendor, sig) = (__cpuid(0), __cpuid(1));
+    // "AuthenticAMD" in EBX, EDX, ECX.
+    let amd = (vendor.ebx, vendor.edx, vendor.ecx) == (0x6874_7541, 0x6974_6e65, 0x444d_4163);
+    let base = (sig.eax >> 8) & 0xf;
+    let family = if base == 0xf {
+        base + ((sig.eax >> 20) & 0xff)
+    } else {
+        base
+    };
+    amd && family == 0x19 && is_x86_feature_detected!("avx512f")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn splits_512_bit_shuffles() -> bool {
+    false
+}
+
+thread_local! {
+    /// A test's choice of [`natural_kernel_rows`] for the calls it makes on this thread.
+    static NATURAL_ROWS_HERE: Cell<Option<usize>> = const { Cell::new(None) };
+}
+
+/// Run `f` with the AVX-512 family's natural-order kernel taking up to `n` rows in the calls
+/// made on this thread (the column tiles above), whatever this CPU's default: the kernel
+/// identity tests reach both kernels at every row count on every CPU.
+#[cfg(test)]
+pub(crate) fn with_natural_rows<R>(n: usize, f: impl FnOnce() -> R) -> R {
+    let before = NATURAL_ROWS_HERE.with(|c| c.replace(Some(n.clamp(1, MAX_NATURAL_ROWS))));
+    let r = f();
+    NATURAL_ROWS_HERE.with(|c| c.set(before));
+    r
+}
+
 /// The highest level the CPU supports, ignoring the environment.
 fn hw_level() -> KernelLevel {
     static HW: OnceLock<KernelLevel> = OnceLock::new();
@@ -660,8 +723,12 @@ pub fn matmul_with(
             }
         }
         let act_ro: &[u8] = act_bytes;
+        // Decided on the calling thread (a test's choice is visible here, not in the workers).
+        let nat_rows = NATURAL_ROWS_HERE
+            .with(Cell::get)
+            .unwrap_or_else(natural_kernel_rows);
         run_rows(w, n_tok, y, &|r0, r1, yp| {
-            quant_rows(level, w, act_ro, stride, n_tok, r0..r1, yp)
+            quant_rows(level, w, act_ro, stride, n_tok, r0..r1, nat_rows, yp)
         });
     }
     put_scratch(buf);
@@ -901,6 +968,9 @@ fn run_rows(w: &QMatrix, n_tok: usize, y: &mut [f32], f: &(dyn Fn(usize, usize, 
     run_tiles(n_out, tile, &|r0, r1| f(r0, r1, yp));
 }
 
+/// Rows `rows` of `w` against `n_tok` activation records; `nat_rows`: the AVX-512 family's
+/// [`natural_kernel_rows`].
+#[allow(clippy::too_many_arguments)]
 fn quant_rows(
     level: KernelLevel,
     w: &QMatrix,
@@ -908,6 +978,7 @@ fn quant_rows(
     stride: usize,
     n_tok: usize,
     rows: std::ops::Range<usize>,
+    nat_rows: usize,
     y: YPtr,
 ) {
     let (r0, r1) = (rows.start, rows.end);
@@ -916,7 +987,9 @@ fn quant_rows(
         match level {
             // SAFETY: `matmul_with` clamped the level to what this CPU runs (`on_this_cpu`).
             KernelLevel::Avx512Vnni | KernelLevel::Amx => {
-                return unsafe { x86_avx512::quant_rows(w, act, stride, n_tok, r0, r1, y) }
+                return unsafe {
+                    x86_avx512::quant_rows(w, act, stride, n_tok, r0, r1, nat_rows, y)
+                }
             }
             KernelLevel::Avx2 => {
                 return unsafe { x86_avx2::quant_rows(w, act, stride, n_tok, r0, r1, y) }
@@ -927,7 +1000,7 @@ fn quant_rows(
             KernelLevel::Scalar => {}
         }
     }
-    let _ = level;
+    let _ = (level, nat_rows);
     scalar::quant_rows(w, act, stride, n_tok, r0, r1, y)
 }
 

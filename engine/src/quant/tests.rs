@@ -482,7 +482,12 @@ fn avx512_rows_bit_identical_to_single_row() {
         );
         return;
     }
-    rows_bit_identical_to_single_row(KernelLevel::Avx512Vnni);
+    with_natural_rows(2, || {
+        rows_bit_identical_to_single_row(KernelLevel::Avx512Vnni)
+    });
+    with_natural_rows(8, || {
+        rows_bit_identical_to_single_row(KernelLevel::Avx512Vnni)
+    });
 }
 
 /// The same for the AVX2 kernels (natural order for one row; column tiles of 16 output × 4
@@ -529,7 +534,10 @@ fn avx512_column_tiles_bit_identical_to_avx2() {
         );
         return;
     }
-    bit_identical_to_avx2(KernelLevel::Avx512Vnni, 23);
+    // The column tiles from 3 rows, then the natural-order kernel up to 8 (every CPU's choice
+    // lies between).
+    with_natural_rows(2, || bit_identical_to_avx2(KernelLevel::Avx512Vnni, 23));
+    with_natural_rows(8, || bit_identical_to_avx2(KernelLevel::Avx512Vnni, 24));
 }
 
 /// The same for the AVX-VNNI family (`x86_avx2::kvnni`: `vpdpbusd` into i32 per scale run in

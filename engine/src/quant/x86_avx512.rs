@@ -632,7 +632,9 @@ fn ahead(
 /// # Safety
 /// The CPU must support the enabled features; `act` must hold `n_tok * stride` bytes of lane
 /// records built by `lane_record` for `w.ty`, `stride >= ceil(n_in/256) * REC`, `r1 <= w.n_out`,
-/// and `w` must have been validated (`data.len() == n_out * row_bytes`).
+/// and `w` must have been validated (`data.len() == n_out * row_bytes`). K-quant calls of up to
+/// `nat_rows` rows run the natural-order kernel, more the column tiles (the same bits).
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(crate) unsafe fn quant_rows(
     w: &QMatrix,
@@ -641,6 +643,7 @@ pub(crate) unsafe fn quant_rows(
     n_tok: usize,
     r0: usize,
     r1: usize,
+    nat_rows: usize,
     y: YPtr,
 ) {
     debug_assert!(act.len() >= n_tok * stride);
@@ -657,7 +660,7 @@ pub(crate) unsafe fn quant_rows(
         // K-quants: natural records, the AVX2 family's exact integers and float step on 512-bit
         // column tiles (`x86_avx2::kcols512`).
         GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => {
-            super::x86_avx2::kcols512::k_rows(w, act, stride, n_tok, r0, r1, y)
+            super::x86_avx2::kcols512::k_rows(w, act, stride, n_tok, r0, r1, nat_rows, y)
         }
         _ => {}
     }

@@ -14,7 +14,7 @@
 use std::arch::x86_64::*;
 use std::marker::PhantomData;
 
-use super::knat512::rows_k_nat16;
+use super::knat512::{rows_k_nat16, KNat512};
 use super::{
     column_rows, f16_cols, prefetch_block, rd_u32, ColumnTiles, KCols, KKind, CB_ROWS, Q4K, Q5K,
     Q6K, T_CAP,
@@ -753,13 +753,16 @@ pub(super) unsafe fn columns_avx512<T: ColumnTiles>(
 }
 
 /// The AVX-512 family's K-quant rows `[r0, r1)` against natural records: the natural-order
-/// kernel at 512 bits for one or two activation rows (`knat512`: each group unpacked once for
-/// both; a two-row qwen2.5-coder-1.5b forward 27-28 ms against 33-34 ms on the tiles, see
-/// docs/benchmarks.md), 512-bit column tiles from three (both give the AVX2 family's bits).
+/// kernel at 512 bits for up to `nat_rows` activation rows (`knat512`: each group unpacked once
+/// for all of them; `quant::natural_kernel_rows`: 2 on Zen 5, where a two-row qwen2.5-coder-1.5b
+/// forward took 27-28 ms against 33-34 ms on the tiles, 8 on Zen 4; see docs/benchmarks.md),
+/// 512-bit column tiles above (both give the AVX2 family's bits). Packed weights: their own
+/// kernels.
 ///
 /// # Safety
 /// The CPU must support AVX-512 F/BW/VL/VNNI and AVX2/FMA/F16C; `act` holds `n_tok * stride`
 /// bytes of natural records; `w` is a validated Q4_K/Q5_K/Q6_K matrix; `r1 <= w.n_out`.
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(crate) unsafe fn k_rows(
     w: &QMatrix,
@@ -768,6 +771,7 @@ pub(crate) unsafe fn k_rows(
     n_tok: usize,
     r0: usize,
     r1: usize,
+    nat_rows: usize,
     y: YPtr,
 ) {
     debug_assert!(act.len() >= n_tok * stride);
@@ -791,16 +795,43 @@ pub(crate) unsafe fn k_rows(
         }
         return;
     }
-    match (w.ty, n_tok) {
-        (GgmlType::Q4_K, 1) => rows_k_nat16::<Q4K, 1>(w, a, stride, r0, r1, y),
-        (GgmlType::Q5_K, 1) => rows_k_nat16::<Q5K, 1>(w, a, stride, r0, r1, y),
-        (GgmlType::Q6_K, 1) => rows_k_nat16::<Q6K, 1>(w, a, stride, r0, r1, y),
-        (GgmlType::Q4_K, 2) => rows_k_nat16::<Q4K, 2>(w, a, stride, r0, r1, y),
-        (GgmlType::Q5_K, 2) => rows_k_nat16::<Q5K, 2>(w, a, stride, r0, r1, y),
-        (GgmlType::Q6_K, 2) => rows_k_nat16::<Q6K, 2>(w, a, stride, r0, r1, y),
-        (GgmlType::Q4_K, _) => columns_avx512::<KTiles16<Q4K>>(w, a, stride, n_tok, r0, r1, y),
-        (GgmlType::Q5_K, _) => columns_avx512::<KTiles16<Q5K>>(w, a, stride, n_tok, r0, r1, y),
-        (GgmlType::Q6_K, _) => columns_avx512::<KTiles16<Q6K>>(w, a, stride, n_tok, r0, r1, y),
+    if n_tok <= nat_rows {
+        match w.ty {
+            GgmlType::Q4_K => natural_rows::<Q4K>(w, a, stride, n_tok, r0, r1, y),
+            GgmlType::Q5_K => natural_rows::<Q5K>(w, a, stride, n_tok, r0, r1, y),
+            GgmlType::Q6_K => natural_rows::<Q6K>(w, a, stride, n_tok, r0, r1, y),
+            _ => {}
+        }
+        return;
+    }
+    match w.ty {
+        GgmlType::Q4_K => columns_avx512::<KTiles16<Q4K>>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q5_K => columns_avx512::<KTiles16<Q5K>>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q6_K => columns_avx512::<KTiles16<Q6K>>(w, a, stride, n_tok, r0, r1, y),
         _ => {}
+    }
+}
+
+/// `knat512::rows_k_nat16` for `n_tok` (1 to `quant::MAX_NATURAL_ROWS`) activation rows.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn natural_rows<K: KNat512>(
+    w: &QMatrix,
+    a: *const u8,
+    stride: usize,
+    n_tok: usize,
+    r0: usize,
+    r1: usize,
+    y: YPtr,
+) {
+    match n_tok {
+        1 => rows_k_nat16::<K, 1>(w, a, stride, r0, r1, y),
+        2 => rows_k_nat16::<K, 2>(w, a, stride, r0, r1, y),
+        3 => rows_k_nat16::<K, 3>(w, a, stride, r0, r1, y),
+        4 => rows_k_nat16::<K, 4>(w, a, stride, r0, r1, y),
+        5 => rows_k_nat16::<K, 5>(w, a, stride, r0, r1, y),
+        6 => rows_k_nat16::<K, 6>(w, a, stride, r0, r1, y),
+        7 => rows_k_nat16::<K, 7>(w, a, stride, r0, r1, y),
+        8 => rows_k_nat16::<K, 8>(w, a, stride, r0, r1, y),
+        _ => debug_assert!(false, "natural rows take at most 8 activation rows"),
     }
 }
