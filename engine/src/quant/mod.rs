@@ -13,7 +13,8 @@
 //!   of the accumulator covers exactly one 16-element chunk of one scale group, which lets all four
 //!   64-byte registers of a 256-element group accumulate into one register (Q4_0, Q5_0, Q5_1);
 //!   K-quants, Q4_1 and Q8_0 instead run `x86_avx2::kcols512` / `lcols512` (`dpbusd` on 512-bit
-//!   column tiles of 16 output rows per register) and `x86_avx2::knat512` (one or two K-quant rows), the
+//!   column tiles of 16 output rows per register) and `x86_avx2::knat512` (K-quant calls of up to
+//!   [`natural_kernel_rows`] activation rows), the
 //!   AVX2 family's exact integers and float steps: the two families agree bit for bit on them;
 //! * `x86_avx2::kvnni` (and `lcols`' VNNI tile) — the AVX-VNNI family: the AVX2 column tiles with
 //!   VEX `vpdpbusd` (K-quants, Q4_1, Q8_0), for AVX2 CPUs with AVX-VNNI and no AVX-512; the AVX2
