@@ -203,68 +203,64 @@ impl LedgerClient {
         }
     }
 
-    /// Send a change without waiting for its answer (the allocator logs a refused one).
-    fn tell<M>(&mut self, msg: M)
-    where
-        M: Message + Send + 'static,
-        M::Result: Send,
-        KvAllocator: Handler<M>,
-        <KvAllocator as Actor>::Context: ToEnvelope<KvAllocator, M>,
-    {
-        self.counters.set(None);
-        self.traffic.messages.fetch_add(1, Ordering::Relaxed);
-        self.addr.do_send(msg);
-    }
-
-    /// Ask a question that changes the allocator's state.
-    fn change<M>(&mut self, msg: M) -> Option<M::Result>
-    where
-        M: Message + Send + 'static,
-        M::Result: Send,
-        KvAllocator: Handler<M>,
-        <KvAllocator as Actor>::Context: ToEnvelope<KvAllocator, M>,
-    {
-        self.counters.set(None);
-        self.ask(msg)
-    }
-
     /// The counters of this client's messages.
     pub fn traffic(&self) -> Arc<LedgerTraffic> {
         Arc::clone(&self.traffic)
     }
 
-    fn ask<M>(&self, msg: M) -> Option<M::Result>
+    /// Send `msg`: a question waits for its answer; a change also forgets the remembered
+    /// counters; a change told is not waited for (the mailbox keeps its order; the allocator logs
+    /// one it refuses) and answers None.
+    fn send<M>(&self, msg: M, how: Delivery) -> Option<M::Result>
     where
         M: Message + Send + 'static,
         M::Result: Send,
         KvAllocator: Handler<M>,
         <KvAllocator as Actor>::Context: ToEnvelope<KvAllocator, M>,
     {
+        if how != Delivery::Question {
+            self.counters.set(None);
+        }
+        self.traffic.messages.fetch_add(1, Ordering::Relaxed);
+        if how == Delivery::Tell {
+            self.addr.do_send(msg);
+            return None;
+        }
         let t0 = Instant::now();
         let reply = futures_executor::block_on(self.addr.send(msg)).ok();
         let waited = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        self.traffic.messages.fetch_add(1, Ordering::Relaxed);
         self.traffic.wait_nanos.fetch_add(waited, Ordering::Relaxed);
         reply
     }
 }
 
+/// How [`LedgerClient`] sends a message.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Delivery {
+    /// Reads the allocator's state; waits for the answer.
+    Question,
+    /// Changes it; waits for the answer.
+    Change,
+    /// Changes it; does not wait.
+    Tell,
+}
+
 impl BlockLedger for LedgerClient {
     fn allocate(&mut self) -> Option<BlockId> {
-        let b = self.change(AllocateBlock).flatten()?;
+        let b = self.send(AllocateBlock, Delivery::Change).flatten()?;
         self.exclusive.insert(b);
         Some(b)
     }
 
     fn grow(&mut self, n: usize) {
-        let _ = self.change(GrowPool(n));
+        let _ = self.send(GrowPool(n), Delivery::Change);
     }
 
     fn retain_all(&mut self, blocks: &[BlockId]) -> Result<(), String> {
         for b in blocks {
             self.exclusive.remove(b);
         }
-        self.change(RetainBlocks(blocks.to_vec()))
+        self.send(RetainBlocks(blocks.to_vec()), Delivery::Change)
             .unwrap_or_else(|| Err("the KV allocator has stopped".into()))
     }
 
@@ -272,7 +268,7 @@ impl BlockLedger for LedgerClient {
         for b in blocks {
             self.exclusive.remove(b);
         }
-        self.tell(ReleaseBlocks(blocks.to_vec()));
+        self.send(ReleaseBlocks(blocks.to_vec()), Delivery::Tell);
         Ok(())
     }
 
@@ -280,14 +276,17 @@ impl BlockLedger for LedgerClient {
         if self.exclusive.contains(&b) {
             return 1;
         }
-        self.ask(BlockRefcount(b)).unwrap_or(u32::MAX)
+        self.send(BlockRefcount(b), Delivery::Question)
+            .unwrap_or(u32::MAX)
     }
 
     fn claim_for_write(&mut self, b: BlockId) -> bool {
         if self.exclusive.contains(&b) {
             return false;
         }
-        let shared = self.change(ClaimForWrite(b)).unwrap_or(true);
+        let shared = self
+            .send(ClaimForWrite(b), Delivery::Change)
+            .unwrap_or(true);
         if !shared {
             self.exclusive.insert(b);
         }
@@ -298,11 +297,11 @@ impl BlockLedger for LedgerClient {
         for (b, _) in entries {
             self.exclusive.remove(b);
         }
-        self.tell(RegisterPrefix(entries.to_vec()));
+        self.send(RegisterPrefix(entries.to_vec()), Delivery::Tell);
     }
 
     fn lookup_chain(&mut self, hashes: &[u64]) -> Vec<BlockId> {
-        self.change(LookupPrefix(hashes.to_vec()))
+        self.send(LookupPrefix(hashes.to_vec()), Delivery::Change)
             .unwrap_or_default()
     }
 
@@ -310,7 +309,7 @@ impl BlockLedger for LedgerClient {
         if let Some(c) = self.counters.get() {
             return c;
         }
-        let c = self.ask(KvStats);
+        let c = self.send(KvStats, Delivery::Question);
         self.counters.set(c);
         c.unwrap_or_default()
     }
