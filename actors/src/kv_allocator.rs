@@ -44,11 +44,6 @@ impl Actor for KvAllocator {
 #[rtype(result = "Option<BlockId>")]
 pub struct AllocateBlock;
 
-/// Add blocks to the pool.
-#[derive(Message)]
-#[rtype(result = "()")]
-pub struct GrowPool(pub usize);
-
 /// Share blocks (a fork): refcount + 1 each.
 #[derive(Message)]
 #[rtype(result = "Result<(), String>")]
@@ -90,13 +85,6 @@ impl Handler<AllocateBlock> for KvAllocator {
     type Result = Option<BlockId>;
     fn handle(&mut self, _: AllocateBlock, _: &mut Context<Self>) -> Option<BlockId> {
         self.blocks.allocate()
-    }
-}
-
-impl Handler<GrowPool> for KvAllocator {
-    type Result = ();
-    fn handle(&mut self, msg: GrowPool, _: &mut Context<Self>) {
-        self.blocks.grow(msg.0);
     }
 }
 
@@ -252,9 +240,8 @@ impl BlockLedger for LedgerClient {
         Some(b)
     }
 
-    fn grow(&mut self, n: usize) {
-        let _ = self.send(GrowPool(n), Delivery::Change);
-    }
+    /// A pool with this ledger is fixed (`KvPool::with_ledger`): it never asks to grow.
+    fn grow(&mut self, _n: usize) {}
 
     fn retain_all(&mut self, blocks: &[BlockId]) -> Result<(), String> {
         for b in blocks {

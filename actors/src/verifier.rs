@@ -130,6 +130,7 @@ impl Verifier {
     /// The scheduler and pool now (each call numbered: the Intake keeps the newest).
     pub fn state(&mut self) -> VerifierState {
         let st = self.sched.stats();
+        let (kv_messages, kv_wait_secs) = self.kv_traffic.totals();
         self.seq += 1;
         VerifierState {
             seq: self.seq,
@@ -141,8 +142,8 @@ impl Verifier {
             step_secs: self.step_secs,
             gap_secs: self.gap_secs,
             gaps: self.gaps,
-            kv_messages: self.kv_traffic.totals().0,
-            kv_wait_secs: self.kv_traffic.totals().1,
+            kv_messages,
+            kv_wait_secs,
         }
     }
 

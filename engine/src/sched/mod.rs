@@ -853,20 +853,13 @@ impl<'a> Scheduler<'a> {
                 continue;
             };
             let r = &self.running[sl.idx];
-            let tree = &masked.tree;
+            let tree = masked.tree();
             if tree.root_token() != r.root() || tree.validate(vocab).is_err() {
                 continue;
             }
-            let masked = if masked.mask.len() == tree.len() {
-                masked.truncate(r.draft_depth(), sl.tree_cap)
-            } else {
-                MaskedTree::new(
-                    tree.truncate_depth(r.draft_depth())
-                        .truncate_nodes(sl.tree_cap),
-                )
-            };
-            sl.proposal = Some(masked.tree);
-            sl.proposal_mask = Some(masked.mask);
+            let (tree, mask) = masked.truncate(r.draft_depth(), sl.tree_cap).into_parts();
+            sl.proposal = Some(tree);
+            sl.proposal_mask = Some(mask);
         }
         self.draft(&mut plan)?;
         // The batch, in running order.
@@ -1301,13 +1294,9 @@ impl<'a> Scheduler<'a> {
                     }
                     match sl.proposal_mask.take() {
                         Some(mask) => {
-                            let masked = MaskedTree {
-                                tree: p.clone(),
-                                mask,
-                            }
-                            .truncate(depths[j], usize::MAX);
-                            sl.tree = Some(masked.tree);
-                            sl.tree_mask = Some(masked.mask);
+                            let (tree, mask) = p.truncate_masked(&mask, depths[j], usize::MAX);
+                            sl.tree = Some(tree);
+                            sl.tree_mask = Some(mask);
                         }
                         None => sl.tree = Some(p.truncate_depth(depths[j])),
                     }
@@ -1345,10 +1334,7 @@ impl<'a> Scheduler<'a> {
             Some(tree) if tree.len() > 1 => StepInput {
                 tokens: tree.tokens(),
                 positions: tree.positions(start),
-                mask: Some(match &sl.tree_mask {
-                    Some(m) if m.len() == tree.len() => m.clone(),
-                    _ => tree.mask(),
-                }),
+                mask: Some(sl.tree_mask.clone().unwrap_or_else(|| tree.mask())),
                 logit_rows: (0..tree.len()).collect(),
             },
             _ => StepInput {

@@ -71,8 +71,8 @@ pub struct TreeNode {
 /// rows it keeps when it verifies less than the whole tree.
 #[derive(Clone, Debug)]
 pub struct MaskedTree {
-    pub tree: TokenTree,
-    pub mask: TreeMask,
+    tree: TokenTree,
+    mask: TreeMask,
 }
 
 impl MaskedTree {
@@ -81,13 +81,20 @@ impl MaskedTree {
         MaskedTree { tree, mask }
     }
 
-    /// [`TokenTree::truncate_rows`] with the mask restricted to the rows kept.
-    pub fn truncate(&self, max_depth: usize, max_draft: usize) -> MaskedTree {
-        let (tree, rows) = self.tree.truncate_rows(max_depth, max_draft);
-        let mask = match self.mask.restrict(&rows) {
-            Some(m) if m.len() == tree.len() => m,
-            _ => tree.mask(),
-        };
+    pub fn tree(&self) -> &TokenTree {
+        &self.tree
+    }
+
+    pub fn into_parts(self) -> (TokenTree, TreeMask) {
+        (self.tree, self.mask)
+    }
+
+    /// [`TokenTree::truncate_masked`]; itself when nothing is cut.
+    pub fn truncate(self, max_depth: usize, max_draft: usize) -> MaskedTree {
+        if self.tree.max_depth() <= max_depth && self.tree.n_draft() <= max_draft {
+            return self;
+        }
+        let (tree, mask) = self.tree.truncate_masked(&self.mask, max_depth, max_draft);
         MaskedTree { tree, mask }
     }
 }
@@ -268,6 +275,23 @@ impl TokenTree {
         let (t2, sub) = t.filter_by_index(&keep);
         let rows = sub.iter().map(|&k| rows[k]).collect();
         (t2, rows)
+    }
+
+    /// [`TokenTree::truncate_rows`] with `mask` (this tree's) restricted to the rows kept: the
+    /// cut tree and its mask, without building the mask again.
+    pub fn truncate_masked(
+        &self,
+        mask: &TreeMask,
+        max_depth: usize,
+        max_draft: usize,
+    ) -> (TokenTree, TreeMask) {
+        let (tree, rows) = self.truncate_rows(max_depth, max_draft);
+        let mask = if rows.len() == self.len() {
+            mask.clone()
+        } else {
+            mask.restrict(&rows).unwrap_or_else(|| tree.mask())
+        };
+        (tree, mask)
     }
 
     /// Keep at most `max_draft` draft nodes, shallowest first (breadth-first order; the kept set
