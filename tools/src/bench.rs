@@ -97,7 +97,7 @@ pub fn decode_bench(
     // faster ones, see `Backend::scope_prefill`). The sizes take turns within each repetition, so
     // a drift in the machine's speed moves all of them alike (the 16-over-1 ratio is the figure
     // tree verification lives on); each time is the median of its `reps`.
-    const SIZES: [usize; 4] = [1, 4, 16, 64];
+    const SIZES: [usize; 6] = [1, 2, 4, 8, 16, 64];
     let reps = reps.max(1);
     // Per size: tokens, positions, the chain's mask, and the rows (0..n) whose logits are asked.
     let runs: Vec<_> = SIZES

@@ -14,7 +14,7 @@
 //!   64-byte registers of a 256-element group accumulate into one register (Q4_0, Q5_0, Q5_1);
 //!   K-quants, Q4_1 and Q8_0 instead run `x86_avx2::kcols512` / `lcols512` (`dpbusd` on 512-bit
 //!   column tiles of 16 output rows per register) and `x86_avx2::knat512` (K-quant calls of up to
-//!   [`natural_kernel_rows`] activation rows), the
+//!   [`natural_kernel_rows`] activation rows, 16 output rows at a time), the
 //!   AVX2 family's exact integers and float steps: the two families agree bit for bit on them;
 //! * `x86_avx2::kvnni` (and `lcols`' VNNI tile) — the AVX-VNNI family: the AVX2 column tiles with
 //!   VEX `vpdpbusd` (K-quants, Q4_1, Q8_0), for AVX2 CPUs with AVX-VNNI and no AVX-512; the AVX2
@@ -402,13 +402,14 @@ impl KernelLevel {
 }
 
 /// Most activation rows for which the AVX-512 family multiplies natural K-quant weights on the
-/// natural-order kernel (`x86_avx2::knat512`: each weight group unpacked once, then every row's
-/// exact integers and float step as it has alone) instead of its 512-bit column tiles; both
-/// give the AVX2 family's bits (`avx512_column_tiles_bit_identical_to_avx2`). The tiles transpose
-/// every weight group into registers first, a fixed cost per group that pays from a few rows on
-/// where 512-bit shuffles are cheap (2 on Zen 5), while a core that splits 512-bit shuffles into
-/// two 256-bit halves (AMD Zen 4) runs the natural kernel cheaper up to 8 rows (docs/benchmarks.md,
-/// 2026-12-03 afternoon). `ARBOR_NAT_ROWS=N` (1 to 8) overrides.
+/// natural-order kernel (`x86_avx2::knat512`: each weight group unpacked once, every row's exact
+/// integers summed for 16 output rows at once, then the float step as each row has it alone)
+/// instead of its 512-bit column tiles; both give the AVX2 family's bits
+/// (`avx512_column_tiles_bit_identical_to_avx2`). The tiles transpose every weight group into
+/// registers first, a fixed cost per group that pays from a few rows on where 512-bit shuffles
+/// are cheap (2 on Zen 5), while a core that splits 512-bit shuffles into two 256-bit halves
+/// (AMD Zen 4) runs the natural kernel cheaper up to 16 rows (docs/benchmarks.md, 2026-12-03
+/// afternoon and evening). `ARBOR_NAT_ROWS=N` (1 to 16) overrides.
 pub fn natural_kernel_rows() -> usize {
     static N: OnceLock<usize> = OnceLock::new();
     *N.get_or_init(|| {
@@ -424,7 +425,7 @@ pub fn natural_kernel_rows() -> usize {
 }
 
 /// Most rows the natural-order kernel is built for.
-pub(crate) const MAX_NATURAL_ROWS: usize = 8;
+pub(crate) const MAX_NATURAL_ROWS: usize = 16;
 
 /// Whether this is an AMD family 19h core with AVX-512 (Zen 4: 512-bit operations run as two
 /// 256-bit halves; Zen 3, the other family 19h cores, has no AVX-512).

@@ -485,7 +485,7 @@ fn avx512_rows_bit_identical_to_single_row() {
     with_natural_rows(2, || {
         rows_bit_identical_to_single_row(KernelLevel::Avx512Vnni)
     });
-    with_natural_rows(8, || {
+    with_natural_rows(MAX_NATURAL_ROWS, || {
         rows_bit_identical_to_single_row(KernelLevel::Avx512Vnni)
     });
 }
@@ -534,10 +534,12 @@ fn avx512_column_tiles_bit_identical_to_avx2() {
         );
         return;
     }
-    // The column tiles from 3 rows, then the natural-order kernel up to 8 (every CPU's choice
+    // The column tiles from 3 rows, then the natural-order kernel up to 16 (every CPU's choice
     // lies between).
     with_natural_rows(2, || bit_identical_to_avx2(KernelLevel::Avx512Vnni, 23));
-    with_natural_rows(8, || bit_identical_to_avx2(KernelLevel::Avx512Vnni, 24));
+    with_natural_rows(MAX_NATURAL_ROWS, || {
+        bit_identical_to_avx2(KernelLevel::Avx512Vnni, 24)
+    });
 }
 
 /// The same for the AVX-VNNI family (`x86_avx2::kvnni`: `vpdpbusd` into i32 per scale run in
@@ -574,7 +576,7 @@ fn bit_identical_to_avx2(level: KernelLevel, seed: u64) {
         for &(n_out, n_in) in shapes {
             let data = random_matrix(&mut rng, ty, n_out, n_in, true);
             let w = QMatrix::new(ty, &data, n_out, n_in).unwrap();
-            for n_tok in [1usize, 2, 3, 4, 5, 6, 7, 12, 13, 33, 64, 70] {
+            for n_tok in [1usize, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 15, 33, 64, 70] {
                 let x = activations(&mut rng, n_tok, n_in);
                 let mut want = vec![f32::NAN; n_tok * n_out];
                 matmul_with(KernelLevel::Avx2, &w, &x, n_tok, &mut want).unwrap();
@@ -1223,6 +1225,74 @@ fn packed_timing() {
                 best[1] * 1e6,
                 gp(best[1])
             );
+        }
+    }
+}
+
+/// The AVX-512 family's two K-quant kernels side by side for a few rows (what
+/// `natural_kernel_rows` chooses between): the column tiles against the natural-order kernel,
+/// alternated over 15 rounds, medians and minima in ms per matmul (qwen2.5-coder-1.5b's shapes,
+/// weights streamed from memory as in a model). `AB_ROWS=2,4,8` picks the row counts.
+/// `cargo test --release -p arbor-engine quant::tests::natural_rows_timing -- --ignored --nocapture`
+#[cfg(target_arch = "x86_64")]
+#[test]
+#[ignore]
+fn natural_rows_timing() {
+    use std::time::Instant;
+    if !levels().contains(&KernelLevel::Avx512Vnni) {
+        skip_hardware("quant::natural_rows_timing", "no AVX-512 VNNI");
+        return;
+    }
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
+    let mut rng = StdRng::seed_from_u64(7);
+    // (name, natural rows): the tiles from 2 rows, the natural kernel up to its limit.
+    let variants = [("tiles", 1), ("natural", MAX_NATURAL_ROWS)];
+    let rows: Vec<usize> = std::env::var("AB_ROWS")
+        .ok()
+        .map(|s| s.split(',').filter_map(|x| x.trim().parse().ok()).collect())
+        .unwrap_or_else(|| vec![2, 4, 8, 12, 16]);
+    let shapes = [
+        (GgmlType::Q4_K, 1536usize, 8960usize),
+        (GgmlType::Q4_K, 8960, 1536),
+        (GgmlType::Q6_K, 1536, 8960),
+        (GgmlType::Q4_K, 256, 1536),
+    ];
+    for (ty, n_out, n_in) in shapes {
+        let copies = ((256 << 20) / ty.row_bytes(n_in).unwrap() / n_out).clamp(1, 64);
+        let mats: Vec<Vec<u8>> = (0..copies)
+            .map(|_| random_matrix(&mut rng, ty, n_out, n_in, true))
+            .collect();
+        for &n_tok in &rows {
+            let x = rand_vec(&mut rng, n_tok * n_in);
+            let mut y = vec![0f32; n_tok * n_out];
+            let mut times = vec![Vec::new(); variants.len()];
+            let mut k = 0;
+            for _round in 0..15 {
+                for (&(_, nat), times) in variants.iter().zip(times.iter_mut()) {
+                    let iters = copies.max(8);
+                    let t = Instant::now();
+                    pool.install(|| {
+                        with_natural_rows(nat, || {
+                            for _ in 0..iters {
+                                let w = QMatrix::new(ty, &mats[k % copies], n_out, n_in).unwrap();
+                                k += 1;
+                                matmul_with(KernelLevel::Avx512Vnni, &w, &x, n_tok, &mut y)
+                                    .unwrap();
+                            }
+                        })
+                    });
+                    times.push(t.elapsed().as_secs_f64() / iters as f64 * 1e3);
+                }
+            }
+            let mut line = format!("{ty} {n_out}x{n_in} n{n_tok}:");
+            for ((name, _), t) in variants.iter().zip(times.iter_mut()) {
+                t.sort_by(f64::total_cmp);
+                line += &format!(" {name} {:.3} (min {:.3})", t[t.len() / 2], t[0]);
+            }
+            eprintln!("{line}");
         }
     }
 }

@@ -826,6 +826,40 @@ unsafe fn reduce16_gen<const INT: bool>(v: &[__m512; 16]) -> __m512 {
         let hi = _mm512_shuffle_f32x4::<0b11_10_11_10>(v[j], v[j + 8]);
         b[j] = add(lo, hi);
     }
+    reduce16_steps::<INT>(&b)
+}
+
+/// `reduce16_epi32` of 16 vectors already folded to eight lanes each (lane `j` = the sum of the
+/// eight lanes of `v[j]`): `reduce16`'s steps from the second on.
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn reduce16_halves_epi32(v: &[__m256i; 16]) -> __m512i {
+    let b: [__m512; 8] = std::array::from_fn(|j| {
+        _mm512_castsi512_ps(_mm512_inserti64x4::<1>(
+            _mm512_castsi256_si512(v[j]),
+            v[j + 8],
+        ))
+    });
+    _mm512_castps_si512(reduce16_steps::<true>(&b))
+}
+
+/// Steps 2-4 of `reduce16_gen` on its step 1's `b`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn reduce16_steps<const INT: bool>(b: &[__m512; 8]) -> __m512 {
+    let add = |a: __m512, b: __m512| {
+        if INT {
+            _mm512_castsi512_ps(_mm512_add_epi32(
+                _mm512_castps_si512(a),
+                _mm512_castps_si512(b),
+            ))
+        } else {
+            _mm512_add_ps(a, b)
+        }
+    };
     // Step 2: 128-bit quarters [b_j.q0 + b_j.q1, b_j.q2 + b_j.q3, b_{j+4}.q0 + .q1, ...].
     let mut c = [_mm512_setzero_ps(); 4];
     for j in 0..4 {

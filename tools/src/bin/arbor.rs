@@ -394,7 +394,7 @@ enum BenchCmd {
         #[arg(long, value_enum, default_value_t = Format::Text)]
         format: Format,
     },
-    /// Prefill/decode throughput and forward-pass cost over 1/4/16/64 new tokens.
+    /// Prefill/decode throughput and forward-pass cost over 1/2/4/8/16/64 new tokens.
     Decode {
         #[command(flatten)]
         model: ModelArgs,
@@ -1158,8 +1158,10 @@ fn cmd_bench_decode(
                 r.context
             );
             println!("  (logits for all N / for the last token only)");
-            for n in ["1", "4", "16", "64"] {
-                let ms = r.forward_ms.get(n).copied().unwrap_or(f64::NAN);
+            let mut sizes: Vec<&String> = r.forward_ms.keys().collect();
+            sizes.sort_by_key(|n| n.parse::<usize>().unwrap_or(usize::MAX));
+            for n in sizes {
+                let ms = r.forward_ms[n];
                 let last = r.forward_last_ms.get(n).copied().unwrap_or(f64::NAN);
                 println!("  N={n:>3}: {ms:8.2} ms / {last:8.2} ms");
             }

@@ -14,7 +14,7 @@
 use std::arch::x86_64::*;
 use std::marker::PhantomData;
 
-use super::knat512::{rows_k_nat16, KNat512};
+use super::knat512::{rows_k_nat16, rows_k_nat16x16, KNat512};
 use super::{
     column_rows, f16_cols, prefetch_block, rd_u32, ColumnTiles, KCols, KKind, CB_ROWS, Q4K, Q5K,
     Q6K, T_CAP,
@@ -754,8 +754,9 @@ pub(super) unsafe fn columns_avx512<T: ColumnTiles>(
 
 /// The AVX-512 family's K-quant rows `[r0, r1)` against natural records: the natural-order
 /// kernel at 512 bits for up to `nat_rows` activation rows (`knat512`: each group unpacked once
-/// for all of them; `quant::natural_kernel_rows`: 2 on Zen 5, where a two-row qwen2.5-coder-1.5b
-/// forward took 27-28 ms against 33-34 ms on the tiles, 8 on Zen 4; see docs/benchmarks.md),
+/// for all of them, 16 output rows reduced together; `quant::natural_kernel_rows`: 2 on Zen 5,
+/// where a two-row qwen2.5-coder-1.5b forward took 27-28 ms against 33-34 ms on the tiles, 16 on
+/// Zen 4; see docs/benchmarks.md),
 /// 512-bit column tiles above (both give the AVX2 family's bits). Packed weights: their own
 /// kernels.
 ///
@@ -812,7 +813,8 @@ pub(crate) unsafe fn k_rows(
     }
 }
 
-/// `knat512::rows_k_nat16` for `n_tok` (1 to `quant::MAX_NATURAL_ROWS`) activation rows.
+/// `knat512::rows_k_nat16` for one activation row, `rows_k_nat16x16` for 2 to
+/// `quant::MAX_NATURAL_ROWS`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn natural_rows<K: KNat512>(
     w: &QMatrix,
@@ -824,14 +826,24 @@ unsafe fn natural_rows<K: KNat512>(
     y: YPtr,
 ) {
     match n_tok {
+        // One row (decoding): the one-row kernel, each output row on its own (measured on Zen 4,
+        // the 16-row blocks decoded qwen2.5-coder-1.5b 5-20% slower).
         1 => rows_k_nat16::<K, 1>(w, a, stride, r0, r1, y),
-        2 => rows_k_nat16::<K, 2>(w, a, stride, r0, r1, y),
-        3 => rows_k_nat16::<K, 3>(w, a, stride, r0, r1, y),
-        4 => rows_k_nat16::<K, 4>(w, a, stride, r0, r1, y),
-        5 => rows_k_nat16::<K, 5>(w, a, stride, r0, r1, y),
-        6 => rows_k_nat16::<K, 6>(w, a, stride, r0, r1, y),
-        7 => rows_k_nat16::<K, 7>(w, a, stride, r0, r1, y),
-        8 => rows_k_nat16::<K, 8>(w, a, stride, r0, r1, y),
-        _ => debug_assert!(false, "natural rows take at most 8 activation rows"),
+        2 => rows_k_nat16x16::<K, 2>(w, a, stride, r0, r1, y),
+        3 => rows_k_nat16x16::<K, 3>(w, a, stride, r0, r1, y),
+        4 => rows_k_nat16x16::<K, 4>(w, a, stride, r0, r1, y),
+        5 => rows_k_nat16x16::<K, 5>(w, a, stride, r0, r1, y),
+        6 => rows_k_nat16x16::<K, 6>(w, a, stride, r0, r1, y),
+        7 => rows_k_nat16x16::<K, 7>(w, a, stride, r0, r1, y),
+        8 => rows_k_nat16x16::<K, 8>(w, a, stride, r0, r1, y),
+        9 => rows_k_nat16x16::<K, 9>(w, a, stride, r0, r1, y),
+        10 => rows_k_nat16x16::<K, 10>(w, a, stride, r0, r1, y),
+        11 => rows_k_nat16x16::<K, 11>(w, a, stride, r0, r1, y),
+        12 => rows_k_nat16x16::<K, 12>(w, a, stride, r0, r1, y),
+        13 => rows_k_nat16x16::<K, 13>(w, a, stride, r0, r1, y),
+        14 => rows_k_nat16x16::<K, 14>(w, a, stride, r0, r1, y),
+        15 => rows_k_nat16x16::<K, 15>(w, a, stride, r0, r1, y),
+        16 => rows_k_nat16x16::<K, 16>(w, a, stride, r0, r1, y),
+        _ => debug_assert!(false, "natural rows take at most 16 activation rows"),
     }
 }

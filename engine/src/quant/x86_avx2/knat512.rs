@@ -8,11 +8,11 @@
 use std::arch::x86_64::*;
 
 use super::{
-    f16_1, hsum_i32, k4_mins, k_epilogue, ld, prefetch_ahead, shuf_k4, shuf_k6, KKind, Q4K, Q5K,
-    Q6K,
+    f16_1, hsum_i32, k4_mins, k_epilogue, ld, prefetch_ahead, prefetch_block, shuf_k4, shuf_k6,
+    KKind, Q4K, Q5K, Q6K,
 };
-use crate::quant::act::{GROUP, OFF_BS, OFF_D, REC};
-use crate::quant::x86_avx512::k4_sc_m8;
+use crate::quant::act::{GROUP, OFF_BS, OFF_BS32, OFF_D, REC};
+use crate::quant::x86_avx512::{k4_sc_m8, reduce16_halves_epi32};
 use crate::quant::{QMatrix, YPtr};
 
 /// A K-quant group in natural order, two sub-blocks per register: `q[c]` = elements
@@ -204,3 +204,158 @@ pub(super) unsafe fn rows_k_nat16<K: KNat512, const R: usize>(
         }
     }
 }
+
+/// The 16 output rows' `d | dmin` (Q4_K/Q5_K: the block head's first dword; Q6_K: `d` in the
+/// low half) and Q4_K/Q5_K mins as i16 pairs (`(m_2q, m_2q+1)` in dword `q`), stored per row
+/// while it is unpacked and turned into column registers once per group.
+#[repr(C, align(64))]
+struct Heads16 {
+    dd: [u32; 16],
+    mins: [[u32; 4]; 16],
+}
+
+/// Lane `c` of the four results: dword `q` of `mins[c]` (a 16×4 dword transpose).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn mins_cols16(h: &Heads16) -> [__m512i; 4] {
+    let x: [__m512i; 4] =
+        std::array::from_fn(|k| _mm512_load_si512(h.mins[4 * k].as_ptr() as *const __m512i));
+    // Outputs 0..8 (from x0, x1) and 8..16 (x2, x3): dwords q in {0, 1}, then {2, 3}.
+    let idx = |q0: i32| {
+        let v: [i32; 16] = std::array::from_fn(|l| {
+            let (o, q) = (l as i32 % 8, q0 + l as i32 / 8);
+            16 * (o / 4) + 4 * (o % 4) + q
+        });
+        _mm512_loadu_si512(v.as_ptr() as *const __m512i)
+    };
+    let (i01, i23) = (idx(0), idx(2));
+    let pa = _mm512_permutex2var_epi32(x[0], i01, x[1]);
+    let pb = _mm512_permutex2var_epi32(x[0], i23, x[1]);
+    let pc = _mm512_permutex2var_epi32(x[2], i01, x[3]);
+    let pd = _mm512_permutex2var_epi32(x[2], i23, x[3]);
+    [
+        _mm512_shuffle_i64x2::<0b01_00_01_00>(pa, pc),
+        _mm512_shuffle_i64x2::<0b11_10_11_10>(pa, pc),
+        _mm512_shuffle_i64x2::<0b01_00_01_00>(pb, pd),
+        _mm512_shuffle_i64x2::<0b11_10_11_10>(pb, pd),
+    ]
+}
+
+/// K-quant rows `[r0, r1)` against `R` natural records, 16 output rows at a time: each group
+/// unpacked once per row as `rows_k_nat16` does, its exact i32 partial sums per activation row
+/// (`maddubs`, then `vpdpwssd` against the sub-blocks' scales) kept for the 16 rows and summed by
+/// one transposing reduction, the mins and the float step then done for the 16 rows at once in
+/// the column tiles' lanes (`k16_group_value`'s operations). Same integers and float steps as
+/// the one-row kernel, so the same bits; no horizontal sum per (row, group). Rows past the last
+/// whole 16 run `rows_k_nat16`.
+#[inline(never)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn rows_k_nat16x16<K: KNat512, const R: usize>(
+    w: &QMatrix,
+    act: *const u8,
+    stride: usize,
+    r0: usize,
+    r1: usize,
+    y: YPtr,
+) {
+    let rb = w.row_bytes();
+    let n_groups = w.n_in / GROUP;
+    let whole = r0 + (r1 - r0) / 16 * 16;
+    // Short rows (a 16-row block of at most `LINEAR_GROUPS` groups per row, 27 KB of Q6_K)
+    // prefetch the next block in memory order, one group's bytes per step; longer ones each
+    // row's own group `PREFETCH16` ahead (measured on Zen 4: each loses on the other's rows).
+    let linear = n_groups <= LINEAR_GROUPS;
+    let mut heads: Heads16 = std::mem::zeroed();
+    // [R][16 output rows] partial sums of the group at hand, folded to eight lanes (half the
+    // bytes in L1).
+    let mut part = [[_mm256_setzero_si256(); 16]; R];
+    for ob in (r0..whole).step_by(16) {
+        let base = w.data.as_ptr().add(ob * rb);
+        let mut acc = [_mm512_setzero_ps(); R];
+        for g in 0..n_groups {
+            for c in 0..16 {
+                let p = base.add(c * rb + g * K::BB);
+                let ahead = if linear {
+                    base.wrapping_add(16 * rb + (16 * g + c) * K::BB)
+                } else if g + PREFETCH16 < n_groups {
+                    p.wrapping_add(PREFETCH16 * K::BB)
+                } else {
+                    // Past the row's end: the same row of the next block.
+                    p.wrapping_add(16 * rb + PREFETCH16 * K::BB)
+                        .wrapping_sub(n_groups * K::BB)
+                };
+                prefetch_block(ahead, K::BB);
+                let wg = K::unpack16(p);
+                let sc = pair_scales::<K>(&wg);
+                if K::K6 {
+                    heads.dd[c] = super::rd_u16(p.add(208)) as u32;
+                } else {
+                    heads.dd[c] = super::rd_u32(p);
+                    let (_, m8) = k4_sc_m8(p);
+                    _mm_store_si128(
+                        heads.mins[c].as_mut_ptr() as *mut __m128i,
+                        _mm_cvtepu8_epi16(_mm_cvtsi64_si128(m8 as i64)),
+                    );
+                }
+                for (t, part) in part.iter_mut().enumerate() {
+                    let a = act.add(t * stride + g * REC);
+                    let mut s = _mm512_setzero_si512();
+                    for (cc, sc) in sc.iter().enumerate() {
+                        let x = _mm512_loadu_si512(a.add(64 * cc) as *const __m512i);
+                        s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(wg.q[cc], x), *sc);
+                    }
+                    if K::K6 {
+                        let mm = _mm256_madd_epi16(wg.bs, ld(a.add(OFF_BS)));
+                        s = _mm512_sub_epi32(s, _mm512_zextsi256_si512(mm));
+                    }
+                    part[c] = _mm256_add_epi32(
+                        _mm512_castsi512_si256(s),
+                        _mm512_extracti64x4_epi64::<1>(s),
+                    );
+                }
+            }
+            let dd = _mm512_load_si512(heads.dd.as_ptr() as *const __m512i);
+            let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
+            let bs = if K::K6 {
+                [_mm512_setzero_si512(); 4]
+            } else {
+                mins_cols16(&heads)
+            };
+            let ndmin = _mm512_xor_ps(
+                _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dd))),
+                _mm512_set1_ps(-0.0),
+            );
+            for (t, acc) in acc.iter_mut().enumerate() {
+                let a = act.add(t * stride + g * REC);
+                let s = reduce16_halves_epi32(&part[t]);
+                let v = if K::K6 {
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(s), d)
+                } else {
+                    let mut m = _mm512_setzero_si512();
+                    for (q, bs) in bs.iter().enumerate() {
+                        let b = _mm512_set1_epi32(super::rd_u32(a.add(OFF_BS32 + 4 * q)) as i32);
+                        m = _mm512_add_epi32(m, _mm512_madd_epi16(*bs, b));
+                    }
+                    _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(m),
+                        ndmin,
+                        _mm512_mul_ps(_mm512_cvtepi32_ps(s), d),
+                    )
+                };
+                let dx = _mm512_set1_ps(*(a.add(OFF_D) as *const f32));
+                *acc = _mm512_fmadd_ps(v, dx, *acc);
+            }
+        }
+        for (t, acc) in acc.iter().enumerate() {
+            y.write16(t, ob, *acc);
+        }
+    }
+    if whole < r1 {
+        rows_k_nat16::<K, R>(w, act, stride, whole, r1, y);
+    }
+}
+
+/// Software prefetch distance of `rows_k_nat16x16` on long rows, in groups of each of its 16 rows.
+const PREFETCH16: usize = 2;
+/// Most groups per row for which `rows_k_nat16x16` prefetches the next 16-row block in order.
+const LINEAR_GROUPS: usize = 8;
