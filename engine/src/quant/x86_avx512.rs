@@ -804,27 +804,30 @@ pub(crate) unsafe fn reduce16_epi32(v: &[__m512i; 16]) -> __m512i {
     _mm512_castps_si512(reduce16_gen::<true>(&f))
 }
 
+/// `a + b` as floats, or (`INT`) as 32-bit integers on the same bits.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn add16<const INT: bool>(a: __m512, b: __m512) -> __m512 {
+    if INT {
+        _mm512_castsi512_ps(_mm512_add_epi32(
+            _mm512_castps_si512(a),
+            _mm512_castps_si512(b),
+        ))
+    } else {
+        _mm512_add_ps(a, b)
+    }
+}
+
 /// `reduce16`'s shuffles with float adds, or (`INT`) 32-bit integer adds on the same bits.
 #[inline]
 #[target_feature(enable = "avx512f")]
 unsafe fn reduce16_gen<const INT: bool>(v: &[__m512; 16]) -> __m512 {
-    let add = |a: __m512, b: __m512| {
-        if INT {
-            _mm512_castsi512_ps(_mm512_add_epi32(
-                _mm512_castps_si512(a),
-                _mm512_castps_si512(b),
-            ))
-        } else {
-            _mm512_add_ps(a, b)
-        }
-    };
-
     // Step 1: [v_j.lo + v_j.hi | v_{j+8}.lo + v_{j+8}.hi] (8 partial sums each).
     let mut b = [_mm512_setzero_ps(); 8];
     for j in 0..8 {
         let lo = _mm512_shuffle_f32x4::<0b01_00_01_00>(v[j], v[j + 8]);
         let hi = _mm512_shuffle_f32x4::<0b11_10_11_10>(v[j], v[j + 8]);
-        b[j] = add(lo, hi);
+        b[j] = add16::<INT>(lo, hi);
     }
     reduce16_steps::<INT>(&b)
 }
@@ -850,35 +853,25 @@ pub(crate) unsafe fn reduce16_halves_epi32(v: &[__m256i; 16]) -> __m512i {
 #[inline]
 #[target_feature(enable = "avx512f")]
 unsafe fn reduce16_steps<const INT: bool>(b: &[__m512; 8]) -> __m512 {
-    let add = |a: __m512, b: __m512| {
-        if INT {
-            _mm512_castsi512_ps(_mm512_add_epi32(
-                _mm512_castps_si512(a),
-                _mm512_castps_si512(b),
-            ))
-        } else {
-            _mm512_add_ps(a, b)
-        }
-    };
     // Step 2: 128-bit quarters [b_j.q0 + b_j.q1, b_j.q2 + b_j.q3, b_{j+4}.q0 + .q1, ...].
     let mut c = [_mm512_setzero_ps(); 4];
     for j in 0..4 {
         let x = _mm512_shuffle_f32x4::<0b10_00_10_00>(b[j], b[j + 4]);
         let y = _mm512_shuffle_f32x4::<0b11_01_11_01>(b[j], b[j + 4]);
-        c[j] = add(x, y);
+        c[j] = add16::<INT>(x, y);
     }
     // Step 3: within each quarter [c_j.0 + c_j.2, c_j.1 + c_j.3, c_{j+2}.0 + .2, c_{j+2}.1 + .3].
     let mut d = [_mm512_setzero_ps(); 2];
     for j in 0..2 {
         let x = _mm512_shuffle_ps::<0b01_00_01_00>(c[j], c[j + 2]);
         let y = _mm512_shuffle_ps::<0b11_10_11_10>(c[j], c[j + 2]);
-        d[j] = add(x, y);
+        d[j] = add16::<INT>(x, y);
     }
     // Step 4: the last pair, then lanes back into `v` order.
     let x = _mm512_shuffle_ps::<0b10_00_10_00>(d[0], d[1]);
     let y = _mm512_shuffle_ps::<0b11_01_11_01>(d[0], d[1]);
     let order = _mm512_loadu_si512(REDUCE16_ORDER.as_ptr() as *const __m512i);
-    _mm512_permutexvar_ps(order, add(x, y))
+    _mm512_permutexvar_ps(order, add16::<INT>(x, y))
 }
 
 /// The lane where `reduce16`'s step 4 leaves the sum of `v[j]`.
