@@ -15,6 +15,10 @@
 //! * Fewer than [`COLS_MIN_ROWS`] activation rows (decoding): weights unpacked in natural order,
 //!   one `maddubs` + `madd` (sub-block scales) per 32 elements and a horizontal sum per group
 //!   (`rows_k_nat`).
+//! * 2 to [`NATURAL_ROWS`] rows (small batches, token trees): [`knat8`], natural order as well,
+//!   each group of eight output rows unpacked row by row, the exact sums of every (row,
+//!   activation row) kept as eight lanes and reduced for the eight rows together, then the
+//!   column tiles' float step on those lanes.
 //! * More rows: **column tiles** (`KTiles`, run by the shared driver `column_rows`). Each
 //!   256-element group of 8 output rows is
 //!   transposed once into 64 registers whose 32-bit lane `c` holds four consecutive values of row
@@ -29,8 +33,8 @@
 //!   float step runs on 8 rows at once without a horizontal sum.
 //!
 //! The AVX-512 family computes the same integers and float steps at 512 bits ([`kcols512`] and
-//! [`lcols512`]: column tiles of 16 output rows per register with `vpdpbusd`; `knat512`: one or
-//! two K-quant rows), so the two families agree bit for bit on K-quants, Q4_1 and Q8_0; so does
+//! [`lcols512`]: column tiles of 16 output rows per register with `vpdpbusd`; `knat512`: K-quant
+//! calls of a few rows), so the two families agree bit for bit on K-quants, Q4_1 and Q8_0; so does
 //! the AVX-VNNI family ([`kvnni`] and `lcols`' VNNI tile: these tiles with VEX `vpdpbusd`).
 
 use std::arch::x86_64::*;
@@ -42,6 +46,7 @@ use super::{GgmlType, QMatrix, YPtr};
 
 pub(crate) mod kcols512;
 mod knat512;
+mod knat8;
 pub(crate) mod kvnni;
 mod lcols;
 pub(crate) mod lcols512;
@@ -395,6 +400,13 @@ unsafe fn rows_legacy<K: LegacyKind>(
 /// faster on the tiles (Q4_K 1536 × 8960, AVX2: 0.36-0.45 against 0.75-0.78 ms at 2 rows,
 /// 0.43-0.53 against 0.86-0.88 ms at 3; docs/benchmarks.md).
 pub(crate) const COLS_MIN_ROWS: usize = 2;
+
+/// Most activation rows for which K-quant matmuls (from `COLS_MIN_ROWS` on) run `knat8` (natural
+/// order, the sums of eight weight rows reduced together) instead of the column tiles: on Zen 4
+/// with the AVX2 family forced, a qwen2.5-coder-1.5b forward over 2 rows took 58-63 against 95-104
+/// ms on the tiles, 4 rows 88 against 120-145, 8 rows 155-157 against 173-195 (docs/benchmarks.md,
+/// 2026-12-03 evening).
+const NATURAL_ROWS: usize = 8;
 
 /// The float step of one K-quant group, shared by every kernel so that each (output row,
 /// activation row) gets the same bits whatever kernel computed its exact integer sums:
@@ -1292,11 +1304,15 @@ pub(crate) unsafe fn quant_rows(
     debug_assert!(act.len() >= n_tok * stride);
     let a = act.as_ptr();
     let cols = n_tok >= COLS_MIN_ROWS;
+    let nat8 = (COLS_MIN_ROWS..=NATURAL_ROWS).contains(&n_tok);
     match w.ty {
         GgmlType::Q4_0 => rows_legacy::<Q40>(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q4_1 | GgmlType::Q8_0 => lcols::legacy_cols(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q5_0 => rows_legacy::<Q50>(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q5_1 => rows_legacy::<Q51>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q4_K if nat8 => knat8::natural_rows::<Q4K>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q5_K if nat8 => knat8::natural_rows::<Q5K>(w, a, stride, n_tok, r0, r1, y),
+        GgmlType::Q6_K if nat8 => knat8::natural_rows::<Q6K>(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q4_K if cols => columns_avx2::<KTiles<Q4K>>(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q5_K if cols => columns_avx2::<KTiles<Q5K>>(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q6_K if cols => columns_avx2::<KTiles<Q6K>>(w, a, stride, n_tok, r0, r1, y),
