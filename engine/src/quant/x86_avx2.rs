@@ -1049,25 +1049,43 @@ unsafe fn tile_epilogue<K: KKind, const RT: usize>(
     for t in 0..RT {
         let at = a.add(t * stride);
         let dx = _mm256_set1_ps(*(at.add(OFF_D) as *const f32));
+        let n_bs = if K::K6 { 8 } else { 4 };
         for b in 0..CB {
-            let mut m = _mm256_setzero_si256();
-            let (n_bs, off) = if K::K6 { (8, OFF_BS) } else { (4, OFF_BS32) };
-            for q in 0..n_bs {
-                let bs = _mm256_set1_epi32(rd_u32(at.add(off + 4 * q)) as i32);
-                m = _mm256_add_epi32(m, _mm256_madd_epi16(w[b].bs[q], bs));
-            }
-            let v = if K::K6 {
-                _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s[b][t], m)), w[b].d)
-            } else {
-                _mm256_fmadd_ps(
-                    _mm256_cvtepi32_ps(m),
-                    w[b].ndmin,
-                    _mm256_mul_ps(_mm256_cvtepi32_ps(s[b][t]), w[b].d),
-                )
-            };
+            let v = k8_value::<K>(&w[b].bs[..n_bs], w[b].d, w[b].ndmin, s[b][t], at);
             let ap = acc.add(t * CB * CB_ROWS + b * CB_ROWS);
             _mm256_storeu_ps(ap, _mm256_fmadd_ps(v, dx, _mm256_loadu_ps(ap)));
         }
+    }
+}
+
+/// `k_epilogue`'s value of one group (before the activation scale) for eight output rows, one per
+/// lane: exact sums `s`, the i16 pairs `bs` against the record's block sums at `at` (Q4_K/Q5_K:
+/// the mins against the 32-element sums; Q6_K: its offset against the 16-element sums, or none
+/// when `s` already has it subtracted), `d` and `−dmin`. Every 8-row K-quant kernel's float
+/// step (`tile_epilogue`, `knat8`), so theirs are the same operations.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn k8_value<K: KKind>(
+    bs: &[__m256i],
+    d: __m256,
+    ndmin: __m256,
+    s: __m256i,
+    at: *const u8,
+) -> __m256 {
+    let off = if K::K6 { OFF_BS } else { OFF_BS32 };
+    let mut m = _mm256_setzero_si256();
+    for (q, bs) in bs.iter().enumerate() {
+        let b = _mm256_set1_epi32(rd_u32(at.add(off + 4 * q)) as i32);
+        m = _mm256_add_epi32(m, _mm256_madd_epi16(*bs, b));
+    }
+    if K::K6 {
+        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s, m)), d)
+    } else {
+        _mm256_fmadd_ps(
+            _mm256_cvtepi32_ps(m),
+            ndmin,
+            _mm256_mul_ps(_mm256_cvtepi32_ps(s), d),
+        )
     }
 }
 

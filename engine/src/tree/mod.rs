@@ -81,10 +81,12 @@ impl MaskedTree {
         MaskedTree { tree, mask }
     }
 
+    /// The tree.
     pub fn tree(&self) -> &TokenTree {
         &self.tree
     }
 
+    /// The tree and its mask.
     pub fn into_parts(self) -> (TokenTree, TreeMask) {
         (self.tree, self.mask)
     }

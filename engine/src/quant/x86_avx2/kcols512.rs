@@ -655,24 +655,42 @@ unsafe fn slice_packed<K: KCols16Kind, const R: usize>(
 }
 
 /// The f32 value of one group for 16 output rows from its exact i32 sums `s` against the record
-/// at `at` (block sums against `bs`), before the activation scale: the float step of `tile16`
+/// at `at` (block sums against `w.bs`), before the activation scale: the float step of `tile16`
 /// and `slice_packed` alike.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn k16_group_value<K: KCols16Kind>(w: &KCols16, s: __m512i, at: *const u8) -> __m512 {
+    let n_bs = if K::K6 { 8 } else { 4 };
+    k16_value::<K>(&w.bs[..n_bs], w.d, w.ndmin, s, at)
+}
+
+/// `k_epilogue`'s value of one group (before the activation scale) for 16 output rows, one per
+/// lane: exact sums `s`, the i16 pairs `bs` against the record's block sums at `at` (Q4_K/Q5_K:
+/// the mins against the 32-element sums; Q6_K: its offset against the 16-element sums, or none
+/// when `s` already has it subtracted), `d` and `−dmin`. Every 16-row K-quant kernel's float
+/// step, so theirs are the same operations.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn k16_value<K: KKind>(
+    bs: &[__m512i],
+    d: __m512,
+    ndmin: __m512,
+    s: __m512i,
+    at: *const u8,
+) -> __m512 {
+    let off = if K::K6 { OFF_BS } else { OFF_BS32 };
     let mut m = _mm512_setzero_si512();
-    let (n_bs, off) = if K::K6 { (8, OFF_BS) } else { (4, OFF_BS32) };
-    for q in 0..n_bs {
-        let bs = _mm512_set1_epi32(rd_u32(at.add(off + 4 * q)) as i32);
-        m = _mm512_add_epi32(m, _mm512_madd_epi16(w.bs[q], bs));
+    for (q, bs) in bs.iter().enumerate() {
+        let b = _mm512_set1_epi32(rd_u32(at.add(off + 4 * q)) as i32);
+        m = _mm512_add_epi32(m, _mm512_madd_epi16(*bs, b));
     }
     if K::K6 {
-        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s, m)), w.d)
+        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s, m)), d)
     } else {
         _mm512_fmadd_ps(
             _mm512_cvtepi32_ps(m),
-            w.ndmin,
-            _mm512_mul_ps(_mm512_cvtepi32_ps(s), w.d),
+            ndmin,
+            _mm512_mul_ps(_mm512_cvtepi32_ps(s), d),
         )
     }
 }

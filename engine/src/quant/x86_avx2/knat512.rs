@@ -7,11 +7,12 @@
 
 use std::arch::x86_64::*;
 
+use super::kcols512::k16_value;
 use super::{
     f16_1, hsum_i32, k4_mins, k_epilogue, ld, prefetch_ahead, prefetch_block, shuf_k4, shuf_k6,
     KKind, Q4K, Q5K, Q6K,
 };
-use crate::quant::act::{GROUP, OFF_BS, OFF_BS32, OFF_D, REC};
+use crate::quant::act::{GROUP, OFF_BS, OFF_D, REC};
 use crate::quant::x86_avx512::{k4_sc_m8, reduce16_halves_epi32};
 use crate::quant::{QMatrix, YPtr};
 
@@ -245,7 +246,7 @@ unsafe fn mins_cols16(h: &Heads16) -> [__m512i; 4] {
 /// unpacked once per row as `rows_k_nat16` does, its exact i32 partial sums per activation row
 /// (`maddubs`, then `vpdpwssd` against the sub-blocks' scales) kept for the 16 rows and summed by
 /// one transposing reduction, the mins and the float step then done for the 16 rows at once in
-/// the column tiles' lanes (`k16_group_value`'s operations). Same integers and float steps as
+/// the column tiles' lanes (`kcols512::k16_value`, their float step). Same integers and float steps as
 /// the one-row kernel, so the same bits; no horizontal sum per (row, group). Rows past the last
 /// whole 16 run `rows_k_nat16`.
 #[inline(never)]
@@ -316,11 +317,8 @@ pub(super) unsafe fn rows_k_nat16x16<K: KNat512, const R: usize>(
             }
             let dd = _mm512_load_si512(heads.dd.as_ptr() as *const __m512i);
             let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
-            let bs = if K::K6 {
-                [_mm512_setzero_si512(); 4]
-            } else {
-                mins_cols16(&heads)
-            };
+            // Q6_K's offset is already in the sums.
+            let bs: &[__m512i] = if K::K6 { &[] } else { &mins_cols16(&heads) };
             let ndmin = _mm512_xor_ps(
                 _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dd))),
                 _mm512_set1_ps(-0.0),
@@ -328,20 +326,7 @@ pub(super) unsafe fn rows_k_nat16x16<K: KNat512, const R: usize>(
             for (t, acc) in acc.iter_mut().enumerate() {
                 let a = act.add(t * stride + g * REC);
                 let s = reduce16_halves_epi32(&part[t]);
-                let v = if K::K6 {
-                    _mm512_mul_ps(_mm512_cvtepi32_ps(s), d)
-                } else {
-                    let mut m = _mm512_setzero_si512();
-                    for (q, bs) in bs.iter().enumerate() {
-                        let b = _mm512_set1_epi32(super::rd_u32(a.add(OFF_BS32 + 4 * q)) as i32);
-                        m = _mm512_add_epi32(m, _mm512_madd_epi16(*bs, b));
-                    }
-                    _mm512_fmadd_ps(
-                        _mm512_cvtepi32_ps(m),
-                        ndmin,
-                        _mm512_mul_ps(_mm512_cvtepi32_ps(s), d),
-                    )
-                };
+                let v = k16_value::<K>(bs, d, ndmin, s, a);
                 let dx = _mm512_set1_ps(*(a.add(OFF_D) as *const f32));
                 *acc = _mm512_fmadd_ps(v, dx, *acc);
             }

@@ -1,16 +1,17 @@
-//! AVX2 natural-order K-quant kernel for a few activation rows (Q4_K, Q5_K, Q6_K; small batches and token trees): each group unpacked once per weight row as `rows_k_nat` does, the exact sums of eight weight rows reduced together, the float step eight rows wide (`tile_epilogue`'s operations), so the AVX2 family's bits.
+//! AVX2 natural-order K-quant kernel for a few activation rows (Q4_K, Q5_K, Q6_K; small batches and token trees): each group unpacked once per weight row as `rows_k_nat` does, the exact sums of eight weight rows reduced together, the float step eight rows wide (`k8_value`, the tiles' own), so the AVX2 family's bits.
 //!
 //! The column tiles transpose every group of eight weight rows before their products; for a few
 //! activation rows that fixed cost outweighs the products. Here each weight row's group stays in
 //! natural order: per activation row its exact integers (`maddubs`, `madd` against the
 //! sub-blocks' scales) are kept as eight i32 lanes, one transposing reduction gives the eight
 //! weight rows' sums in the lanes of one register, and the mins and the float step run on those
-//! lanes as the tiles run them. Same integers, same float operations: the same bits.
+//! lanes with the tiles' function (`k8_value`). Same integers, same float operations: the same
+//! bits.
 
 use std::arch::x86_64::*;
 
-use super::{columns_avx2, ld, prefetch_block, rd_u16, rd_u32, KKind, KTiles, SHUF_K4, SHUF_K6};
-use crate::quant::act::{GROUP, OFF_BS, OFF_BS32, OFF_D, REC};
+use super::{columns_avx2, k8_value, ld, prefetch_block, rd_u16, KKind, KTiles, SHUF_K4, SHUF_K6};
+use crate::quant::act::{GROUP, OFF_BS, OFF_D, REC};
 use crate::quant::x86_avx512::k4_sc_m8;
 use crate::quant::{QMatrix, YPtr};
 
@@ -136,28 +137,11 @@ pub(super) unsafe fn rows_k_nat8<K: KKind, const R: usize>(
                 _mm256_cvtph_ps(_mm_loadu_si128(dmin16.as_ptr() as *const __m128i)),
                 _mm256_set1_ps(-0.0),
             );
-            let bs = if K::K6 {
-                [_mm256_setzero_si256(); 4]
-            } else {
-                mins_cols8(&mins)
-            };
+            // Q6_K's offset is already in the sums.
+            let bs: &[__m256i] = if K::K6 { &[] } else { &mins_cols8(&mins) };
             for (t, acc) in acc.iter_mut().enumerate() {
                 let a = act.add(t * stride + g * REC);
-                let s = reduce8_epi32(&part[t]);
-                let v = if K::K6 {
-                    _mm256_mul_ps(_mm256_cvtepi32_ps(s), d)
-                } else {
-                    let mut m = _mm256_setzero_si256();
-                    for (q, bs) in bs.iter().enumerate() {
-                        let b = _mm256_set1_epi32(rd_u32(a.add(OFF_BS32 + 4 * q)) as i32);
-                        m = _mm256_add_epi32(m, _mm256_madd_epi16(*bs, b));
-                    }
-                    _mm256_fmadd_ps(
-                        _mm256_cvtepi32_ps(m),
-                        ndmin,
-                        _mm256_mul_ps(_mm256_cvtepi32_ps(s), d),
-                    )
-                };
+                let v = k8_value::<K>(bs, d, ndmin, reduce8_epi32(&part[t]), a);
                 let dx = _mm256_set1_ps(*(a.add(OFF_D) as *const f32));
                 *acc = _mm256_fmadd_ps(v, dx, *acc);
             }
