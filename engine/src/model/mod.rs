@@ -57,7 +57,7 @@ impl Model {
         Self::from_gguf(GgufFile::open(path)?)
     }
 
-    /// The model of a parsed GGUF image. With `ARBOR_PACK=1`, where this process's matmuls run
+    /// The model of a parsed GGUF image. Unless `ARBOR_PACK=0`, where this process's matmuls run
     /// the AVX-512 family, the K-quant weight matrices are column-packed in place first
     /// ([`quant::packed`]; not in a read-only file mapping): the same results, cheaper passes
     /// over several rows.

@@ -34,14 +34,15 @@ pub fn packs_here() -> bool {
     super::kernel_level() == KernelLevel::Avx512Vnni
 }
 
-/// Whether models are packed at load by default: only with `ARBOR_PACK=1` for now. Measured on
-/// a Zen 5 EPYC (docs/benchmarks.md, 2026-12-03 "Column-packed K-quant weights"): forward passes
-/// over 3-16 rows 15-30% cheaper, 64 rows level, but single-row decoding up to 13% slower in
-/// `bench decode` (not resolved within that VM's noise), so decoding-heavy use keeps GGUF order.
+/// Whether models are packed at load: yes unless `ARBOR_PACK=0` (`off`, `false`). Measured on
+/// Zen 4 (docs/benchmarks.md, 2026-12-03 "night"): with the packed kernel's prefetch spread over
+/// each group, one-row decoding runs level with the natural kernel and passes over 8-16 rows are
+/// 30-40% cheaper (before that spread, a Zen 5 EPYC decoded 0.87x packed, a Zen 4 0.55x, so
+/// packing was opt-in).
 pub fn pack_requested() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
-        std::env::var("ARBOR_PACK").is_ok_and(|v| matches!(v.as_str(), "1" | "on" | "true"))
+        !std::env::var("ARBOR_PACK").is_ok_and(|v| matches!(v.as_str(), "0" | "off" | "false"))
     })
 }
 

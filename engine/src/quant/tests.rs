@@ -1249,7 +1249,12 @@ fn natural_rows_timing() {
         .unwrap();
     let mut rng = StdRng::seed_from_u64(7);
     // (name, natural rows): the tiles from 2 rows, the natural kernel up to its limit.
-    let variants = [("tiles", 1), ("natural", MAX_NATURAL_ROWS)];
+    // (name, natural rows, packed weights).
+    let variants = [
+        ("tiles", 1, false),
+        ("natural", MAX_NATURAL_ROWS, false),
+        ("packed", MAX_NATURAL_ROWS, true),
+    ];
     let rows: Vec<usize> = std::env::var("AB_ROWS")
         .ok()
         .map(|s| s.split(',').filter_map(|x| x.trim().parse().ok()).collect())
@@ -1265,19 +1270,31 @@ fn natural_rows_timing() {
         let mats: Vec<Vec<u8>> = (0..copies)
             .map(|_| random_matrix(&mut rng, ty, n_out, n_in, true))
             .collect();
+        let packs: Vec<Vec<u8>> = mats
+            .iter()
+            .map(|m| {
+                let mut pk = m.clone();
+                packed::pack(ty, &mut pk, n_out, n_in);
+                pk
+            })
+            .collect();
         for &n_tok in &rows {
             let x = rand_vec(&mut rng, n_tok * n_in);
             let mut y = vec![0f32; n_tok * n_out];
             let mut times = vec![Vec::new(); variants.len()];
             let mut k = 0;
             for _round in 0..15 {
-                for (&(_, nat), times) in variants.iter().zip(times.iter_mut()) {
+                for (&(_, nat, pk), times) in variants.iter().zip(times.iter_mut()) {
                     let iters = copies.max(8);
                     let t = Instant::now();
                     pool.install(|| {
                         with_natural_rows(nat, || {
                             for _ in 0..iters {
-                                let w = QMatrix::new(ty, &mats[k % copies], n_out, n_in).unwrap();
+                                let data = if pk { &packs } else { &mats };
+                                let w = QMatrix {
+                                    packed: pk,
+                                    ..QMatrix::new(ty, &data[k % copies], n_out, n_in).unwrap()
+                                };
                                 k += 1;
                                 matmul_with(KernelLevel::Avx512Vnni, &w, &x, n_tok, &mut y)
                                     .unwrap();
@@ -1288,7 +1305,7 @@ fn natural_rows_timing() {
                 }
             }
             let mut line = format!("{ty} {n_out}x{n_in} n{n_tok}:");
-            for ((name, _), t) in variants.iter().zip(times.iter_mut()) {
+            for ((name, _, _), t) in variants.iter().zip(times.iter_mut()) {
                 t.sort_by(f64::total_cmp);
                 line += &format!(" {name} {:.3} (min {:.3})", t[t.len() / 2], t[0]);
             }
