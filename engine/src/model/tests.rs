@@ -475,15 +475,15 @@ fn mixed_batch_rows_bit_identical_to_each_sequence_alone() {
     }
 }
 
-/// A model whose K-quant matrices were column-packed at load (`quant::packed`, the AVX-512
-/// family) computes the natural model's logits and K/V bit for bit: prefill, decoding and
+/// A model whose K-quant matrices were column-packed at load (`quant::packed`, the AVX-512 and
+/// AVX2 families) computes the natural model's logits and K/V bit for bit: prefill, decoding and
 /// tree-sized batches.
 #[test]
 fn packed_model_bit_identical_to_natural() {
     if !crate::quant::packed::packs_here() {
         skip_hardware(
             "model::packed_model_bit_identical_to_natural",
-            "packed rows are read by the AVX-512 VNNI family only, which this process does not run",
+            "packed rows are read by the AVX-512 VNNI and AVX2 families, which this process does not run",
         );
         return;
     }

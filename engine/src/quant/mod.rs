@@ -265,8 +265,8 @@ impl<'a> QMatrix<'a> {
         })
     }
 
-    /// Whether the rows are column-packed ([`packed`]; only the AVX-512 family's kernels read
-    /// them as they are, the others see an unpacked copy).
+    /// Whether the rows are column-packed ([`packed`]; the AVX-512 VNNI and AVX2 families'
+    /// kernels read them as they are, the others see an unpacked copy).
     pub fn is_packed(&self) -> bool {
         self.packed
     }
@@ -677,9 +677,9 @@ pub fn matmul_with(
         return Ok(());
     }
     let level = level.on_this_cpu();
-    if w.packed && level != KernelLevel::Avx512Vnni {
-        // Only the AVX-512 family reads packed rows: the others run on natural ones (a copy;
-        // tests and explicit levels, never a forward pass of a process that packed).
+    if w.packed && !packed::read_packed(level) {
+        // Only the AVX-512 and AVX2 families read packed rows: the others run on natural ones (a
+        // copy; tests and explicit levels, never a forward pass of a process that packed).
         let nat = w.natural_bytes();
         let natural = QMatrix {
             data: &nat,

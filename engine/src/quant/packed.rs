@@ -1,4 +1,4 @@
-//! Column-packed K-quant weights for the AVX-512 family: each 16-row group of 256-element blocks stored dword-transposed, the layout the 512-bit column tiles read (llama.cpp's `repack` idea, our own layout).
+//! Column-packed K-quant weights for the AVX-512 and AVX2 families: each 16-row group of 256-element blocks stored dword-transposed, the layout the 512-bit column tiles read (llama.cpp's `repack` idea, our own layout).
 //!
 //! The AVX-512 column tiles (`x86_avx2::kcols512`) hold 16 output rows per register, lane `c` =
 //! row `c`, so every pass over natural GGUF rows begins with 16×16 dword transposes of the
@@ -9,7 +9,9 @@
 //! (`d`) at `64 · 52 + 2 c`. So the tiles load what `dwords16` used to build, one register per
 //! 64 bytes. The groups of a 16-row slice follow each other, slices follow each other: a packed
 //! matrix has exactly the natural matrix's bytes, in place, and the same integers and float
-//! steps per output, hence the same bits.
+//! steps per output, hence the same bits. The AVX2 family reads each packed group as two 8-row
+//! column blocks (the 32 bytes at `64 k + 32 h` are its 8×8 transposes of rows `8 h ..`;
+//! `x86_avx2::kpacked8`).
 
 use rayon::prelude::*;
 
@@ -29,15 +31,22 @@ pub fn packable(ty: GgmlType, n_out: usize, n_in: usize) -> bool {
 }
 
 /// Whether this process's matmuls read packed rows as they are: where they run the AVX-512 VNNI
-/// family (the AMX family reads natural rows; the others get an unpacked copy).
+/// or the AVX2 family (the AMX family reads natural rows; the others get an unpacked copy).
 pub fn packs_here() -> bool {
-    super::kernel_level() == KernelLevel::Avx512Vnni
+    read_packed(super::kernel_level())
+}
+
+/// Whether the kernels of `level` read packed rows as they are (`x86_avx2::kcols512`,
+/// `x86_avx2::kpacked8`).
+pub(crate) fn read_packed(level: KernelLevel) -> bool {
+    matches!(level, KernelLevel::Avx512Vnni | KernelLevel::Avx2)
 }
 
 /// Whether models are packed at load: yes unless `ARBOR_PACK=0` (`off`, `false`). Measured on
-/// Zen 4 (docs/benchmarks.md, 2026-12-03 "night"): with the packed kernel's prefetch spread over
-/// each group, one-row decoding runs level with the natural kernel and passes over 8-16 rows are
-/// 30-40% cheaper (before that spread, a Zen 5 EPYC decoded 0.87x packed, a Zen 4 0.55x, so
+/// Zen 4 (docs/benchmarks.md, 2026-12-03 "night"): with the packed kernels' weight stream
+/// prefetched into L2 a slice of each group at a time, decoding runs 0-25% faster than on GGUF
+/// order in both families and AVX-512 passes over 4-16 rows 25-35% cheaper (before, with whole
+/// groups prefetched into L1 at once, a Zen 5 EPYC decoded 0.87x packed and a Zen 4 0.55x, so
 /// packing was opt-in).
 pub fn pack_requested() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();

@@ -1239,8 +1239,13 @@ fn packed_timing() {
 #[ignore]
 fn natural_rows_timing() {
     use std::time::Instant;
-    if !levels().contains(&KernelLevel::Avx512Vnni) {
-        skip_hardware("quant::natural_rows_timing", "no AVX-512 VNNI");
+    // `AB_LEVEL=avx2`: the AVX2 family (its natural kernels, whatever `nat` says, and packed).
+    let level = match std::env::var("AB_LEVEL").as_deref() {
+        Ok("avx2") => KernelLevel::Avx2,
+        _ => KernelLevel::Avx512Vnni,
+    };
+    if !levels().contains(&level) {
+        skip_hardware("quant::natural_rows_timing", "the CPU lacks the level");
         return;
     }
     let pool = rayon::ThreadPoolBuilder::new()
@@ -1296,8 +1301,7 @@ fn natural_rows_timing() {
                                     ..QMatrix::new(ty, &data[k % copies], n_out, n_in).unwrap()
                                 };
                                 k += 1;
-                                matmul_with(KernelLevel::Avx512Vnni, &w, &x, n_tok, &mut y)
-                                    .unwrap();
+                                matmul_with(level, &w, &x, n_tok, &mut y).unwrap();
                             }
                         })
                     });

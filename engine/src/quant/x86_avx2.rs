@@ -47,6 +47,7 @@ use super::{GgmlType, QMatrix, YPtr};
 pub(crate) mod kcols512;
 mod knat512;
 mod knat8;
+mod kpacked8;
 pub(crate) mod kvnni;
 mod lcols;
 pub(crate) mod lcols512;
@@ -741,6 +742,19 @@ unsafe fn prefetch_block(p: *const u8, bytes: usize) {
     }
 }
 
+/// As [`prefetch_block`], into L2 only (`prefetcht1`): a weight stream read once, whose lines
+/// need not wait in L1.
+#[inline(always)]
+unsafe fn prefetch_block_l2(p: *const u8, bytes: usize) {
+    let misalign = (p as usize) & 63;
+    let line0 = p.wrapping_sub(misalign);
+    let mut off = 0;
+    while off < misalign + bytes {
+        _mm_prefetch::<_MM_HINT_T1>(line0.wrapping_add(off) as *const i8);
+        off += 64;
+    }
+}
+
 /// K-quant rows `[r0, r1)` against `n_tok < COLS_MIN_ROWS` natural records: each group unpacked
 /// once, in natural order, and dotted with every activation row (single-token decoding).
 #[inline(never)]
@@ -941,6 +955,14 @@ unsafe fn k4_col_scales(p: &[*const u8; CB_ROWS], out: &mut KCols) {
     let t = transpose8_epi32(std::array::from_fn(|c| {
         _mm256_castsi128_si256(_mm_loadu_si128(p[c] as *const __m128i))
     }));
+    k4_col_scales_t([t[0], t[1], t[2], t[3]], out)
+}
+
+/// [`k4_col_scales`] from the block heads' dwords in lanes: `t[k]` lane `c` = dword `k` of row
+/// `c`'s block (transposed natural rows, or a packed group as it is).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn k4_col_scales_t(t: [__m256i; 4], out: &mut KCols) {
     let (u0, u1, u2) = (t[1], t[2], t[3]);
     let k1 = _mm256_set1_epi32(0x3f3f_3f3f);
     let k2 = _mm256_set1_epi32(0x0f0f_0f0f);
@@ -1323,6 +1345,21 @@ pub(crate) unsafe fn quant_rows(
     let a = act.as_ptr();
     let cols = n_tok >= COLS_MIN_ROWS;
     let nat8 = (COLS_MIN_ROWS..=NATURAL_ROWS).contains(&n_tok);
+    if w.packed {
+        // Packed K-quants (`quant::packed`): `rows_packed8` for a few rows, the tiles above.
+        let few = n_tok <= kpacked8::PACKED_ROWS;
+        use kpacked8::{rows_packed8, KPackedTiles};
+        match w.ty {
+            GgmlType::Q4_K if few => rows_packed8::<Q4K>(w, a, stride, n_tok, r0, r1, y),
+            GgmlType::Q5_K if few => rows_packed8::<Q5K>(w, a, stride, n_tok, r0, r1, y),
+            GgmlType::Q6_K if few => rows_packed8::<Q6K>(w, a, stride, n_tok, r0, r1, y),
+            GgmlType::Q4_K => columns_avx2::<KPackedTiles<Q4K>>(w, a, stride, n_tok, r0, r1, y),
+            GgmlType::Q5_K => columns_avx2::<KPackedTiles<Q5K>>(w, a, stride, n_tok, r0, r1, y),
+            GgmlType::Q6_K => columns_avx2::<KPackedTiles<Q6K>>(w, a, stride, n_tok, r0, r1, y),
+            _ => {}
+        }
+        return;
+    }
     match w.ty {
         GgmlType::Q4_0 => rows_legacy::<Q40>(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q4_1 | GgmlType::Q8_0 => lcols::legacy_cols(w, a, stride, n_tok, r0, r1, y),

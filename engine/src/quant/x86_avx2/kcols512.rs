@@ -16,8 +16,8 @@ use std::marker::PhantomData;
 
 use super::knat512::{rows_k_nat16, rows_k_nat16x16, KNat512};
 use super::{
-    column_rows, f16_cols, prefetch_block, rd_u32, ColumnTiles, KCols, KKind, CB_ROWS, Q4K, Q5K,
-    Q6K, T_CAP,
+    column_rows, f16_cols, prefetch_block, prefetch_block_l2, rd_u32, ColumnTiles, KCols, KKind,
+    CB_ROWS, Q4K, Q5K, Q6K, T_CAP,
 };
 use crate::quant::act::{GROUP, OFF_BS, OFF_BS32, OFF_D, REC};
 use crate::quant::x86_avx512::transpose16;
@@ -624,11 +624,12 @@ unsafe fn slice_packed<K: KCols16Kind, const R: usize>(
         let ag = act.add(g * REC);
         let mut s = [_mm512_setzero_si512(); R];
         for j in 0..8 {
-            // The next slices follow this one: a plain stream, asked for an eighth of a group
-            // per unit (all of it at once stalled on the outstanding misses: Q6_K's one-row
-            // matmuls took twice the natural kernel's time on Zen 4, Q4_K's 16 rows 1.3x).
+            // The next slices follow this one: a plain stream, asked into L2 an eighth of a
+            // group per unit (measured on Zen 4, one-row Q6_K matmuls: all of it at once into
+            // L1 took twice the natural kernel's time; an eighth per unit into L1 about the
+            // same time; into L2 0.7x).
             let part = gb.div_ceil(8);
-            prefetch_block(gp.wrapping_add(PACKED_PREFETCH * gb + j * part), part);
+            prefetch_block_l2(gp.wrapping_add(PACKED_PREFETCH * gb + j * part), part);
             let q = K::unit16_packed(gp, j);
             let mut r = 0;
             while r < 8 {
@@ -707,8 +708,9 @@ const PACKED_ROWS_MAX: usize = 8;
 /// 64, where the tiles reuse each unpacked group for six rows per register load).
 const PACKED_TILE_ROWS: usize = 16;
 
-/// Software prefetch distance of the packed small-row kernel, in groups of 16 rows.
-const PACKED_PREFETCH: usize = 4;
+/// Software prefetch distance of the packed small-row kernel, in groups of 16 rows (4 and 8
+/// measured alike on Zen 4).
+const PACKED_PREFETCH: usize = 8;
 
 /// The 512-bit K-quant column tiles on column-packed weights (`quant::packed`): `build` loads
 /// the registers the natural tiles get from 16×16 dword transposes.
@@ -754,7 +756,7 @@ impl<K: KCols16Kind> ColumnTiles for KPackedTiles16<K> {
             at.wrapping_add(Self::W * rb + PREFETCH * gb)
                 .wrapping_sub(n_groups * gb)
         };
-        prefetch_block(ahead, gb);
+        prefetch_block_l2(ahead, gb);
     }
 }
 
