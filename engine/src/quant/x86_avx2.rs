@@ -32,6 +32,9 @@
 //!   natural-order tiles, and every lane of the sums already belongs to one output row, so the
 //!   float step runs on 8 rows at once without a horizontal sum.
 //!
+//! Column-packed weights (`quant::packed`, the default at load): [`kpacked8`] reads each packed
+//! 16-row group as two of these 8-row column blocks, loaded instead of transposed.
+//!
 //! The AVX-512 family computes the same integers and float steps at 512 bits ([`kcols512`] and
 //! [`lcols512`]: column tiles of 16 output rows per register with `vpdpbusd`; `knat512`: K-quant
 //! calls of a few rows), so the two families agree bit for bit on K-quants, Q4_1 and Q8_0; so does
