@@ -736,24 +736,24 @@ unsafe fn prefetch_ahead(row: *const u8, g: usize, gbytes: usize) {
 /// line, such as Q6_K's 210 bytes, can touch one line more than `bytes / 64` rounded up).
 #[inline(always)]
 unsafe fn prefetch_block(p: *const u8, bytes: usize) {
-    let misalign = (p as usize) & 63;
-    let line0 = p.wrapping_sub(misalign);
-    let mut off = 0;
-    while off < misalign + bytes {
-        _mm_prefetch::<_MM_HINT_T0>(line0.wrapping_add(off) as *const i8);
-        off += 64;
-    }
+    prefetch_lines::<_MM_HINT_T0>(p, bytes)
 }
 
 /// As [`prefetch_block`], into L2 only (`prefetcht1`): a weight stream read once, whose lines
 /// need not wait in L1.
 #[inline(always)]
 unsafe fn prefetch_block_l2(p: *const u8, bytes: usize) {
+    prefetch_lines::<_MM_HINT_T1>(p, bytes)
+}
+
+/// Every 64-byte line of the `bytes` at `p`, prefetched with `HINT`.
+#[inline(always)]
+unsafe fn prefetch_lines<const HINT: i32>(p: *const u8, bytes: usize) {
     let misalign = (p as usize) & 63;
     let line0 = p.wrapping_sub(misalign);
     let mut off = 0;
     while off < misalign + bytes {
-        _mm_prefetch::<_MM_HINT_T1>(line0.wrapping_add(off) as *const i8);
+        _mm_prefetch::<HINT>(line0.wrapping_add(off) as *const i8);
         off += 64;
     }
 }

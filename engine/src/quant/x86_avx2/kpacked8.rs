@@ -12,7 +12,7 @@ use std::arch::x86_64::*;
 use std::marker::PhantomData;
 
 use super::{
-    k4_col_scales_t, k8_value, ld, prefetch_block_l2, rd_u32, tile_cols, ColumnTiles, KCols, KKind,
+    k4_col_scales_t, k8_value, ld, prefetch_block_l2, rd_u32, ColumnTiles, KCols, KKind, KTiles,
     CB, CB_ROWS, CT, Q4K, Q5K, Q6K,
 };
 use crate::quant::act::{GROUP, OFF_D, REC};
@@ -302,24 +302,20 @@ impl<K: KPacked8> ColumnTiles for KPackedTiles<K> {
     }
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn tile(cols: &[KCols; CB], _nb: usize, a: *const u8, stride: usize, acc: *mut f32) {
-        tile_cols::<K, CT>(cols, a, stride, acc)
+    unsafe fn tile(cols: &[KCols; CB], nb: usize, a: *const u8, stride: usize, acc: *mut f32) {
+        KTiles::<K>::tile(cols, nb, a, stride, acc)
     }
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn tile_tail(
         cols: &[KCols; CB],
-        _nb: usize,
+        nb: usize,
         rt: usize,
         a: *const u8,
         stride: usize,
         acc: *mut f32,
     ) {
-        match rt {
-            3 => tile_cols::<K, 3>(cols, a, stride, acc),
-            2 => tile_cols::<K, 2>(cols, a, stride, acc),
-            _ => tile_cols::<K, 1>(cols, a, stride, acc),
-        }
+        KTiles::<K>::tile_tail(cols, nb, rt, a, stride, acc)
     }
     /// `PACKED_PREFETCH` groups ahead in the slice, then the next pass's.
     #[inline(always)]
