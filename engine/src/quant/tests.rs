@@ -1248,30 +1248,49 @@ fn natural_rows_timing() {
         skip_hardware("quant::natural_rows_timing", "the CPU lacks the level");
         return;
     }
+    // `AB_THREADS=1`: one thread; `AB_HOT=1`: one small matrix over and over (in L2: the
+    // kernels' arithmetic without the memory stream).
+    let threads = std::env::var("AB_THREADS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2);
+    let hot = std::env::var("AB_HOT").is_ok_and(|s| s == "1");
     let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(2)
+        .num_threads(threads)
         .build()
         .unwrap();
     let mut rng = StdRng::seed_from_u64(7);
-    // (name, natural rows): the tiles from 2 rows, the natural kernel up to its limit.
     // (name, natural rows, packed weights).
-    let variants = [
+    // `AB_VARIANTS=packed,natural`: only those.
+    let only = std::env::var("AB_VARIANTS").unwrap_or_default();
+    let variants: Vec<(&str, usize, bool)> = [
         ("tiles", 1, false),
         ("natural", MAX_NATURAL_ROWS, false),
         ("packed", MAX_NATURAL_ROWS, true),
-    ];
+    ]
+    .into_iter()
+    .filter(|(name, _, _)| only.is_empty() || only.split(',').any(|o| o == *name))
+    .collect();
     let rows: Vec<usize> = std::env::var("AB_ROWS")
         .ok()
         .map(|s| s.split(',').filter_map(|x| x.trim().parse().ok()).collect())
         .unwrap_or_else(|| vec![2, 4, 8, 12, 16]);
-    let shapes = [
-        (GgmlType::Q4_K, 1536usize, 8960usize),
-        (GgmlType::Q4_K, 8960, 1536),
-        (GgmlType::Q6_K, 1536, 8960),
-        (GgmlType::Q4_K, 256, 1536),
-    ];
-    for (ty, n_out, n_in) in shapes {
-        let copies = ((256 << 20) / ty.row_bytes(n_in).unwrap() / n_out).clamp(1, 64);
+    let shapes: &[(GgmlType, usize, usize)] = if hot {
+        &[(GgmlType::Q4_K, 512, 1536), (GgmlType::Q6_K, 512, 1536)]
+    } else {
+        &[
+            (GgmlType::Q4_K, 1536, 8960),
+            (GgmlType::Q4_K, 8960, 1536),
+            (GgmlType::Q6_K, 1536, 8960),
+            (GgmlType::Q4_K, 256, 1536),
+        ]
+    };
+    for &(ty, n_out, n_in) in shapes {
+        let copies = if hot {
+            1
+        } else {
+            ((256 << 20) / ty.row_bytes(n_in).unwrap() / n_out).clamp(1, 64)
+        };
         let mats: Vec<Vec<u8>> = (0..copies)
             .map(|_| random_matrix(&mut rng, ty, n_out, n_in, true))
             .collect();
@@ -1290,7 +1309,7 @@ fn natural_rows_timing() {
             let mut k = 0;
             for _round in 0..15 {
                 for (&(_, nat, pk), times) in variants.iter().zip(times.iter_mut()) {
-                    let iters = copies.max(8);
+                    let iters = if hot { 1000 } else { copies.max(8) };
                     let t = Instant::now();
                     pool.install(|| {
                         with_natural_rows(nat, || {
@@ -1311,7 +1330,7 @@ fn natural_rows_timing() {
             let mut line = format!("{ty} {n_out}x{n_in} n{n_tok}:");
             for ((name, _, _), t) in variants.iter().zip(times.iter_mut()) {
                 t.sort_by(f64::total_cmp);
-                line += &format!(" {name} {:.3} (min {:.3})", t[t.len() / 2], t[0]);
+                line += &format!(" {name} {:.4} (min {:.4})", t[t.len() / 2], t[0]);
             }
             eprintln!("{line}");
         }
