@@ -75,16 +75,18 @@ impl Model {
         Ok(model)
     }
 
-    /// Packs every packable weight matrix the forward pass multiplies by (not the embedding
-    /// table, which is also read row by row, nor an output head tied to it).
+    /// Packs every packable weight matrix the forward pass multiplies by, an output head tied to
+    /// the embedding table included ([`Model::embed`] reads its rows back from the packed
+    /// groups); an untied embedding table stays as it is.
     fn pack(&mut self) -> Result<()> {
         let mut infos: Vec<TensorInfo> = self
             .layers
             .iter()
             .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
             .chain(std::iter::once(&self.output))
-            .filter(|t| t.offset != self.tok_embd.offset)
-            .filter(|t| quant::packed::packable(t.ty, t.dims[1] as usize, t.dims[0] as usize))
+            .filter(|t| {
+                quant::packed::packs_here_matrix(t.ty, t.dims[1] as usize, t.dims[0] as usize)
+            })
             .cloned()
             .collect();
         infos.sort_by_key(|t| t.offset);
@@ -163,6 +165,9 @@ impl Model {
         let t = &self.tok_embd;
         let row_bytes = t.n_bytes / self.config.vocab_size;
         let data = self.gguf.tensor_bytes(t);
+        // A tied output head packed at load: each row gathered back from its slice.
+        let packed = self.packed.contains(&t.offset);
+        let mut row = vec![0u8; if packed { row_bytes } else { 0 }];
         for (i, &tok) in tokens.iter().enumerate() {
             let tok = tok as usize;
             if tok >= self.config.vocab_size {
@@ -171,11 +176,13 @@ impl Model {
                     self.config.vocab_size
                 )));
             }
-            quant::dequantize_row(
-                t.ty,
-                &data[tok * row_bytes..(tok + 1) * row_bytes],
-                &mut out[i * d..(i + 1) * d],
-            )?;
+            let bytes = if packed {
+                quant::packed::natural_row(t.ty, data, d, tok, &mut row);
+                &row[..]
+            } else {
+                &data[tok * row_bytes..(tok + 1) * row_bytes]
+            };
+            quant::dequantize_row(t.ty, bytes, &mut out[i * d..(i + 1) * d])?;
         }
         Ok(())
     }

@@ -475,8 +475,8 @@ fn mixed_batch_rows_bit_identical_to_each_sequence_alone() {
     }
 }
 
-/// A model whose K-quant matrices were column-packed at load (`quant::packed`, the AVX-512 and
-/// AVX2 families) computes the natural model's logits and K/V bit for bit: prefill, decoding and
+/// A model whose K-quant (and, in the AVX-512 family, Q4_1) matrices were column-packed at load
+/// (`quant::packed`, the AVX-512 and AVX2 families) computes the natural model's logits and K/V bit for bit: prefill, decoding and
 /// tree-sized batches.
 #[test]
 fn packed_model_bit_identical_to_natural() {
@@ -488,7 +488,21 @@ fn packed_model_bit_identical_to_natural() {
         return;
     }
     let backend = CpuBackend::new(2).unwrap();
-    for spec in [specs()[2].clone(), specs()[3].clone(), specs()[7].clone()] {
+    // K-quants (both families read them packed) and Q4_1, smollm2's layer type (the AVX-512
+    // family only).
+    let q4_1 = TinySpec {
+        weight_type: GgmlType::Q4_1,
+        ..specs()[2].clone()
+    };
+    // specs()[1]: Q8_0 with the output head tied to the embedding table (smollm2's), so the
+    // packed head's rows are also looked up as embeddings.
+    for spec in [
+        specs()[1].clone(),
+        specs()[2].clone(),
+        specs()[3].clone(),
+        specs()[7].clone(),
+        q4_1,
+    ] {
         let bytes = crate::testing::tiny_model_gguf(&spec, 5).unwrap();
         let load = |pack| {
             Model::from_gguf_packing(
@@ -498,11 +512,17 @@ fn packed_model_bit_identical_to_natural() {
             .unwrap()
         };
         let (packed, natural) = (load(true), load(false));
+        let gate = &packed.layers[0].w_gate;
         assert!(matches!(
-            packed.layers[0].w_gate.ty,
-            GgmlType::Q4_K | GgmlType::Q6_K
+            gate.ty,
+            GgmlType::Q4_K | GgmlType::Q6_K | GgmlType::Q4_1 | GgmlType::Q8_0
         ));
-        assert!(packed.mat(&packed.layers[0].w_gate).is_packed());
+        let (n_out, n_in) = (gate.dims[1] as usize, gate.dims[0] as usize);
+        assert_eq!(
+            packed.mat(gate).is_packed(),
+            crate::quant::packed::packs_here_matrix(gate.ty, n_out, n_in)
+        );
+        assert!(packed.mat(gate).is_packed() || gate.ty.block_elems() == 32);
         assert!(!natural.mat(&natural.layers[0].w_gate).is_packed());
         let vocab = packed.config.vocab_size as u32;
         let run = |m: &Model| {

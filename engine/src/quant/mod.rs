@@ -677,9 +677,10 @@ pub fn matmul_with(
         return Ok(());
     }
     let level = level.on_this_cpu();
-    if w.packed && !packed::read_packed(level) {
-        // Only the AVX-512 and AVX2 families read packed rows: the others run on natural ones (a
-        // copy; tests and explicit levels, never a forward pass of a process that packed).
+    if w.packed && !packed::reads_packed(level, w.ty) {
+        // Only the AVX-512 and AVX2 families read packed rows (the AVX2 family K-quants only):
+        // the others run on natural ones (a copy; tests and explicit levels, never a forward pass
+        // of a process that packed).
         let nat = w.natural_bytes();
         let natural = QMatrix {
             data: &nat,

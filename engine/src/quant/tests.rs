@@ -1116,7 +1116,8 @@ fn matmul_swiglu_equals_matmuls_then_gate() {
     }
 }
 
-/// Column-packed K-quant matrices (`packed`): unpacking gives the GGUF rows back byte for byte,
+/// Column-packed K-quant, Q4_1 and Q8_0 matrices (`packed`): unpacking gives the GGUF rows back
+/// byte for byte (and `natural_row` each row),
 /// and the AVX-512 family computes every output of a packed matrix bit for bit as of the natural
 /// one, for batch sizes around the tile heights, 16- and 32-row slices, several row splits
 /// (one and two threads), and every other level through the unpacked copy.
@@ -1128,9 +1129,21 @@ fn packed_matrices_bit_identical_to_natural() {
         .num_threads(2)
         .build()
         .unwrap();
-    for ty in [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
+    for ty in [
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+        GgmlType::Q4_1,
+        GgmlType::Q8_0,
+    ] {
         assert!(!packed::packable(ty, 40, 256) && !packed::packable(ty, 16, 100));
-        for &(n_out, n_in) in &[(16usize, 256usize), (48, 512), (96, 2304)] {
+        // Legacy rows of whole groups, of a short last group (smollm2's 576) and of one block.
+        let shapes: &[(usize, usize)] = if ty.block_elems() == 32 {
+            &[(16, 32), (48, 576), (96, 2304), (32, 320)]
+        } else {
+            &[(16, 256), (48, 512), (96, 2304)]
+        };
+        for &(n_out, n_in) in shapes {
             assert!(packed::packable(ty, n_out, n_in));
             let data = random_matrix(&mut rng, ty, n_out, n_in, true);
             let mut pk = data.clone();
@@ -1147,6 +1160,12 @@ fn packed_matrices_bit_identical_to_natural() {
                 ..QMatrix::new(ty, &pk, n_out, n_in).unwrap()
             };
             assert_eq!(pw.natural_bytes().as_ref(), &data[..]);
+            let rb = ty.row_bytes(n_in).unwrap();
+            let mut row = vec![0u8; rb];
+            for r in [0, 1, 15, n_out - 1] {
+                packed::natural_row(ty, &pk, n_in, r, &mut row);
+                assert_eq!(row, data[r * rb..(r + 1) * rb], "{ty} row {r}");
+            }
             for n_tok in [1usize, 2, 3, 4, 5, 6, 7, 8, 9, 13, 64, 70] {
                 let x = activations(&mut rng, n_tok, n_in);
                 for level in levels() {

@@ -251,6 +251,16 @@ pub(crate) unsafe fn legacy_rows16(
 ) {
     debug_assert!(act.len() >= n_tok * stride);
     let a = act.as_ptr();
+    if w.packed {
+        // Packed Q4_1 and Q8_0 (`quant::packed`): every row count on `rows_packed` (no
+        // transposes left for the tiles to share among rows).
+        match w.ty {
+            GgmlType::Q4_1 => rows_packed::<Q41>(w, a, stride, n_tok, r0, r1, y),
+            GgmlType::Q8_0 => rows_packed::<Q80>(w, a, stride, n_tok, r0, r1, y),
+            _ => debug_assert!(false, "legacy_rows16: packed {}", w.ty),
+        }
+        return;
+    }
     if n_tok == 1 {
         // One row (decoding) streams the weights once: the AVX2 tiles' lighter unpack of eight
         // rows measured as fast or faster there (same bits).
@@ -260,5 +270,140 @@ pub(crate) unsafe fn legacy_rows16(
         GgmlType::Q4_1 => columns_avx512::<LTiles16<Q41>>(w, a, stride, n_tok, r0, r1, y),
         GgmlType::Q8_0 => columns_avx512::<LTiles16<Q80>>(w, a, stride, n_tok, r0, r1, y),
         _ => debug_assert!(false, "legacy_rows16: {}", w.ty),
+    }
+}
+
+/// A legacy type the AVX-512 family reads packed (`quant::packed`: each 16-row block group is the
+/// 16 rows' blocks transposed at dword granularity).
+trait LPacked16: LKind16 {
+    /// `q`, `d` and `m` of the packed block group at `p`, as [`LKind16::build_block`] unpacks
+    /// them from natural rows.
+    unsafe fn block_packed(p: *const u8) -> ([__m512i; 8], __m512, __m512);
+}
+
+impl LPacked16 for Q41 {
+    /// Dword 0 of every row is `d | m` (f16), dwords 1-4 its nibbles.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn block_packed(p: *const u8) -> ([__m512i; 8], __m512, __m512) {
+        let ld = |k: usize| _mm512_loadu_si512(p.add(64 * k) as *const __m512i);
+        let m4 = _mm512_set1_epi8(0x0F);
+        let q = std::array::from_fn(|i| {
+            let v = ld(1 + i % 4);
+            if i < 4 {
+                _mm512_and_si512(v, m4)
+            } else {
+                _mm512_and_si512(_mm512_srli_epi16::<4>(v), m4)
+            }
+        });
+        let dm = ld(0);
+        let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
+        let m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dm)));
+        (q, d, m)
+    }
+}
+
+impl LPacked16 for Q80 {
+    /// The value bytes' eight dwords of every row (stored `w + 128` as the tiles hold them: the
+    /// top bit flipped), then the 16 `d`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn block_packed(p: *const u8) -> ([__m512i; 8], __m512, __m512) {
+        let flip = _mm512_set1_epi8(-128);
+        let q = std::array::from_fn(|i| {
+            _mm512_xor_si512(_mm512_loadu_si512(p.add(64 * i) as *const __m512i), flip)
+        });
+        let d = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(512) as *const __m256i));
+        (q, d, _mm512_setzero_ps())
+    }
+}
+
+/// Activation rows `slice_packed` takes at once (their sums and accumulators stay in registers).
+const PACKED_ROWS_MAX: usize = 8;
+
+/// Bytes ahead of the packed stream asked into L2 (as the packed K-quant kernel's 8 groups).
+const PACKED_AHEAD: usize = 16 << 10;
+
+/// Packed legacy rows `[r0, r1)` (whole 16-row slices) against `n_tok` natural records, up to
+/// [`PACKED_ROWS_MAX`] at a time per slice: one sequential weight stream per thread.
+#[inline(never)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn rows_packed<K: LPacked16>(
+    w: &QMatrix,
+    act: *const u8,
+    stride: usize,
+    n_tok: usize,
+    r0: usize,
+    r1: usize,
+    y: YPtr,
+) {
+    let rb = w.row_bytes();
+    for o in (r0..r1).step_by(ROWS) {
+        let slice = w.data.as_ptr().add(o * rb);
+        let mut t0 = 0;
+        while t0 < n_tok {
+            let nt = (n_tok - t0).min(PACKED_ROWS_MAX);
+            let (a, at) = (act.add(t0 * stride), (slice, w.n_in / 32, o, t0));
+            match nt {
+                1 => slice_packed::<K, 1>(at, a, stride, y),
+                2 => slice_packed::<K, 2>(at, a, stride, y),
+                3 => slice_packed::<K, 3>(at, a, stride, y),
+                4 => slice_packed::<K, 4>(at, a, stride, y),
+                5 => slice_packed::<K, 5>(at, a, stride, y),
+                6 => slice_packed::<K, 6>(at, a, stride, y),
+                7 => slice_packed::<K, 7>(at, a, stride, y),
+                _ => slice_packed::<K, PACKED_ROWS_MAX>(at, a, stride, y),
+            }
+            t0 += nt;
+        }
+    }
+}
+
+/// One packed 16-row slice (`n_blocks` block groups at `slice`, output rows `o ..`) against `R`
+/// records at `act + t * stride` (activation rows `t0 ..`): per block the exact i32 sums by one
+/// `vpdpbusd` chain per activation row and `tile16`'s f32 steps, so the bits of the tiles.
+// The sums and accumulators are indexed by activation row throughout.
+#[allow(clippy::needless_range_loop)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn slice_packed<K: LPacked16, const R: usize>(
+    (slice, n_blocks, o, t0): (*const u8, usize, usize, usize),
+    act: *const u8,
+    stride: usize,
+    y: YPtr,
+) {
+    let bg = ROWS * K::BB;
+    let mut f = [_mm512_setzero_ps(); R];
+    for kb in 0..n_blocks {
+        let p = slice.add(kb * bg);
+        super::prefetch_block_l2(p.wrapping_add(PACKED_AHEAD), bg);
+        let (q, d, m) = K::block_packed(p);
+        let (ag, k) = (act.add(kb / BLOCKS * super::REC), kb % BLOCKS);
+        let mut h = [_mm512_setzero_si512(); R];
+        for i in 0..8 {
+            for t in 0..R {
+                let x = rd_u32(ag.add(t * stride + 32 * k + 4 * i)) as i32;
+                h[t] = _mm512_dpbusd_epi32(h[t], q[i], _mm512_set1_epi32(x));
+            }
+        }
+        for t in 0..R {
+            let at = ag.add(t * stride);
+            let dx = _mm512_set1_ps(*(at.add(OFF_D + 4 * k) as *const f32));
+            let isum = if K::OFFSET {
+                let off = _mm512_set1_epi32(128 * *(at.add(OFF_QSUM + 4 * k) as *const i32));
+                _mm512_sub_epi32(h[t], off)
+            } else {
+                h[t]
+            };
+            let sc = _mm512_mul_ps(d, dx);
+            f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, f[t]);
+            if K::MINS {
+                let sx = _mm512_set1_ps(*(at.add(OFF_S + 4 * k) as *const f32));
+                f[t] = _mm512_fmadd_ps(m, sx, f[t]);
+            }
+        }
+    }
+    for (t, v) in f.iter().enumerate() {
+        y.write16(t0 + t, o, *v);
     }
 }
