@@ -1,4 +1,4 @@
-//! AVX-512 column tiles for Q4_1 and Q8_0 (the AVX-512 VNNI family): the AVX2 legacy column tiles ([`super::lcols`]) at 16 output rows per register, `vpdpbusd` into the exact i32 of each 32-element block, then the same f32 steps, so both families compute these rows bit for bit alike.
+//! AVX-512 column tiles and packed rows for Q4_1 and Q8_0 (the AVX-512 VNNI family): the AVX2 legacy column tiles ([`super::lcols`]) at 16 output rows per register, `vpdpbusd` into the exact i32 of each 32-element block, then the same f32 steps, so both families compute these rows bit for bit alike.
 //!
 //! `vpdpbusd` multiplies unsigned weight bytes by signed activations: Q4_1's nibbles are
 //! unsigned already; Q8_0's values are stored as `w + 128` (a flipped top bit) and the block sum
@@ -234,7 +234,8 @@ impl<K: LKind16> ColumnTiles for LTiles16<K> {
 }
 
 /// The AVX-512 family's Q4_1 / Q8_0 rows `[r0, r1)` against natural records, any number of them
-/// (the AVX2 family's bits): 512-bit tiles from two rows, the AVX2 tiles for one.
+/// (the AVX2 family's bits): packed matrices on `rows_packed`; natural ones on 512-bit tiles from
+/// two rows, the AVX2 tiles for one.
 ///
 /// # Safety
 /// The CPU must support AVX-512 F/BW/VL/VNNI and AVX2/FMA/F16C; `act` holds `n_tok` natural
