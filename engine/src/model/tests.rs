@@ -475,9 +475,9 @@ fn mixed_batch_rows_bit_identical_to_each_sequence_alone() {
     }
 }
 
-/// A model whose K-quant (and, in the AVX-512 family, Q4_1) matrices were column-packed at load
-/// (`quant::packed`, the AVX-512 and AVX2 families) computes the natural model's logits and K/V bit for bit: prefill, decoding and
-/// tree-sized batches.
+/// A model whose K-quant (and, in the AVX-512 family, Q4_1 and Q8_0) matrices were column-packed
+/// at load (`quant::packed`, the AVX-512 and AVX2 families) computes the natural model's logits
+/// and K/V bit for bit: prefill, decoding and tree-sized batches.
 #[test]
 fn packed_model_bit_identical_to_natural() {
     if !crate::quant::packed::packs_here() {

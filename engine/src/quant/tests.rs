@@ -557,17 +557,21 @@ fn avxvnni_column_tiles_bit_identical_to_avx2() {
     bit_identical_to_avx2(KernelLevel::AvxVnni, 29);
 }
 
+/// The types the column tiles and packed kernels run (K-quants, Q4_1, Q8_0).
+#[cfg(target_arch = "x86_64")]
+const COLUMN_TYPES: [GgmlType; 5] = [
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+    GgmlType::Q4_1,
+    GgmlType::Q8_0,
+];
+
 /// Every output of `level` equals the AVX2 family's bit for bit (see the tests above).
 #[cfg(target_arch = "x86_64")]
 fn bit_identical_to_avx2(level: KernelLevel, seed: u64) {
     let mut rng = StdRng::seed_from_u64(seed);
-    for ty in [
-        GgmlType::Q4_K,
-        GgmlType::Q5_K,
-        GgmlType::Q6_K,
-        GgmlType::Q4_1,
-        GgmlType::Q8_0,
-    ] {
+    for ty in COLUMN_TYPES {
         let shapes: &[(usize, usize)] = if ty.block_elems() == 256 {
             &[(37, 256), (100, 2304), (16, 1024)]
         } else {
@@ -1129,13 +1133,7 @@ fn packed_matrices_bit_identical_to_natural() {
         .num_threads(2)
         .build()
         .unwrap();
-    for ty in [
-        GgmlType::Q4_K,
-        GgmlType::Q5_K,
-        GgmlType::Q6_K,
-        GgmlType::Q4_1,
-        GgmlType::Q8_0,
-    ] {
+    for ty in COLUMN_TYPES {
         assert!(!packed::packable(ty, 40, 256) && !packed::packable(ty, 16, 100));
         // Legacy rows of whole groups, of a short last group (smollm2's 576) and of one block.
         let shapes: &[(usize, usize)] = if ty.block_elems() == 32 {

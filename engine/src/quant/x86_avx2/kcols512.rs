@@ -693,9 +693,9 @@ pub(super) unsafe fn k16_value<K: KKind>(
     }
 }
 
-/// Activation rows `slice_packed` takes at once (more would push its chains and sums out of the
-/// registers).
-const PACKED_ROWS_MAX: usize = 8;
+/// Activation rows a packed kernel's slice takes at once (here and in `lcols512`: more would push
+/// its chains and sums out of the registers).
+pub(super) const PACKED_ROWS_MAX: usize = 8;
 
 /// Most activation rows `rows_packed` takes; the packed column tiles take more (measured on a
 /// Zen 5 EPYC: `rows_packed` 7-13% below the natural tiles at 16 rows, 15-20% above them at

@@ -8,7 +8,7 @@
 use std::arch::x86_64::*;
 use std::marker::PhantomData;
 
-use super::kcols512::{columns_avx512, f16_cols16, join_ps};
+use super::kcols512::{columns_avx512, f16_cols16, join_ps, PACKED_ROWS_MAX};
 use super::{dwords8, f16_lanes, ld, rd_u32, ColumnTiles, CB_ROWS};
 use crate::quant::act::{GROUP, OFF_D, OFF_QSUM, OFF_S};
 use crate::quant::{GgmlType, QMatrix, YPtr};
@@ -167,20 +167,8 @@ unsafe fn tile16<K: LKind16, const RT: usize>(
         }
         for t in 0..RT {
             let at = a.add(t * stride);
-            let dx = _mm512_set1_ps(*(at.add(OFF_D + 4 * k) as *const f32));
-            let off = _mm512_set1_epi32(128 * *(at.add(OFF_QSUM + 4 * k) as *const i32));
             for b in 0..CB {
-                let isum = if K::OFFSET {
-                    _mm512_sub_epi32(h[b][t], off)
-                } else {
-                    h[b][t]
-                };
-                let sc = _mm512_mul_ps(w[b].d[k], dx);
-                f[b][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, f[b][t]);
-                if K::MINS {
-                    let sx = _mm512_set1_ps(*(at.add(OFF_S + 4 * k) as *const f32));
-                    f[b][t] = _mm512_fmadd_ps(w[b].m[k], sx, f[b][t]);
-                }
+                f[b][t] = block_step::<K>(h[b][t], w[b].d[k], w[b].m[k], at, k, f[b][t]);
             }
         }
     }
@@ -188,6 +176,35 @@ unsafe fn tile16<K: LKind16, const RT: usize>(
         for t in 0..RT {
             _mm512_storeu_ps(acc.add(t * W + b * ROWS), f[b][t]);
         }
+    }
+}
+
+/// One block's f32 step for 16 output rows, `tile16`'s and `slice_packed`'s alike (so their bits
+/// agree): `acc + isum·(d·dx)` (then `+ m·sx` for Q4_1) with the block's exact sums `h` against
+/// block `k` of the record at `at` (Q8_0's less `128·Σa`, undoing the stored `w + 128`).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn block_step<K: LKind16>(
+    h: __m512i,
+    d: __m512,
+    m: __m512,
+    at: *const u8,
+    k: usize,
+    acc: __m512,
+) -> __m512 {
+    let dx = _mm512_set1_ps(*(at.add(OFF_D + 4 * k) as *const f32));
+    let isum = if K::OFFSET {
+        let off = _mm512_set1_epi32(128 * *(at.add(OFF_QSUM + 4 * k) as *const i32));
+        _mm512_sub_epi32(h, off)
+    } else {
+        h
+    };
+    let f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, dx), acc);
+    if K::MINS {
+        let sx = _mm512_set1_ps(*(at.add(OFF_S + 4 * k) as *const f32));
+        _mm512_fmadd_ps(m, sx, f)
+    } else {
+        f
     }
 }
 
@@ -319,9 +336,6 @@ impl LPacked16 for Q80 {
     }
 }
 
-/// Activation rows `slice_packed` takes at once (their sums and accumulators stay in registers).
-const PACKED_ROWS_MAX: usize = 8;
-
 /// Bytes ahead of the packed stream asked into L2 (as the packed K-quant kernel's 8 groups).
 const PACKED_AHEAD: usize = 16 << 10;
 
@@ -388,20 +402,7 @@ unsafe fn slice_packed<K: LPacked16, const R: usize>(
             }
         }
         for t in 0..R {
-            let at = ag.add(t * stride);
-            let dx = _mm512_set1_ps(*(at.add(OFF_D + 4 * k) as *const f32));
-            let isum = if K::OFFSET {
-                let off = _mm512_set1_epi32(128 * *(at.add(OFF_QSUM + 4 * k) as *const i32));
-                _mm512_sub_epi32(h[t], off)
-            } else {
-                h[t]
-            };
-            let sc = _mm512_mul_ps(d, dx);
-            f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, f[t]);
-            if K::MINS {
-                let sx = _mm512_set1_ps(*(at.add(OFF_S + 4 * k) as *const f32));
-                f[t] = _mm512_fmadd_ps(m, sx, f[t]);
-            }
+            f[t] = block_step::<K>(h[t], d, m, ag.add(t * stride), k, f[t]);
         }
     }
     for (t, v) in f.iter().enumerate() {
