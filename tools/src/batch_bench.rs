@@ -32,6 +32,11 @@ pub struct ModeFigures {
     pub forward_share: f64,
     /// Decode-phase tok/s of each round (`--rounds`; `tok_s` is over all rounds together).
     pub rounds_tok_s: Vec<f64>,
+    /// Output tokens per second over the steady part of the decode phase: from every request
+    /// past its prompt until the first one finishes (all `concurrency` requests decoding in every
+    /// step, as llama-batched-bench's lockstep sequences do). `tok_s` also counts the ragged end,
+    /// where requests admitted first have finished and the last ones decode in smaller steps.
+    pub steady_tok_s: f64,
 }
 
 /// Raw sums of one mode's runs (one per round), turned into [`ModeFigures`] at the end.
@@ -51,6 +56,8 @@ struct ModeSums {
     forward_secs: f64,
     step_secs: f64,
     rounds_tok_s: Vec<f64>,
+    steady_tokens: usize,
+    steady_secs: f64,
 }
 
 impl ModeSums {
@@ -69,6 +76,8 @@ impl ModeSums {
         self.forward_secs += r.forward_secs;
         self.step_secs += r.step_secs;
         self.rounds_tok_s.extend(r.rounds_tok_s);
+        self.steady_tokens += r.steady_tokens;
+        self.steady_secs += r.steady_secs;
     }
 
     fn figures(&self) -> ModeFigures {
@@ -87,6 +96,7 @@ impl ModeSums {
             rows_per_step: self.rows as f64 / self.steps.max(1) as f64,
             forward_share: self.forward_secs / self.step_secs.max(1e-12),
             rounds_tok_s: self.rounds_tok_s.clone(),
+            steady_tok_s: self.steady_tokens as f64 / self.steady_secs.max(1e-12),
         }
     }
 }
@@ -444,9 +454,13 @@ fn run_mode(
     // Decode phase: from the step after every request has its first token.
     let mut decode_start: Option<(Instant, usize)> = None;
     let mut decode_end = t0;
+    // The steady part: from `decode_start` to the end of the step in which a request first
+    // finished after it.
+    let mut steady_end: Option<(Instant, usize)> = None;
     while !s.is_idle() {
         let events = s.step(backend)?;
         let now = Instant::now();
+        let mut any_done = false;
         for ev in events {
             produced += ev.tokens.len();
             first.entry(ev.id).or_insert(now);
@@ -454,6 +468,7 @@ fn run_mode(
                 Some(Finish::Done {
                     tokens: t, spec, ..
                 }) => {
+                    any_done = true;
                     let secs = now.duration_since(first[&ev.id]).as_secs_f64();
                     if secs > 0.0 && t.len() > 1 {
                         per_req.push((t.len() - 1) as f64 / secs);
@@ -467,6 +482,9 @@ fn run_mode(
                 None => {}
             }
         }
+        if decode_start.is_some() && steady_end.is_none() && any_done {
+            steady_end = Some((now, produced));
+        }
         if decode_start.is_none() && first.len() == c {
             decode_start = Some((now, produced));
         }
@@ -477,6 +495,8 @@ fn run_mode(
     let dsecs = decode_end.duration_since(ds).as_secs_f64();
     let st = s.stats();
     let decode_tokens = produced - dp;
+    let (se, sp) = steady_end.unwrap_or((decode_end, produced));
+    let (steady_secs, steady_tokens) = (se.duration_since(ds).as_secs_f64(), sp - dp);
     Ok(ModeSums {
         decode_tokens,
         decode_secs: dsecs,
@@ -496,15 +516,17 @@ fn run_mode(
         } else {
             0.0
         }],
+        steady_tokens,
+        steady_secs,
     })
 }
 
 pub fn format_table(r: &BatchBench) -> String {
     let mut s = format!(
         "model: {}  cpu: {}  threads: {}  prompts: {} ({} tokens)  tokens: {}  T: {}\n\
-         fixed/adaptive: --draft {} budget {}; tok/s over the decode phase, e2e from submission; \
+         fixed/adaptive: --draft {} budget {}; tok/s over the decode phase, steady while all decode, e2e from submission; \
          {} round(s), modes alternated\n\
-         {:>5} {:>9} {:>10} {:>10} {:>10} {:>8} {:>8} {:>7} {:>8} {:>5}\n",
+         {:>5} {:>9} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8} {:>7} {:>8} {:>5}\n",
         r.model,
         r.cpu,
         r.threads,
@@ -518,6 +540,7 @@ pub fn format_table(r: &BatchBench) -> String {
         "conc",
         "mode",
         "tok/s",
+        "steady",
         "per-req",
         "e2e tok/s",
         "accepted",
@@ -536,10 +559,11 @@ pub fn format_table(r: &BatchBench) -> String {
                 continue;
             };
             s.push_str(&format!(
-                "{:>5} {:>9} {:>10.1} {:>10.2} {:>10.1} {:>8.2} {:>8} {:>7} {:>8.1} {:>5.1}{}\n",
+                "{:>5} {:>9} {:>10.1} {:>10.1} {:>10.2} {:>10.1} {:>8.2} {:>8} {:>7} {:>8.1} {:>5.1}{}\n",
                 row.concurrency,
                 name,
                 f.tok_s,
+                f.steady_tok_s,
                 f.per_request_tok_s,
                 f.end_to_end_tok_s,
                 f.mean_accepted,

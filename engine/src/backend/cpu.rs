@@ -207,31 +207,96 @@ impl Backend for CpuBackend {
             return Ok(());
         }
         // Decoding-sized parts of every sequence in one parallel region: one task per (token,
-        // head), so every thread has work and the threads wake once per layer, not per sequence.
-        out.par_chunks_mut(hd).enumerate().for_each_init(
-            || (Vec::<f32>::new(), Vec::<usize>::new(), vec![0.0f32; hd]),
+        // KV head, tile of that head's query heads), so the query heads sharing a KV head widen
+        // its K and V rows once, every thread has work, and the threads wake once per layer, not
+        // per sequence.
+        let n_kv = seqs[owner.iter().flatten().next().copied().unwrap_or(0)]
+            .shape
+            .n_head_kv;
+        let tile = decode_head_tile(
+            n_head,
+            n_kv,
+            owner.iter().filter(|o| o.is_some()).count(),
+            rayon::current_num_threads(),
+        );
+        out.par_chunks_mut(tile * hd).enumerate().for_each_init(
+            || (Vec::<f32>::new(), Vec::<usize>::new(), Vec::<f32>::new()),
             |(scores, slots, qh), (idx, o)| {
-                let (row, h) = (idx / n_head, idx % n_head);
+                let tiles_per_row = n_head / tile;
+                let (row, h0) = (idx / tiles_per_row, (idx % tiles_per_row) * tile);
                 let Some(sq) = owner[row].map(|i| &seqs[i]) else {
                     return;
                 };
                 let s = sq.shape;
                 let kv_dim = s.n_head_kv * hd;
-                let kvh = h / (n_head / s.n_head_kv);
+                let group = n_head / s.n_head_kv;
                 let scale = 1.0 / (hd as f32).sqrt();
                 // Q at f16 precision, like the K it meets (llama.cpp's K·Q runs in f16).
-                qh.copy_from_slice(&q[idx * hd..(idx + 1) * hd]);
+                let src = row * width + h0 * hd;
+                qh.clear();
+                qh.extend_from_slice(&q[src..src + o.len()]);
                 simd::round_f16_slice(qh);
                 visible_slots(s, sq.mask, row - sq.row0, slots);
                 sq.kv.to_rows(slots);
-                let max = simd::attn_scores(qh, sq.kv.k, slots, kv_dim, kvh * hd, scale, scores);
-                softmax_f16(scores, max);
-                o.fill(0.0);
-                simd::attn_weighted_sum(scores, sq.kv.v, slots, kv_dim, kvh * hd, o);
+                let n = slots.len();
+                let mut maxes = [0f32; MAX_GROUP];
+                // Heads of one KV head share the slots; a tile never spans two KV heads unless
+                // the sequence's grouping differs from the batch's first (then head by head).
+                let mut h = 0;
+                while h < o.len() / hd {
+                    let kvh = (h0 + h) / group;
+                    let g = (group - (h0 + h) % group).min(o.len() / hd - h);
+                    scores.resize(g * n, 0.0);
+                    let qg = &qh[h * hd..(h + g) * hd];
+                    simd::attn_scores_group(
+                        qg,
+                        hd,
+                        sq.kv.k,
+                        slots,
+                        kv_dim,
+                        kvh * hd,
+                        scale,
+                        scores,
+                        n,
+                        &mut maxes[..g],
+                    );
+                    for (j, &max) in maxes[..g].iter().enumerate() {
+                        softmax_f16(&mut scores[j * n..(j + 1) * n], max);
+                    }
+                    let og = &mut o[h * hd..(h + g) * hd];
+                    og.fill(0.0);
+                    simd::attn_weighted_sum_group(
+                        scores,
+                        n,
+                        hd,
+                        sq.kv.v,
+                        slots,
+                        kv_dim,
+                        kvh * hd,
+                        og,
+                    );
+                    h += g;
+                }
             },
         );
         Ok(())
     }
+}
+
+/// Query heads per task of the decoding-sized attention pass: a KV head's whole group (its K
+/// and V rows widened once for all of them), split into equal tiles only as far as needed to give
+/// every thread two tasks over `rows` rows.
+fn decode_head_tile(n_head: usize, n_kv: usize, rows: usize, threads: usize) -> usize {
+    if n_kv == 0 || !n_head.is_multiple_of(n_kv) || n_head / n_kv > MAX_GROUP {
+        return 1;
+    }
+    let group = n_head / n_kv;
+    let want = (2 * threads).div_ceil((rows * n_kv).max(1));
+    // The largest divisor of `group` giving at least `want` tiles per KV head.
+    (1..=group)
+        .rev()
+        .find(|&t| group.is_multiple_of(t) && group / t >= want)
+        .unwrap_or(1)
 }
 
 /// The cache slots new token `t` attends to, ascending.
@@ -342,14 +407,25 @@ fn attention_by_kv_head(
             // [rows, n_slots] scores, then weights (row r uses the first len(slots of its token)).
             let mut sc = vec![0f32; rows * n_slots];
             let mut maxes = vec![f32::NEG_INFINITY; rows];
-            let mut tmp = Vec::new();
+            // A token's query heads share its slots: each piece's K rows widened once for the
+            // group ([`simd::attn_scores_group`]; per head the one-head kernel's bits).
+            let mut m = [0f32; MAX_GROUP];
             for &(ti, c0, c1) in &pieces {
-                for r in ti * group..(ti + 1) * group {
-                    let qh = &qr[r * hd..(r + 1) * hd];
-                    let sl = &slots[ti][c0..c1];
-                    let m = simd::attn_scores(qh, kv.k, sl, kv_dim, kvh * hd, scale, &mut tmp);
-                    sc[r * n_slots + c0..r * n_slots + c1].copy_from_slice(&tmp);
-                    maxes[r] = maxes[r].max(m);
+                let (r0, sl) = (ti * group, &slots[ti][c0..c1]);
+                simd::attn_scores_group(
+                    &qr[r0 * hd..(r0 + group) * hd],
+                    hd,
+                    kv.k,
+                    sl,
+                    kv_dim,
+                    kvh * hd,
+                    scale,
+                    &mut sc[r0 * n_slots + c0..(r0 + group) * n_slots],
+                    n_slots,
+                    &mut m[..group],
+                );
+                for (r, &mr) in (r0..r0 + group).zip(&m[..group]) {
+                    maxes[r] = maxes[r].max(mr);
                 }
             }
             for (r, &max) in maxes.iter().enumerate() {
@@ -359,12 +435,17 @@ fn attention_by_kv_head(
             // [rows, hd] outputs.
             let mut o = vec![0f32; rows * hd];
             for &(ti, c0, c1) in &pieces {
-                for r in ti * group..(ti + 1) * group {
-                    let p = &sc[r * n_slots + c0..r * n_slots + c1];
-                    let orow = &mut o[r * hd..(r + 1) * hd];
-                    let sl = &slots[ti][c0..c1];
-                    simd::attn_weighted_sum(p, kv.v, sl, kv_dim, kvh * hd, orow);
-                }
+                let r0 = ti * group;
+                simd::attn_weighted_sum_group(
+                    &sc[r0 * n_slots + c0..(r0 + group) * n_slots],
+                    n_slots,
+                    hd,
+                    kv.v,
+                    &slots[ti][c0..c1],
+                    kv_dim,
+                    kvh * hd,
+                    &mut o[r0 * hd..(r0 + group) * hd],
+                );
             }
             o
         })

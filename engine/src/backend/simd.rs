@@ -263,6 +263,123 @@ pub fn attn_weighted_sum(
     }
 }
 
+/// Most query heads the AVX-512 grouped kernels keep in one register tile
+/// ([`attn_weighted_sum_group`]).
+const GROUP_TILE: usize = 6;
+
+/// [`attn_scores`] for the `g = qs.len() / hd` query heads of one KV head (grouped-query
+/// attention), over the same slots: head `h`'s query is `qs[h * hd..][..hd]`, its scores go to
+/// `scores[h * ld..][..slots.len()]` and its maximum to `maxes[h]`, each exactly what
+/// [`attn_scores`] gives that head alone (the same FMAs in the same order). Each K row is widened
+/// once for all `g` heads instead of once per head.
+#[allow(clippy::too_many_arguments)]
+pub fn attn_scores_group(
+    qs: &[f32],
+    hd: usize,
+    k: &[f16],
+    slots: &[usize],
+    stride: usize,
+    off: usize,
+    scale: f32,
+    scores: &mut [f32],
+    ld: usize,
+    maxes: &mut [f32],
+) {
+    let g = qs.len() / hd.max(1);
+    let n = slots.len();
+    assert!(
+        qs.len() == g * hd
+            && maxes.len() >= g
+            && ld >= n
+            && (g == 0 || scores.len() >= (g - 1) * ld + n),
+        "attn_scores_group: buffers do not match shape"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if level() == Level::Avx512
+        && (hd == 128 || hd == 64)
+        && slots.iter().all(|&s| s * stride + off + hd <= k.len())
+    {
+        // SAFETY: AVX-512F detected; every row read was bounds-checked just above, the output
+        // lengths asserted.
+        unsafe {
+            match hd {
+                128 => x86::scores_group_avx512::<8>(
+                    qs, k, slots, stride, off, scale, scores, ld, maxes,
+                ),
+                _ => x86::scores_group_avx512::<4>(
+                    qs, k, slots, stride, off, scale, scores, ld, maxes,
+                ),
+            }
+        }
+        return;
+    }
+    let mut tmp = Vec::with_capacity(n);
+    for h in 0..g {
+        maxes[h] = attn_scores(
+            &qs[h * hd..(h + 1) * hd],
+            k,
+            slots,
+            stride,
+            off,
+            scale,
+            &mut tmp,
+        );
+        scores[h * ld..h * ld + n].copy_from_slice(&tmp);
+    }
+}
+
+/// [`attn_weighted_sum`] for the `g = o.len() / hd` query heads of one KV head over the same
+/// slots: head `h` accumulates `o[h * hd..][..hd] += sum_i p[h * ld + i] * rows[slots[i]]`,
+/// exactly as [`attn_weighted_sum`] would for that head alone (per output, the same FMAs in slot
+/// order). Each V row is widened once for all `g` heads.
+#[allow(clippy::too_many_arguments)]
+pub fn attn_weighted_sum_group(
+    p: &[f32],
+    ld: usize,
+    hd: usize,
+    v: &[f16],
+    slots: &[usize],
+    stride: usize,
+    off: usize,
+    o: &mut [f32],
+) {
+    let g = o.len() / hd.max(1);
+    let n = slots.len();
+    assert!(
+        o.len() == g * hd && ld >= n && (g == 0 || p.len() >= (g - 1) * ld + n),
+        "attn_weighted_sum_group: buffers do not match shape"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if level() == Level::Avx512
+        && hd.is_multiple_of(64)
+        && hd <= 256
+        && slots.iter().all(|&s| s * stride + off + hd <= v.len())
+    {
+        let mut h0 = 0;
+        while h0 < g {
+            let t = (g - h0).min(GROUP_TILE);
+            let (pt, ot) = (&p[h0 * ld..], &mut o[h0 * hd..(h0 + t) * hd]);
+            // SAFETY: AVX-512F detected; every row read was bounds-checked just above; `pt`
+            // holds `t` rows of `ld >= n` weights (asserted), `ot` `t` rows of `hd`.
+            unsafe {
+                match t {
+                    1 => x86::weighted_sum_group_avx512::<1>(pt, ld, v, slots, stride, off, ot),
+                    2 => x86::weighted_sum_group_avx512::<2>(pt, ld, v, slots, stride, off, ot),
+                    3 => x86::weighted_sum_group_avx512::<3>(pt, ld, v, slots, stride, off, ot),
+                    4 => x86::weighted_sum_group_avx512::<4>(pt, ld, v, slots, stride, off, ot),
+                    5 => x86::weighted_sum_group_avx512::<5>(pt, ld, v, slots, stride, off, ot),
+                    _ => x86::weighted_sum_group_avx512::<6>(pt, ld, v, slots, stride, off, ot),
+                }
+            }
+            h0 += t;
+        }
+        return;
+    }
+    for (h, oh) in o.chunks_exact_mut(hd).enumerate() {
+        attn_weighted_sum(&p[h * ld..h * ld + n], v, slots, stride, off, oh);
+    }
+}
+
 pub fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
@@ -478,6 +595,137 @@ mod x86 {
         let mut lanes = [0f32; 16];
         _mm512_storeu_ps(lanes.as_mut_ptr(), acc);
         lanes
+    }
+
+    /// `attn_scores_group` for heads of `C` 16-float chunks: per 16 slots, each K row widened
+    /// once into `C` registers serves every head's dot (`scores_chunks`' FMAs, in its order),
+    /// then one transposed reduction per head.
+    ///
+    /// SAFETY (caller): AVX-512F present, `qs.len() == g * 16 * C`, every row in bounds,
+    /// `scores` holds `g` rows of stride `ld >= slots.len()`, `maxes` `g` values.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn scores_group_avx512<const C: usize>(
+        qs: &[f32],
+        k: &[f16],
+        slots: &[usize],
+        stride: usize,
+        off: usize,
+        scale: f32,
+        scores: &mut [f32],
+        ld: usize,
+        maxes: &mut [f32],
+    ) {
+        let hd = 16 * C;
+        let g = qs.len() / hd;
+        let widen = |s: usize| -> [__m512; C] {
+            let row = k.as_ptr().add(s * stride + off) as *const __m256i;
+            std::array::from_fn(|c| _mm512_cvtph_ps(_mm256_loadu_si256(row.add(c))))
+        };
+        // Head `h`'s dot with a widened row: `scores_chunks`' chain.
+        let dot = |h: usize, kr: &[__m512; C]| {
+            let q = qs.as_ptr().add(h * hd);
+            let mut acc = _mm512_setzero_ps();
+            for (c, kc) in kr.iter().enumerate() {
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(16 * c)), *kc, acc);
+            }
+            acc
+        };
+        let vscale = _mm512_set1_ps(scale);
+        let mut h0 = 0;
+        while h0 < g {
+            let t = (g - h0).min(super::GROUP_TILE);
+            let mut vmax = [_mm512_set1_ps(f32::NEG_INFINITY); super::GROUP_TILE];
+            let mut acc = [[_mm512_setzero_ps(); 16]; super::GROUP_TILE];
+            let mut blocks = slots.chunks_exact(16);
+            let mut i0 = 0;
+            for b in blocks.by_ref() {
+                // Two slots at a time: each query chunk loaded once serves both.
+                for (jp, pair) in b.chunks_exact(2).enumerate() {
+                    let r0 = k.as_ptr().add(pair[0] * stride + off) as *const __m256i;
+                    let r1 = k.as_ptr().add(pair[1] * stride + off) as *const __m256i;
+                    let mut a2 = [[_mm512_setzero_ps(); 2]; super::GROUP_TILE];
+                    for c in 0..C {
+                        let k0 = _mm512_cvtph_ps(_mm256_loadu_si256(r0.add(c)));
+                        let k1 = _mm512_cvtph_ps(_mm256_loadu_si256(r1.add(c)));
+                        for (h, a) in a2.iter_mut().enumerate().take(t) {
+                            let qc = _mm512_loadu_ps(qs.as_ptr().add((h0 + h) * hd + 16 * c));
+                            a[0] = _mm512_fmadd_ps(qc, k0, a[0]);
+                            a[1] = _mm512_fmadd_ps(qc, k1, a[1]);
+                        }
+                    }
+                    for (h, a) in a2.iter().enumerate().take(t) {
+                        acc[h][2 * jp] = a[0];
+                        acc[h][2 * jp + 1] = a[1];
+                    }
+                }
+                for (h, a) in acc.iter().enumerate().take(t) {
+                    let sc = _mm512_mul_ps(crate::quant::x86_avx512::reduce16(a), vscale);
+                    vmax[h] = _mm512_max_ps(sc, vmax[h]);
+                    _mm512_storeu_ps(scores.as_mut_ptr().add((h0 + h) * ld + i0), sc);
+                }
+                i0 += 16;
+            }
+            for (h, vm) in vmax.iter().enumerate().take(t) {
+                maxes[h0 + h] = _mm512_reduce_max_ps(*vm);
+            }
+            for &s in blocks.remainder() {
+                let kr = widen(s);
+                for h in 0..t {
+                    let sc = _mm512_reduce_add_ps(dot(h0 + h, &kr)) * scale;
+                    maxes[h0 + h] = maxes[h0 + h].max(sc);
+                    scores[(h0 + h) * ld + i0] = sc;
+                }
+                i0 += 1;
+            }
+            h0 += t;
+        }
+    }
+
+    /// `attn_weighted_sum_group` for a tile of `T` heads: four 16-float chunks of every head's
+    /// output at a time held in registers, each V chunk widened once for the `T` heads; per
+    /// output the FMAs of `weighted_sum_chunks` in slot order.
+    ///
+    /// SAFETY (caller): AVX-512F present, `o.len() == T * hd` with `hd % 64 == 0`, every row in
+    /// bounds, `p` holds `T` rows of stride `ld >= slots.len()`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn weighted_sum_group_avx512<const T: usize>(
+        p: &[f32],
+        ld: usize,
+        v: &[f16],
+        slots: &[usize],
+        stride: usize,
+        off: usize,
+        o: &mut [f32],
+    ) {
+        let hd = o.len() / T;
+        let op = o.as_mut_ptr();
+        let mut c0 = 0;
+        while c0 < hd {
+            let mut acc = [[_mm512_setzero_ps(); 4]; T];
+            for (h, a) in acc.iter_mut().enumerate() {
+                for (c, ac) in a.iter_mut().enumerate() {
+                    *ac = _mm512_loadu_ps(op.add(h * hd + c0 + 16 * c));
+                }
+            }
+            for (i, &s) in slots.iter().enumerate() {
+                let row = v.as_ptr().add(s * stride + off + c0) as *const __m256i;
+                let vr: [__m512; 4] =
+                    std::array::from_fn(|c| _mm512_cvtph_ps(_mm256_loadu_si256(row.add(c))));
+                for (h, a) in acc.iter_mut().enumerate() {
+                    let wv = _mm512_set1_ps(*p.get_unchecked(h * ld + i));
+                    for (ac, vc) in a.iter_mut().zip(&vr) {
+                        *ac = _mm512_fmadd_ps(wv, *vc, *ac);
+                    }
+                }
+            }
+            for (h, a) in acc.iter().enumerate() {
+                for (c, ac) in a.iter().enumerate() {
+                    _mm512_storeu_ps(op.add(h * hd + c0 + 16 * c), *ac);
+                }
+            }
+            c0 += 64;
+        }
     }
 
     /// SAFETY (caller): AVX-512F present, `o.len() % 16 == 0 && o.len() <= 256`, rows in bounds.
@@ -928,6 +1176,132 @@ mod tests {
                     + 1.0;
                 assert!((o[d] - r).abs() < 1e-5, "hd {hd} dim {d}");
             }
+        }
+    }
+
+    /// The grouped-query kernels give every head exactly the bits of the one-head kernels, for
+    /// every group size (tiles of 6 and their remainders), slot count (blocks of 16 and the
+    /// remainder) and head size, with padded score rows; on any machine (the fallbacks loop over
+    /// the one-head kernels).
+    #[test]
+    fn grouped_attention_bit_identical_to_one_head() {
+        let mut rng = crate::sample::Rng::new(11);
+        for hd in [64usize, 128, 48] {
+            let n_kv = 2;
+            let stride = hd * n_kv;
+            let rows = 70;
+            let kh: Vec<f16> = (0..rows * stride)
+                .map(|_| f16::from_f32((rng.next_f64() as f32 - 0.5) * 4.0))
+                .collect();
+            let vh: Vec<f16> = (0..rows * stride)
+                .map(|_| f16::from_f32(rng.next_f64() as f32 - 0.5))
+                .collect();
+            for g in [1usize, 2, 3, 5, 6, 7, 12] {
+                let qs: Vec<f32> = (0..g * hd).map(|_| rng.next_f64() as f32 - 0.5).collect();
+                for n in [0usize, 1, 15, 16, 17, 33, 70] {
+                    // Scattered slots, in no order.
+                    let slots: Vec<usize> = (0..n).map(|i| (i * 37 + 5) % rows).collect();
+                    let (off, scale, ld) = (hd, 0.09, n + 3);
+                    let mut sc = vec![f32::NAN; g * ld];
+                    let mut maxes = vec![0f32; g];
+                    attn_scores_group(
+                        &qs, hd, &kh, &slots, stride, off, scale, &mut sc, ld, &mut maxes,
+                    );
+                    let mut o = vec![0.25f32; g * hd];
+                    attn_weighted_sum_group(&sc, ld, hd, &vh, &slots, stride, off, &mut o);
+                    let mut one = Vec::new();
+                    for h in 0..g {
+                        let q = &qs[h * hd..(h + 1) * hd];
+                        let max = attn_scores(q, &kh, &slots, stride, off, scale, &mut one);
+                        assert_eq!(
+                            max.to_bits(),
+                            maxes[h].to_bits(),
+                            "hd {hd} g {g} n {n} h {h}"
+                        );
+                        for i in 0..n {
+                            assert_eq!(
+                                one[i].to_bits(),
+                                sc[h * ld + i].to_bits(),
+                                "hd {hd} g {g} n {n} head {h} slot {i}"
+                            );
+                        }
+                        let mut oh = vec![0.25f32; hd];
+                        attn_weighted_sum(&one, &vh, &slots, stride, off, &mut oh);
+                        for d in 0..hd {
+                            assert_eq!(
+                                oh[d].to_bits(),
+                                o[h * hd + d].to_bits(),
+                                "hd {hd} g {g} n {n} head {h} dim {d}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Timing of one decode row's attention over a KV head (qwen2.5-1.5b's shape: 6 query heads
+    /// of 128 per KV head, 256 slots): the grouped kernels against a call per head.
+    /// `cargo test --release -p arbor-engine grouped_attention_timing -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn grouped_attention_timing() {
+        let (hd, g, n, n_kv) = (128usize, 6usize, 256usize, 2usize);
+        let stride = hd * n_kv;
+        let mut rng = crate::sample::Rng::new(5);
+        let kh: Vec<f16> = (0..n * stride)
+            .map(|_| f16::from_f32(rng.next_f64() as f32 - 0.5))
+            .collect();
+        let qs: Vec<f32> = (0..g * hd).map(|_| rng.next_f64() as f32 - 0.5).collect();
+        let slots: Vec<usize> = (0..n).collect();
+        let mut sc = vec![0f32; g * n];
+        let mut maxes = vec![0f32; g];
+        let mut o = vec![0f32; g * hd];
+        let mut one = Vec::new();
+        let reps = 20000;
+        for round in 0..3 {
+            let t0 = std::time::Instant::now();
+            for _ in 0..reps {
+                attn_scores_group(
+                    &qs, hd, &kh, &slots, stride, hd, 0.1, &mut sc, n, &mut maxes,
+                );
+            }
+            let grouped_scores = t0.elapsed().as_secs_f64() / reps as f64;
+            let t0 = std::time::Instant::now();
+            for _ in 0..reps {
+                for h in 0..g {
+                    maxes[h] = attn_scores(
+                        &qs[h * hd..(h + 1) * hd],
+                        &kh,
+                        &slots,
+                        stride,
+                        hd,
+                        0.1,
+                        &mut one,
+                    );
+                    sc[h * n..(h + 1) * n].copy_from_slice(&one);
+                }
+            }
+            let per_head_scores = t0.elapsed().as_secs_f64() / reps as f64;
+            let t0 = std::time::Instant::now();
+            for _ in 0..reps {
+                attn_weighted_sum_group(&sc, n, hd, &kh, &slots, stride, hd, &mut o);
+            }
+            let grouped_sum = t0.elapsed().as_secs_f64() / reps as f64;
+            let t0 = std::time::Instant::now();
+            for _ in 0..reps {
+                for (h, oh) in o.chunks_exact_mut(hd).enumerate() {
+                    attn_weighted_sum(&sc[h * n..(h + 1) * n], &kh, &slots, stride, hd, oh);
+                }
+            }
+            let per_head_sum = t0.elapsed().as_secs_f64() / reps as f64;
+            println!(
+                "round {round}: scores grouped {:.2} us, per head {:.2} us; weighted sum grouped {:.2} us, per head {:.2} us",
+                grouped_scores * 1e6,
+                per_head_scores * 1e6,
+                grouped_sum * 1e6,
+                per_head_sum * 1e6
+            );
         }
     }
 

@@ -360,10 +360,14 @@ unsafe fn k4_scales16_packed(base: *const u8, out: &mut KCols16) {
     }
     // d and dmin: the f16 halves of dword 0.
     out.d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(t[0]));
-    out.ndmin = _mm512_xor_ps(
-        _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(t[0]))),
-        _mm512_set1_ps(-0.0),
-    );
+    // Sign flip by an integer xor (`_mm512_xor_ps` needs AVX-512DQ, not enabled here: it would
+    // be a call).
+    out.ndmin = _mm512_castsi512_ps(_mm512_xor_si512(
+        _mm512_castps_si512(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<
+            16,
+        >(t[0])))),
+        _mm512_set1_epi32(i32::MIN),
+    ));
 }
 
 /// Where the dwords of a 16-row group come from: natural rows, transposed here, or a packed

@@ -319,10 +319,12 @@ pub(super) unsafe fn rows_k_nat16x16<K: KNat512, const R: usize>(
             let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
             // Q6_K's offset is already in the sums.
             let bs: &[__m512i] = if K::K6 { &[] } else { &mins_cols16(&heads) };
-            let ndmin = _mm512_xor_ps(
-                _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dd))),
-                _mm512_set1_ps(-0.0),
-            );
+            let ndmin = _mm512_castsi512_ps(_mm512_xor_si512(
+                _mm512_castps_si512(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<
+                    16,
+                >(dd)))),
+                _mm512_set1_epi32(i32::MIN),
+            ));
             for (t, acc) in acc.iter_mut().enumerate() {
                 let a = act.add(t * stride + g * REC);
                 let s = reduce16_halves_epi32(&part[t]);
