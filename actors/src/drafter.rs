@@ -106,7 +106,7 @@ impl Handler<Draft> for DrafterActor {
                 continue;
             };
             who.push((id, pos));
-            d.set_row_cost(w.row_cost);
+            d.set_row_costs(&w.row_costs);
             items.push(ProposeItem {
                 drafter: &mut **d,
                 tokens: &w.tokens,

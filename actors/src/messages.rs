@@ -183,8 +183,8 @@ pub struct DraftWork {
     pub seed: u64,
     /// The request's depth cap (drafters are built for it).
     pub depth: usize,
-    /// What one more verified row costs, in plain passes (`Drafter::set_row_cost`).
-    pub row_cost: f64,
+    /// What each further verified row costs, in plain passes (`Drafter::set_row_costs`).
+    pub row_costs: Vec<f64>,
 }
 
 /// Intake → Drafter: draft the trees of the step's requests that use this drafter.

@@ -404,7 +404,7 @@ impl Verifier {
                     drafters,
                     seed,
                     depth,
-                    row_cost: j.row_cost,
+                    row_costs: j.row_costs,
                 })
             })
             .collect();

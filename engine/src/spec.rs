@@ -23,7 +23,7 @@ use crate::model::Model;
 use crate::sample::verify::{Verifier, VerifyMode, VerifyOutcome};
 use crate::sample::Sampler;
 use crate::sched::adaptive::{
-    choose_depths, drafting_pays, median, nodes_upto, row_cost, useful_budget, Acceptance,
+    choose_depths, drafting_pays, median, nodes_upto, row_costs, useful_budget, Acceptance,
     DepthOptions, DraftBackoff, StepCost, CHEAP_DRAFT, COSTLY_DRAFT,
 };
 use crate::tokenizer::Tokenizer;
@@ -232,6 +232,15 @@ pub fn verify_step<B: Backend>(
 
 /// Rows of the first tree an adaptive request verifies before it knows what passes cost.
 const FIRST_TREE_ROWS: usize = 8;
+
+/// Row counts an adaptive request's next trees verify after the first, each pass a new point of
+/// its cost curve: the first tree's pass and the plain ones alone draw a straight line from one
+/// row to `FIRST_TREE_ROWS`, while a pass that streams the weights (a CPU) costs about the same
+/// over the first few rows.
+const EXPLORE_ROWS: [usize; 3] = [2, 4, 6];
+
+/// Drafted steps after which an adaptive request stops exploring sizes its drafts did not fill.
+const EXPLORE_TRIES: usize = 8;
 
 /// Depth of the first proposal an adaptive request drafts (a model drafter's passes are paid
 /// per depth).
@@ -888,6 +897,13 @@ pub fn generate<B: Backend>(
     });
     // Seconds of the plain steps before the first proposal (the curve's one-row point).
     let mut plain_secs: Vec<f64> = Vec::new();
+    // Sizes the first tree does not cover and the budget allows.
+    let mut explore: Vec<usize> = EXPLORE_ROWS
+        .iter()
+        .copied()
+        .filter(|&r| r < FIRST_TREE_ROWS && r - 1 <= spec.budget)
+        .collect();
+    let mut explore_tries = 0usize;
     // Whether the last drafting cost next to nothing against a pass (prompt lookup): then the
     // drafters are asked for their whole depth, since a deeper draft costs no drafter passes.
     let mut cheap_drafting = false;
@@ -942,9 +958,12 @@ pub fn generate<B: Backend>(
         // few nodes instead of a first level that no depth choice can afford).
         let node_cap = match cost.as_ref() {
             Some(c) => {
-                let rc = row_cost(c);
-                drafters.iter_mut().for_each(|d| d.set_row_cost(rc));
-                useful_budget(c, session.budget, acceptance)
+                let rc = row_costs(c, session.budget);
+                drafters.iter_mut().for_each(|d| d.set_row_costs(&rc));
+                match explore.first() {
+                    Some(&rows) => rows - 1,
+                    None => useful_budget(c, session.budget, acceptance),
+                }
             }
             None => FIRST_TREE_ROWS - 1,
         };
@@ -974,11 +993,29 @@ pub fn generate<B: Backend>(
             let o = session.verify(&tree, drafters)?;
             let secs = t0.elapsed().as_secs_f64();
             *cost = Some(StepCost::from_points(vec![(1, one), (tree.len(), secs)]));
+            explore.retain(|&r| r != tree.len());
             *last_depth = tree.max_depth();
             pending = o.emitted();
             acceptance.record(&proposal, &pending);
             continue;
         };
+        // Learn the curve's small sizes from real steps: a proposal drafted within the next size
+        // to explore is verified whole, its pass a new point.
+        if let Some(&rows) = explore.first() {
+            explore_tries += 1;
+            if explore_tries > EXPLORE_TRIES {
+                explore.clear();
+            } else if proposal.len() == rows {
+                explore.remove(0);
+                let t0 = Instant::now();
+                let o = session.verify(&proposal, drafters)?;
+                cost.add_point(rows, t0.elapsed().as_secs_f64());
+                *last_depth = proposal.max_depth();
+                pending = o.emitted();
+                acceptance.record(&proposal, &pending);
+                continue;
+            }
+        }
         let opts = [DepthOptions {
             acceptance,
             nodes_upto: nodes_upto(&proposal),

@@ -91,9 +91,9 @@ impl Drafter for FallbackDrafter<'_> {
             .max(self.second.prompt_candidates())
     }
 
-    fn set_row_cost(&mut self, passes_per_row: f64) {
-        self.first.set_row_cost(passes_per_row);
-        self.second.set_row_cost(passes_per_row);
+    fn set_row_costs(&mut self, costs: &[f64]) {
+        self.first.set_row_costs(costs);
+        self.second.set_row_costs(costs);
     }
 
     fn observe_candidates(&mut self, rows: &RowCandidates<'_>) {

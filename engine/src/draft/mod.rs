@@ -112,10 +112,13 @@ pub trait Drafter: Send {
     /// every row's input token and the top candidates of its logits.
     fn observe_candidates(&mut self, _rows: &RowCandidates<'_>) {}
 
-    /// What one more verified row costs, in plain passes (with the adaptive policy's hurdle), as
-    /// the adaptive policy last measured it; 0 (the default) when nobody measures. A drafter that
-    /// knows how likely each node is to be accepted proposes only the nodes worth their row.
-    fn set_row_cost(&mut self, _passes_per_row: f64) {}
+    /// What each further verified row costs, in plain passes (with the adaptive policy's
+    /// hurdle): `costs[i]` for a tree's `i + 1`-th draft node, as the adaptive policy last
+    /// measured them ([`crate::sched::adaptive::row_costs`]; a pass over a few rows may cost
+    /// little more than one over the root, the next rows far more); empty when nobody measures.
+    /// A drafter that knows how likely each node is to be accepted proposes only the nodes worth
+    /// their rows.
+    fn set_row_costs(&mut self, _costs: &[f64]) {}
 
     /// The drafter's batched form, when its passes can join other drafters' in one forward pass
     /// (model drafters): [`crate::spec::draft_trees`] then drafts many sequences together.

@@ -293,8 +293,9 @@ pub struct RecycleDrafter {
     rates: RankRates,
     /// The last proposal's nodes (builder order: parents first); index 0 stands for the root.
     last: Vec<Proposed>,
-    /// Least path score worth a row ([`Drafter::set_row_cost`]; 0: the budget alone decides).
-    min_score: f64,
+    /// Least path score worth the tree's `i + 1`-th node, `row_costs[i]`
+    /// ([`Drafter::set_row_costs`]; empty: the budget alone decides).
+    row_costs: Vec<f64>,
     /// The sequence's own successors are in the matrix (done at the first proposal).
     warm: bool,
     /// Also warm up from the top candidates of every prompt row (costs the output head over the
@@ -326,7 +327,7 @@ impl RecycleDrafter {
             template,
             rates,
             last: Vec::new(),
-            min_score: 0.0,
+            row_costs: Vec::new(),
             warm: false,
             prompt_logits: false,
         })
@@ -384,10 +385,23 @@ impl Drafter for RecycleDrafter {
         let mut chosen = self
             .template
             .select(req.budget, req.max_depth, |d, r| self.rates.rate(d, r));
-        // A node's score estimates the chance its path is accepted, the tokens it is worth:
-        // nodes below the cost of their row are left out (scores fall along a path, so the rest
-        // stays a subtree).
-        chosen.retain(|&(_, score)| score >= self.min_score);
+        // A node's score estimates the chance its path is accepted, the tokens it is worth: the
+        // best nodes first, each kept while it is worth its row (the `i + 1`-th costs
+        // `row_costs[i]`). Scores fall along a path and ties go to the template's order
+        // (parents first), so the kept nodes stay a subtree.
+        if !self.row_costs.is_empty() {
+            chosen.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            let last = self.row_costs[self.row_costs.len() - 1];
+            let keep = chosen
+                .iter()
+                .enumerate()
+                .take_while(|&(i, &(_, score))| {
+                    score >= self.row_costs.get(i).copied().unwrap_or(last)
+                })
+                .count();
+            chosen.truncate(keep);
+            chosen.sort_unstable_by_key(|&(i, _)| i);
+        }
         let matrix = lock(&self.matrix);
         // Template index -> builder id (None: its parent's token had no such successor).
         let mut at: Vec<Option<usize>> = vec![None; self.template.nodes.len()];
@@ -455,12 +469,13 @@ impl Drafter for RecycleDrafter {
         }
     }
 
-    fn set_row_cost(&mut self, passes_per_row: f64) {
-        self.min_score = if passes_per_row.is_finite() {
-            passes_per_row.max(0.0)
-        } else {
-            0.0
-        };
+    fn set_row_costs(&mut self, costs: &[f64]) {
+        self.row_costs.clear();
+        self.row_costs.extend(
+            costs
+                .iter()
+                .map(|&c| if c.is_finite() { c.max(0.0) } else { 0.0 }),
+        );
     }
 
     fn observe_candidates(&mut self, rows: &RowCandidates<'_>) {
@@ -597,11 +612,20 @@ mod tests {
         assert_eq!(t.tokens(), vec![1, 2, 4, 3]);
         let t = d.propose(&req(&[9, 1], 10, 1)).unwrap();
         assert_eq!(t.tokens(), vec![1, 2, 3]);
-        // A row cost leaves out the nodes whose path scores fall below it.
-        d.set_row_cost(0.1);
+        // Row costs leave out the nodes whose path scores fall below their row's: the best
+        // first, while each is worth its row.
+        d.set_row_costs(&[0.1]);
         let t = d.propose(&req(&[9, 1], 10, 10)).unwrap();
         assert_eq!(t.tokens(), vec![1, 2, 4, 3]);
-        d.set_row_cost(0.0);
+        // Cheap first rows, a dear third: the two best nodes only (2: 0.45, 2 -> 4: 0.2025).
+        d.set_row_costs(&[0.01, 0.01, 0.15]);
+        let t = d.propose(&req(&[9, 1], 10, 10)).unwrap();
+        assert_eq!(t.tokens(), vec![1, 2, 4]);
+        // A dear second row stops the tree at the best node, whatever the rows after it cost.
+        d.set_row_costs(&[0.01, 0.25, 0.01]);
+        let t = d.propose(&req(&[9, 1], 10, 10)).unwrap();
+        assert_eq!(t.tokens(), vec![1, 2]);
+        d.set_row_costs(&[]);
         // A missing successor prunes its subtree; an unknown root proposes nothing.
         shared.lock().unwrap().update(2, &[4]);
         let t = d.propose(&req(&[9, 1], 10, 10)).unwrap();

@@ -204,6 +204,19 @@ impl StepCost {
         self.scale = (1.0 - COST_EMA) * self.scale + COST_EMA * ratio;
     }
 
+    /// Add a measured pass over `rows` rows of one sequence as a point of the curve's shape
+    /// where it has none (a size measured since calibration; an existing point only moves the
+    /// factor, as [`StepCost::record`]).
+    pub fn add_point(&mut self, rows: usize, secs: f64) {
+        if rows == 0 || !secs.is_finite() || secs <= 0.0 || self.points.is_empty() {
+            return;
+        }
+        match self.points.binary_search_by_key(&rows, |p| p.0) {
+            Ok(_) => self.record(rows, secs),
+            Err(at) => self.points.insert(at, (rows, secs / self.scale)),
+        }
+    }
+
     /// Estimated seconds of a pass over `rows` rows of one sequence.
     pub fn secs(&self, rows: usize) -> f64 {
         self.pass_secs(rows, 1)
@@ -435,12 +448,16 @@ pub fn useful_budget(cost: &StepCost, budget: usize, acceptance: &Acceptance) ->
     n.min(budget)
 }
 
-/// What one more verified row costs, in plain passes, times [`DEPTH_HURDLE`]: the mean
-/// marginal row of an 8-node tree on the learnt curve ([`crate::draft::Drafter::set_row_cost`]).
-pub fn row_cost(cost: &StepCost) -> f64 {
-    const ROWS: usize = 8;
+/// What each further verified row costs, in plain passes, times [`DEPTH_HURDLE`]: `costs[i]` is
+/// the marginal row of a tree growing from `i` to `i + 1` draft nodes on the learnt curve, for
+/// `nodes` nodes ([`crate::draft::Drafter::set_row_costs`]). Where a pass streams the weights
+/// (a CPU decoding one sequence), the first few rows cost almost nothing and the next ones
+/// nearly a row's compute each: one mean over a larger tree would price the cheap rows out.
+pub fn row_costs(cost: &StepCost, nodes: usize) -> Vec<f64> {
     let one = cost.secs(1).max(1e-12);
-    DEPTH_HURDLE * ((cost.secs(ROWS + 1) - one) / ROWS as f64 / one).max(0.0)
+    (0..nodes)
+        .map(|i| DEPTH_HURDLE * ((cost.secs(i + 2) - cost.secs(i + 1)) / one).max(0.0))
+        .collect()
 }
 
 /// `nodes_upto[d]`: draft nodes of `tree` at depth at most `d`, for `d = 0..=max_depth`.
@@ -577,6 +594,28 @@ mod tests {
         assert!((c.secs(96) - 0.100).abs() < 1e-9);
         assert!((c.secs(1) / 0.010 - scale).abs() < 1e-12);
         assert!((c.secs(80) - (c.secs(64) + c.secs(96)) / 2.0).abs() < 1e-9);
+    }
+
+    /// A measured size between points becomes a point (in the shape's units); the per-row costs
+    /// follow the curve's bends.
+    #[test]
+    fn step_cost_adds_points_and_prices_rows_by_the_curve() {
+        // The first tree's pass: a straight line from one row to eight, twice as dear.
+        let mut c = StepCost::from_points(vec![(1, 0.010), (8, 0.020)]);
+        let line = row_costs(&c, 7);
+        for r in &line {
+            assert!((r - DEPTH_HURDLE / 7.0).abs() < 1e-9, "{line:?}");
+        }
+        // Four rows cost what one does: the first three nodes are nearly free, the next dear.
+        c.add_point(4, 0.0101);
+        assert!((c.secs(4) - 0.0101).abs() < 1e-12);
+        assert!((c.secs(8) - 0.020).abs() < 1e-12);
+        let bent = row_costs(&c, 7);
+        assert!(bent[..3].iter().all(|&r| r < 0.01), "{bent:?}");
+        assert!(bent[3..].iter().all(|&r| r > 0.3), "{bent:?}");
+        // A size that is already a point moves the factor only.
+        c.add_point(4, 0.0202);
+        assert!(c.secs(1) > 0.010 && c.secs(4) / c.secs(1) - 1.01 < 1e-9);
     }
 
     #[test]

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 pub use adaptive::{
-    catch_up_weight, choose_depths, drafting_pays, nodes_upto, row_cost, useful_budget, Acceptance,
-    DepthOptions, DraftBackoff, StepCost,
+    catch_up_weight, choose_depths, drafting_pays, nodes_upto, row_costs, useful_budget,
+    Acceptance, DepthOptions, DraftBackoff, StepCost,
 };
 
 use crate::backend::cuda::DeviceForward;
@@ -150,9 +150,9 @@ pub struct DraftJob {
     pub budget: usize,
     /// Most draft depth.
     pub max_depth: usize,
-    /// What one more verified row costs, in plain passes (adaptive requests; 0 otherwise): for
-    /// the drafters' [`Drafter::set_row_cost`].
-    pub row_cost: f64,
+    /// What each further verified row costs, in plain passes (adaptive requests; empty
+    /// otherwise): for the drafters' [`Drafter::set_row_costs`].
+    pub row_costs: Vec<f64>,
 }
 
 /// What verification accepted for a request drafted outside (drafters follow with it).
@@ -799,9 +799,9 @@ impl<'a> Scheduler<'a> {
                     tokens: r.seq.clone(),
                     budget: sl.tree_cap,
                     max_depth: r.draft_depth(),
-                    row_cost: match (&self.cost, sp.policy) {
-                        (Some(c), SpecPolicy::Adaptive) => row_cost(c),
-                        _ => 0.0,
+                    row_costs: match (&self.cost, sp.policy) {
+                        (Some(c), SpecPolicy::Adaptive) => row_costs(c, sl.tree_cap),
+                        _ => Vec::new(),
                     },
                 })
             })
@@ -1128,7 +1128,6 @@ impl<'a> Scheduler<'a> {
         // one model and pool in one pass per depth for all of them).
         let mut drafted: Vec<(usize, usize)> = Vec::new();
         let mut refs = Vec::new();
-        let rc = self.cost.as_ref().map_or(0.0, row_cost);
         for (i, r) in self.running.iter_mut().enumerate() {
             let Some(k) = slot_of[i] else { continue };
             let max_depth = r.draft_depth();
@@ -1142,7 +1141,11 @@ impl<'a> Scheduler<'a> {
                 continue;
             }
             if sp.policy == SpecPolicy::Adaptive {
-                sp.drafters.iter_mut().for_each(|d| d.set_row_cost(rc));
+                let rc = self
+                    .cost
+                    .as_ref()
+                    .map_or_else(Vec::new, |c| row_costs(c, plan[k].tree_cap));
+                sp.drafters.iter_mut().for_each(|d| d.set_row_costs(&rc));
             }
             let ds: Vec<&mut dyn Drafter> = sp
                 .drafters

@@ -459,8 +459,8 @@ fn token_recycling_in_a_batch_keeps_outputs_and_warm_starts() {
             self.1.lock().unwrap().push(rows.tokens.len());
             self.0.observe_candidates(rows)
         }
-        fn set_row_cost(&mut self, c: f64) {
-            self.0.set_row_cost(c)
+        fn set_row_costs(&mut self, c: &[f64]) {
+            self.0.set_row_costs(c)
         }
     }
 
