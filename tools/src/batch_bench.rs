@@ -14,8 +14,9 @@ use crate::spec_bench::SUITE_PROMPTS;
 /// Figures of one mode at one concurrency.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct ModeFigures {
-    /// Output tokens per second of all requests together, over the decode phase (every request
-    /// past its prompt: what llama-batched-bench's S_TG measures).
+    /// Output tokens per second of all requests together, over the decode phase (from every
+    /// request past its prompt to the last finish; see `steady_tok_s` for llama-batched-bench's
+    /// S_TG).
     pub tok_s: f64,
     /// Mean over requests of its tokens per second from its first token to its last.
     pub per_request_tok_s: f64,
