@@ -313,19 +313,17 @@ pub fn attn_scores_group(
         }
         return;
     }
-    let mut tmp = Vec::with_capacity(n);
-    for h in 0..g {
-        maxes[h] = attn_scores(
-            &qs[h * hd..(h + 1) * hd],
-            k,
-            slots,
-            stride,
-            off,
-            scale,
-            &mut tmp,
-        );
-        scores[h * ld..h * ld + n].copy_from_slice(&tmp);
+    // The one-head kernels push into a Vec: one per thread, kept (this runs per layer and task).
+    thread_local! {
+        static ONE_HEAD: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     }
+    ONE_HEAD.with(|tmp| {
+        let tmp = &mut *tmp.borrow_mut();
+        for h in 0..g {
+            maxes[h] = attn_scores(&qs[h * hd..(h + 1) * hd], k, slots, stride, off, scale, tmp);
+            scores[h * ld..h * ld + n].copy_from_slice(tmp);
+        }
+    });
 }
 
 /// [`attn_weighted_sum`] for the `g = o.len() / hd` query heads of one KV head over the same

@@ -1128,6 +1128,13 @@ impl<'a> Scheduler<'a> {
         // one model and pool in one pass per depth for all of them).
         let mut drafted: Vec<(usize, usize)> = Vec::new();
         let mut refs = Vec::new();
+        // The curve's row prices, once per step for the largest tree (each request takes its
+        // tree's prefix).
+        let max_cap = plan.iter().map(|sl| sl.tree_cap).max().unwrap_or(0);
+        let rc = self
+            .cost
+            .as_ref()
+            .map_or_else(Vec::new, |c| row_costs(c, max_cap));
         for (i, r) in self.running.iter_mut().enumerate() {
             let Some(k) = slot_of[i] else { continue };
             let max_depth = r.draft_depth();
@@ -1141,11 +1148,8 @@ impl<'a> Scheduler<'a> {
                 continue;
             }
             if sp.policy == SpecPolicy::Adaptive {
-                let rc = self
-                    .cost
-                    .as_ref()
-                    .map_or_else(Vec::new, |c| row_costs(c, plan[k].tree_cap));
-                sp.drafters.iter_mut().for_each(|d| d.set_row_costs(&rc));
+                let rc = &rc[..plan[k].tree_cap.min(rc.len())];
+                sp.drafters.iter_mut().for_each(|d| d.set_row_costs(rc));
             }
             let ds: Vec<&mut dyn Drafter> = sp
                 .drafters
