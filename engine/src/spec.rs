@@ -154,8 +154,8 @@ pub struct VerifiedStep {
 /// placeholder, so verification is exactly that of the tree alone; placeholder K/V rows are
 /// dropped. Returns the outcome, per group its logits `[len, vocab]` when the group hangs
 /// off the last accepted node (the only ones a drafter can use; the others' output head is
-/// skipped), and with `candidates > 0` the top `candidates` tokens of every tree row (Token
-/// Recycling).
+/// skipped), and with `candidates = (k, before)`, `k > 0`, the top `k` tokens of every tree row
+/// (Token Recycling; `before`, the sequence before the root, is the rows' context).
 pub fn verify_step<B: Backend>(
     model: &Model,
     backend: &B,
@@ -163,7 +163,7 @@ pub fn verify_step<B: Backend>(
     tree: &TokenTree,
     groups: &[&PlaceholderGroup],
     verifier: &mut Verifier,
-    candidates: usize,
+    candidates: (usize, &[u32]),
 ) -> Result<VerifiedStep> {
     let base = cache.len();
     let vocab = model.config.vocab_size;
@@ -200,8 +200,8 @@ pub fn verify_step<B: Backend>(
         let rows: Vec<usize> = (0..t).collect();
         let logits = model.logits_of(backend, &hidden, &rows)?;
         let o = verifier.verify(tree, &logits, vocab)?;
-        let cands =
-            (candidates > 0).then(|| PassCandidates::of(tree.tokens(), &logits, vocab, candidates));
+        let (k, before) = candidates;
+        let cands = (k > 0).then(|| PassCandidates::of_tree(tree, before, &logits, vocab, k));
         let last = o.accepted.last().copied().unwrap_or(0);
         let mut out = Vec::with_capacity(groups.len());
         for (g, &start) in groups.iter().zip(&starts) {
@@ -233,14 +233,16 @@ pub fn verify_step<B: Backend>(
 /// Rows of the first tree an adaptive request verifies before it knows what passes cost.
 const FIRST_TREE_ROWS: usize = 8;
 
-/// Row counts an adaptive request's next trees verify after the first, each pass a new point of
-/// its cost curve: the first tree's pass and the plain ones alone draw a straight line from one
-/// row to `FIRST_TREE_ROWS`, while a pass that streams the weights (a CPU) costs about the same
-/// over the first few rows.
-const EXPLORE_ROWS: [usize; 3] = [2, 4, 6];
+/// Row counts an adaptive request's next trees verify after the first, each pass a point of its
+/// cost curve: the first tree's pass and the plain ones alone draw a straight line from one row
+/// to `FIRST_TREE_ROWS`, while a pass that streams the weights (a CPU) costs about the same over
+/// the first few rows. Each size twice, the faster pass kept (`StepCost::add_point`): rows 2 to
+/// 5 cost a few percent more than one, less than a shared VM's noise on one pass, and a slow
+/// pass priced them out of the trees for the rest of the request.
+const EXPLORE_ROWS: [usize; 6] = [2, 4, 6, 2, 4, 6];
 
 /// Drafted steps after which an adaptive request stops exploring sizes its drafts did not fill.
-const EXPLORE_TRIES: usize = 8;
+const EXPLORE_TRIES: usize = 12;
 
 /// Depth of the first proposal an adaptive request drafts (a model drafter's passes are paid
 /// per depth).
@@ -736,7 +738,8 @@ impl<'m, B: Backend> SpecSession<'m, B> {
             tree,
             &refs,
             &mut self.verifier,
-            wanted,
+            // The root is the sequence's last token.
+            (wanted, &self.tokens[..self.tokens.len().saturating_sub(1)]),
         )?;
         self.metrics.record(tree, &o);
         if !groups.is_empty() {
@@ -809,11 +812,7 @@ pub fn prefill_candidates<B: Backend>(
         last = logits; // the chunk holding the prompt's last row comes last
     }
     let last = last.split_off(last.len().saturating_sub(vocab)); // [vocab]
-    let rows = PassCandidates {
-        tokens: prompt.to_vec(),
-        k: k.min(vocab),
-        top,
-    };
+    let rows = PassCandidates::with_top(prompt.to_vec(), &[], top, vocab, k);
     Ok((last, t0.elapsed().as_secs_f64(), rows))
 }
 
@@ -958,7 +957,12 @@ pub fn generate<B: Backend>(
         // few nodes instead of a first level that no depth choice can afford).
         let node_cap = match cost.as_ref() {
             Some(c) => {
-                let rc = row_costs(c, session.budget);
+                // While a size is explored the drafters fill it (priced by the curve as it
+                // stands, a size that looks dear would never be drafted, hence never measured).
+                let rc = match explore.first() {
+                    Some(_) => Vec::new(),
+                    None => row_costs(c, session.budget),
+                };
                 drafters.iter_mut().for_each(|d| d.set_row_costs(&rc));
                 match explore.first() {
                     Some(&rows) => rows - 1,
@@ -993,7 +997,9 @@ pub fn generate<B: Backend>(
             let o = session.verify(&tree, drafters)?;
             let secs = t0.elapsed().as_secs_f64();
             *cost = Some(StepCost::from_points(vec![(1, one), (tree.len(), secs)]));
-            explore.retain(|&r| r != tree.len());
+            if let Some(i) = explore.iter().position(|&r| r == tree.len()) {
+                explore.remove(i);
+            }
             *last_depth = tree.max_depth();
             pending = o.emitted();
             acceptance.record(&proposal, &pending);

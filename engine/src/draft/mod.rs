@@ -242,15 +242,47 @@ pub struct GroupLogits<'a> {
 #[derive(Clone, Copy, Debug)]
 pub struct RowCandidates<'a> {
     pub tokens: &'a [u32],
+    /// Row `i`'s parent row on its path (`NO_ROW`: its path continues with `before`); empty:
+    /// no path known.
+    pub parents: &'a [u32],
+    /// The sequence's last tokens before the rows' paths (at most [`CONTEXT_TOKENS`], oldest
+    /// first).
+    pub before: &'a [u32],
     pub k: usize,
     /// `[tokens.len(), k]`.
     pub top: &'a [u32],
 }
 
+/// Marks a row without a parent row in [`RowCandidates::parents`].
+pub const NO_ROW: u32 = u32::MAX;
+
+/// Most sequence tokens [`PassCandidates`] keep before a pass's rows.
+pub const CONTEXT_TOKENS: usize = 4;
+
 impl<'a> RowCandidates<'a> {
     /// Row `i`'s candidates, best first.
     pub fn row(&self, i: usize) -> &'a [u32] {
         self.top.get(i * self.k..(i + 1) * self.k).unwrap_or(&[])
+    }
+
+    /// Up to `n` tokens before row `i`'s token on its path, into `out` (most recent first);
+    /// fewer where the path is not known that far.
+    pub fn context(&self, i: usize, n: usize, out: &mut Vec<u32>) {
+        out.clear();
+        if self.parents.len() != self.tokens.len() {
+            return;
+        }
+        let mut at = i;
+        while out.len() < n {
+            match self.parents.get(at).copied() {
+                Some(p) if p != NO_ROW && (p as usize) < self.tokens.len() => {
+                    at = p as usize;
+                    out.push(self.tokens[at]);
+                }
+                _ => break,
+            }
+        }
+        out.extend(self.before.iter().rev().take(n - out.len()));
     }
 }
 
@@ -258,24 +290,85 @@ impl<'a> RowCandidates<'a> {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PassCandidates {
     pub tokens: Vec<u32>,
+    /// As [`RowCandidates::parents`].
+    pub parents: Vec<u32>,
+    /// As [`RowCandidates::before`].
+    pub before: Vec<u32>,
     pub k: usize,
     /// `[tokens.len(), k]`.
     pub top: Vec<u32>,
 }
 
+/// The last [`CONTEXT_TOKENS`] of `seq`.
+fn tail(seq: &[u32]) -> Vec<u32> {
+    seq[seq.len().saturating_sub(CONTEXT_TOKENS)..].to_vec()
+}
+
 impl PassCandidates {
-    /// The top `k` of every row of `logits` (`[tokens.len(), vocab]`).
-    pub fn of(tokens: Vec<u32>, logits: &[f32], vocab: usize, k: usize) -> PassCandidates {
+    /// The top `k` of every row of `logits` (`[tokens.len(), vocab]`), rows fed in sequence
+    /// after `before` (a prefill chunk and the sequence before it).
+    pub fn of(
+        tokens: Vec<u32>,
+        before: &[u32],
+        logits: &[f32],
+        vocab: usize,
+        k: usize,
+    ) -> PassCandidates {
+        PassCandidates::with_top(
+            tokens,
+            before,
+            recycle::top_k_rows(logits, vocab, k),
+            vocab,
+            k,
+        )
+    }
+
+    /// [`PassCandidates::of`] with the rows' top `k` already computed (`[tokens.len(), k]`).
+    pub fn with_top(
+        tokens: Vec<u32>,
+        before: &[u32],
+        top: Vec<u32>,
+        vocab: usize,
+        k: usize,
+    ) -> PassCandidates {
+        PassCandidates {
+            top,
+            k: k.min(vocab),
+            parents: (0..tokens.len() as u32)
+                .map(|i| i.checked_sub(1).unwrap_or(NO_ROW))
+                .collect(),
+            before: tail(before),
+            tokens,
+        }
+    }
+
+    /// The top `k` of every row of a verified tree's pass (`logits`: `[tree.len(), vocab]`),
+    /// the tree rooted after `before` (the sequence before its root).
+    pub fn of_tree(
+        tree: &TokenTree,
+        before: &[u32],
+        logits: &[f32],
+        vocab: usize,
+        k: usize,
+    ) -> PassCandidates {
         PassCandidates {
             top: recycle::top_k_rows(logits, vocab, k),
             k: k.min(vocab),
-            tokens,
+            parents: tree
+                .nodes()
+                .iter()
+                .map(|n| n.parent.map_or(NO_ROW, |p| p as u32))
+                .collect(),
+            before: tail(before),
+            tokens: tree.tokens(),
         }
     }
 
     pub fn rows(&self) -> RowCandidates<'_> {
         RowCandidates {
             tokens: &self.tokens,
+            parents: &self.parents,
+            before: &self.before,
             k: self.k,
             top: &self.top,
         }

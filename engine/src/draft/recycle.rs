@@ -1,16 +1,21 @@
-//! Token Recycling (Luo et al., "Turning Trash into Treasure", arXiv 2408.08696): an adjacency matrix of every token's K most recent likely successors, refilled from the top-K of each row the LLM computes, and draft trees built by BFS over it along a static template.
+//! Token Recycling (Luo et al., "Turning Trash into Treasure", arXiv 2408.08696): an adjacency matrix of every token's K most recent likely successors, refilled from the top-K of each row the LLM computes, and draft trees grown best first over it along a static template.
 //!
 //! Each verification pass already computes logits for the root and every tree node, accepted or
 //! not; decoding keeps one token per row and throws the rest away. Here the top-K tokens of row
 //! `i` replace the matrix row of node `i`'s token (the paper's update: the latest candidates win).
-//! A proposal walks the static template (the paper's Figure 5 tree, 80 nodes, depth 6)
-//! breadth-first: a template node with rank `r` under a node holding token `t` becomes the
-//! matrix's `r`-th successor of `t`. A budget smaller than the template keeps the template's
-//! most promising part: nodes scored by the product of per-rank acceptance rates along their
-//! path (learnt from the drafter's own verified proposals), the best `budget` of them, which is
-//! always a subtree. Proposals are picks (never samples), so greedy and MSS verification stay
-//! lossless. The matrix starts from the sequence's own successors (token `i` -> token `i + 1` of
-//! the prompt), or, with [`RecycleDrafter::with_prompt_logits`], also from the top-K of every
+//! Beside the matrix (first order: a token's successors whatever came before it), a table of
+//! successors in context keeps the same candidates under the token and the 1 to [`MAX_ORDER`]
+//! tokens before it on the row's path (our addition, as n-gram models back off: the tokens after
+//! `x` differ with what led to `x`); a lookup takes the longest context the table holds, else
+//! the matrix row, and a token never seen before gets the candidates of the last new token's
+//! row (a fresh identifier tends to be followed as the previous fresh one was). A proposal grows the static template (the paper's Figure 5 tree, 80 nodes,
+//! depth 6) best first: a template node with rank `r` under a node holding token `t` becomes the
+//! `r`-th successor of `t` in its context, scored by the product of acceptance rates along its
+//! path (per context length, depth and rank, learnt from the drafter's own verified proposals);
+//! the best nodes join while the budget lasts and each is worth its row, always a subtree.
+//! Proposals are picks (never samples), so greedy and MSS verification stay lossless. The tables
+//! start from the sequence's own successors (token `i` -> token `i + 1` of the prompt, in each of
+//! its contexts), or, with [`RecycleDrafter::with_prompt_logits`], also from the top-K of every
 //! prompt row (the paper's warm start, which costs the output head over the whole prompt).
 
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -36,6 +41,61 @@ pub struct RecycleMatrix {
     vocab: usize,
     /// `[vocab, k]`, `EMPTY`-padded rows.
     next: Vec<u32>,
+    /// Successors in context: keys (hashes of a token and the 1 to `MAX_ORDER` tokens before
+    /// it) of a direct-mapped table of `CTX_SLOTS` slots (a newer key takes its slot;
+    /// `NO_KEY`: empty).
+    ctx_keys: Vec<u64>,
+    /// `[CTX_SLOTS, k]`, `EMPTY`-padded rows.
+    ctx_next: Vec<u32>,
+    /// The candidates of the last row whose token had no successors yet (its first pass through
+    /// the LLM): what a token never seen before is likely followed by (a fresh identifier by
+    /// `(`, `,`, ` =`...), `EMPTY`-padded.
+    novel: Vec<u32>,
+}
+
+/// The "order" [`RecycleMatrix::successors_with_order`] reports for a token without successors
+/// of its own, given the last new token's (see `RecycleMatrix::novel`).
+pub const NOVEL_ORDER: usize = MAX_ORDER + 1;
+
+/// Most tokens of context the table of successors in context keys on.
+pub const MAX_ORDER: usize = 4;
+/// Slots of the table of successors in context.
+const CTX_SLOTS: usize = 1 << 14;
+/// Marks an empty slot of the table of successors in context.
+const NO_KEY: u64 = u64::MAX;
+
+/// The key of `token` after `ctx` (most recent first; FNV-1a over the tokens, never `NO_KEY`).
+fn ctx_key(ctx: &[u32], token: u32) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64 ^ ctx.len() as u64;
+    for &t in std::iter::once(&token).chain(ctx) {
+        h = (h ^ t as u64).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h >> 1
+}
+
+/// The slot of a context key.
+fn ctx_slot(key: u64) -> usize {
+    (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - CTX_SLOTS.trailing_zeros())) as usize
+}
+
+/// Copies the first `row.len()` of `candidates` inside the vocabulary into `row`, `EMPTY`-padded.
+fn fill_row(row: &mut [u32], candidates: &[u32], vocab: usize) {
+    let mut n = 0;
+    for &c in candidates {
+        if n == row.len() {
+            break;
+        }
+        if (c as usize) < vocab {
+            row[n] = c;
+            n += 1;
+        }
+    }
+    row[n..].fill(EMPTY);
+}
+
+/// The non-`EMPTY` prefix of a row.
+fn filled(row: &[u32]) -> &[u32] {
+    &row[..row.iter().position(|&x| x == EMPTY).unwrap_or(row.len())]
 }
 
 impl RecycleMatrix {
@@ -51,6 +111,9 @@ impl RecycleMatrix {
             k,
             vocab,
             next: vec![EMPTY; vocab * k],
+            ctx_keys: vec![NO_KEY; CTX_SLOTS],
+            ctx_next: vec![EMPTY; CTX_SLOTS * k],
+            novel: vec![EMPTY; k],
         })
     }
 
@@ -63,9 +126,15 @@ impl RecycleMatrix {
         self.vocab
     }
 
-    /// Bytes of the successor table.
-    pub fn bytes(&self) -> usize {
+    /// Bytes of the first-order matrix (`[vocab, K]` u32).
+    pub fn matrix_bytes(&self) -> usize {
         self.next.len() * std::mem::size_of::<u32>()
+    }
+
+    /// Bytes of the successor tables (the matrix and the table of successors in context).
+    pub fn bytes(&self) -> usize {
+        (self.next.len() + self.ctx_next.len()) * std::mem::size_of::<u32>()
+            + self.ctx_keys.len() * std::mem::size_of::<u64>()
     }
 
     /// The successors of `token`, best first (empty for tokens never seen or outside the
@@ -75,9 +144,56 @@ impl RecycleMatrix {
         if t >= self.vocab {
             return &[];
         }
-        let row = &self.next[t * self.k..(t + 1) * self.k];
-        let n = row.iter().position(|&x| x == EMPTY).unwrap_or(self.k);
-        &row[..n]
+        filled(&self.next[t * self.k..(t + 1) * self.k])
+    }
+
+    /// The successors of `token` after `ctx` (the tokens before it, most recent first), best
+    /// first: those of the longest context (up to [`MAX_ORDER`] tokens) the table holds, else
+    /// `token`'s.
+    pub fn successors_in(&self, ctx: &[u32], token: u32) -> &[u32] {
+        self.successors_with_order(ctx, token).0
+    }
+
+    /// [`Self::successors_in`] and the length of the context they were kept under (0: the
+    /// token's own); for a token without successors, the last new token's ([`NOVEL_ORDER`]).
+    pub fn successors_with_order(&self, ctx: &[u32], token: u32) -> (&[u32], usize) {
+        for n in (1..=ctx.len().min(MAX_ORDER)).rev() {
+            let key = ctx_key(&ctx[..n], token);
+            let slot = ctx_slot(key);
+            if self.ctx_keys[slot] == key {
+                let row = filled(&self.ctx_next[slot * self.k..(slot + 1) * self.k]);
+                if !row.is_empty() {
+                    return (row, n);
+                }
+            }
+        }
+        let own = self.successors(token);
+        if own.is_empty() && (token as usize) < self.vocab {
+            return (filled(&self.novel), NOVEL_ORDER);
+        }
+        (own, 0)
+    }
+
+    /// Replace the successors of `token` after `ctx` (most recent first, 1 to [`MAX_ORDER`]
+    /// tokens) by `candidates` (as [`Self::update`]).
+    pub fn update_in(&mut self, ctx: &[u32], token: u32, candidates: &[u32]) {
+        if ctx.is_empty() || ctx.len() > MAX_ORDER || token as usize >= self.vocab {
+            return;
+        }
+        let key = ctx_key(ctx, token);
+        let slot = ctx_slot(key);
+        self.ctx_keys[slot] = key;
+        fill_row(
+            &mut self.ctx_next[slot * self.k..(slot + 1) * self.k],
+            candidates,
+            self.vocab,
+        );
+    }
+
+    /// Whether the table holds successors of `token` after `ctx`.
+    fn has_context(&self, ctx: &[u32], token: u32) -> bool {
+        let key = ctx_key(ctx, token);
+        self.ctx_keys[ctx_slot(key)] == key
     }
 
     /// Replace the successors of `token` by `candidates` (best first; the first K inside the
@@ -87,24 +203,27 @@ impl RecycleMatrix {
         if t >= self.vocab {
             return;
         }
-        let row = &mut self.next[t * self.k..(t + 1) * self.k];
-        let mut n = 0;
-        for &c in candidates {
-            if n == row.len() {
-                break;
-            }
-            if (c as usize) < self.vocab {
-                row[n] = c;
-                n += 1;
-            }
-        }
-        row[n..].fill(EMPTY);
+        fill_row(
+            &mut self.next[t * self.k..(t + 1) * self.k],
+            candidates,
+            self.vocab,
+        );
     }
 
-    /// Every row of a pass: `tokens[i]`'s successors become row `i`'s candidates.
+    /// Every row of a pass: `tokens[i]`'s successors become row `i`'s candidates, and so do
+    /// those of `tokens[i]` after each of its contexts (1 to [`MAX_ORDER`] tokens) its path has.
     pub fn observe(&mut self, rows: &RowCandidates<'_>) {
+        let mut ctx = Vec::with_capacity(MAX_ORDER);
         for (i, &t) in rows.tokens.iter().enumerate() {
+            if (t as usize) < self.vocab && self.successors(t).is_empty() {
+                let vocab = self.vocab;
+                fill_row(&mut self.novel, rows.row(i), vocab);
+            }
             self.update(t, rows.row(i));
+            rows.context(i, MAX_ORDER, &mut ctx);
+            for n in 1..=ctx.len() {
+                self.update_in(&ctx[..n], t, rows.row(i));
+            }
         }
     }
 }
@@ -140,6 +259,8 @@ struct TemplateNode {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RecycleTemplate {
     nodes: Vec<TemplateNode>,
+    /// Per node, its children's template indices by rank.
+    children: Vec<Vec<usize>>,
 }
 
 impl RecycleTemplate {
@@ -178,7 +299,11 @@ impl RecycleTemplate {
             }
             layer = next;
         }
-        Ok(RecycleTemplate { nodes })
+        let mut children = vec![Vec::new(); nodes.len()];
+        for (i, n) in nodes.iter().enumerate().skip(1) {
+            children[n.parent].push(i);
+        }
+        Ok(RecycleTemplate { nodes, children })
     }
 
     /// Draft nodes (the root excluded).
@@ -203,38 +328,14 @@ impl RecycleTemplate {
             .max()
             .unwrap_or(0)
     }
-
-    /// The `budget` draft nodes of depth at most `max_depth` with the highest path scores
-    /// (product of `rate(depth, rank)` over the path), ties to the earlier node; in breadth-first
-    /// order. Rates in `(0, 1]` make a child never outscore its parent, so the result is a
-    /// subtree. Returns (template index, path score) pairs.
-    fn select(
-        &self,
-        budget: usize,
-        max_depth: usize,
-        rate: impl Fn(usize, usize) -> f64,
-    ) -> Vec<(usize, f64)> {
-        let mut score = vec![1.0f64; self.nodes.len()];
-        let mut cand: Vec<usize> = Vec::with_capacity(self.nodes.len());
-        for (i, n) in self.nodes.iter().enumerate().skip(1) {
-            score[i] = score[n.parent] * rate(n.depth, n.rank).clamp(1e-9, 1.0);
-            if n.depth <= max_depth {
-                cand.push(i);
-            }
-        }
-        cand.sort_by(|&a, &b| score[b].total_cmp(&score[a]).then(a.cmp(&b)));
-        cand.truncate(budget);
-        cand.sort_unstable();
-        cand.into_iter().map(|i| (i, score[i])).collect()
-    }
 }
 
-/// How often a candidate of each rank was right, per depth: `hits / tries` with a prior, the
-/// rates [`RecycleTemplate::select`] scores paths with.
+/// How often a candidate of each rank was right, per context length of its list and depth:
+/// `hits / tries` with a prior, the rates proposals score paths with.
 #[derive(Clone, Debug)]
 struct RankRates {
-    /// `[depth][rank]` (hits, tries); depths past the last share the last row.
-    counts: Vec<Vec<(f64, f64)>>,
+    /// `[order][depth][rank]` (hits, tries); depths past the last share the last row.
+    counts: Vec<Vec<Vec<(f64, f64)>>>,
 }
 
 /// Prior acceptance of a rank-`r` candidate (worth `PRIOR_WEIGHT` tries): the top candidate
@@ -253,19 +354,23 @@ impl RankRates {
             })
             .collect();
         RankRates {
-            counts: vec![row; depths.max(1)],
+            counts: vec![vec![row; depths.max(1)]; NOVEL_ORDER + 1],
         }
     }
 
-    fn rate(&self, depth: usize, rank: usize) -> f64 {
-        let row = &self.counts[depth.saturating_sub(1).min(self.counts.len() - 1)];
+    /// The rate of a rank-`rank` candidate at `depth` from a list kept under `order` tokens of
+    /// context.
+    fn rate(&self, order: usize, depth: usize, rank: usize) -> f64 {
+        let by_depth = &self.counts[order.min(NOVEL_ORDER)];
+        let row = &by_depth[depth.saturating_sub(1).min(by_depth.len() - 1)];
         let (h, t) = row[rank.min(row.len() - 1)];
         h / t.max(1e-9)
     }
 
-    fn record(&mut self, depth: usize, rank: usize, hit: bool) {
-        let d = depth.saturating_sub(1).min(self.counts.len() - 1);
-        let row = &mut self.counts[d];
+    fn record(&mut self, order: usize, depth: usize, rank: usize, hit: bool) {
+        let by_depth = &mut self.counts[order.min(NOVEL_ORDER)];
+        let d = depth.saturating_sub(1).min(by_depth.len() - 1);
+        let row = &mut by_depth[d];
         let r = rank.min(row.len() - 1);
         let (h, t) = &mut row[r];
         *h = *h * DECAY + if hit { 1.0 } else { 0.0 };
@@ -273,13 +378,25 @@ impl RankRates {
     }
 }
 
-/// A node of the last proposal: its builder parent, token, template rank and depth.
+/// A node of the last proposal: its builder parent, token, template rank and depth, and the
+/// context length of the list it came from.
 #[derive(Clone, Copy, Debug)]
 struct Proposed {
     parent: usize,
     token: u32,
     rank: usize,
     depth: usize,
+    order: usize,
+}
+
+/// A node a proposal may add next: template node `tnode` under builder node `parent`.
+#[derive(Clone, Copy, Debug)]
+struct Frontier {
+    score: f64,
+    tnode: usize,
+    parent: usize,
+    token: u32,
+    order: usize,
 }
 
 /// The Token Recycling drafter (`--draft recycle[:K]`). Its matrix is its own, or shared by
@@ -369,6 +486,14 @@ impl Drafter for RecycleDrafter {
                     m.update(w[0], &w[1..]);
                 }
             }
+            for n in 1..=MAX_ORDER {
+                for w in req.tokens.windows(n + 2) {
+                    let ctx: Vec<u32> = w[..n].iter().rev().copied().collect();
+                    if !m.has_context(&ctx, w[n]) {
+                        m.update_in(&ctx, w[n], &w[n + 1..]);
+                    }
+                }
+            }
         }
         let root = req.root();
         let mut b = TreeBuilder::new(root);
@@ -378,58 +503,88 @@ impl Drafter for RecycleDrafter {
             token: root,
             rank: 0,
             depth: 0,
+            order: 0,
         });
         if req.budget == 0 || req.max_depth == 0 || req.tokens.is_empty() {
             return Ok(b.build());
         }
-        let mut chosen = self
-            .template
-            .select(req.budget, req.max_depth, |d, r| self.rates.rate(d, r));
-        // A node's score estimates the chance its path is accepted, the tokens it is worth: the
-        // best nodes first, each kept while it is worth its row (the `i + 1`-th costs
-        // `row_costs[i]`). Scores fall along a path and ties go to the template's order
-        // (parents first), so the kept nodes stay a subtree.
-        if !self.row_costs.is_empty() {
-            chosen.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-            let last = self.row_costs[self.row_costs.len() - 1];
-            let keep = chosen
-                .iter()
-                .enumerate()
-                .take_while(|&(i, &(_, score))| {
-                    score >= self.row_costs.get(i).copied().unwrap_or(last)
-                })
-                .count();
-            chosen.truncate(keep);
-            chosen.sort_unstable_by_key(|&(i, _)| i);
-        }
+        // Best first along the template: a node's score, the product of its path's rates,
+        // estimates the chance its path is accepted, the tokens it is worth. The best node of
+        // the frontier joins while the budget lasts and it is worth its row (the `i + 1`-th
+        // costs `row_costs[i]`); its template children join the frontier. Rates in (0, 1] make
+        // a child never outscore its parent: the tree is the best nodes, a subtree.
         let matrix = lock(&self.matrix);
-        // Template index -> builder id (None: its parent's token had no such successor).
-        let mut at: Vec<Option<usize>> = vec![None; self.template.nodes.len()];
-        at[0] = Some(TreeBuilder::ROOT);
-        for (i, score) in chosen {
-            let n = self.template.nodes[i];
-            let Some(parent) = at[n.parent] else { continue };
-            let Some(&token) = matrix.successors(b.token(parent)).get(n.rank) else {
-                continue;
+        // Per builder node (the root first), the tokens before it (most recent first): the
+        // root's from the sequence, a node's its parent's token, then the parent's.
+        let mut context: Vec<Vec<u32>> = vec![req.tokens[..req.tokens.len() - 1]
+            .iter()
+            .rev()
+            .take(MAX_ORDER)
+            .copied()
+            .collect()];
+        let mut frontier: Vec<Frontier> = Vec::new();
+        let expand = |id: usize,
+                      tnode: usize,
+                      score: f64,
+                      ctx: &[u32],
+                      token: u32,
+                      frontier: &mut Vec<Frontier>| {
+            let (next, order) = matrix.successors_with_order(ctx, token);
+            for &c in &self.template.children[tnode] {
+                let n = self.template.nodes[c];
+                let Some(&t) = next.get(n.rank) else { break };
+                if n.depth > req.max_depth || t as usize >= req.vocab {
+                    continue;
+                }
+                let rate = self.rates.rate(order, n.depth, n.rank).clamp(1e-9, 1.0);
+                frontier.push(Frontier {
+                    score: score * rate,
+                    tnode: c,
+                    parent: id,
+                    token: t,
+                    order,
+                });
+            }
+        };
+        expand(TreeBuilder::ROOT, 0, 1.0, &context[0], root, &mut frontier);
+        let last_cost = self.row_costs.last().copied();
+        while b.len() - 1 < req.budget {
+            // The best score, ties to the earlier template node.
+            let Some(best) = (0..frontier.len()).max_by(|&x, &y| {
+                let (fx, fy) = (&frontier[x], &frontier[y]);
+                fx.score.total_cmp(&fy.score).then(fy.tnode.cmp(&fx.tnode))
+            }) else {
+                break;
             };
-            if token as usize >= req.vocab {
-                continue;
+            let f = frontier.swap_remove(best);
+            if let Some(last) = last_cost {
+                if f.score < self.row_costs.get(b.len() - 1).copied().unwrap_or(last) {
+                    break;
+                }
             }
             let before = b.len();
             let id = b.add_child(
-                parent,
-                token,
-                Some(Proposal::picked(req.drafter, score as f32)),
+                f.parent,
+                f.token,
+                Some(Proposal::picked(req.drafter, f.score as f32)),
             );
-            if b.len() > before {
-                self.last.push(Proposed {
-                    parent,
-                    token,
-                    rank: n.rank,
-                    depth: n.depth,
-                });
-                at[i] = Some(id);
+            if b.len() == before {
+                continue;
             }
+            let n = self.template.nodes[f.tnode];
+            self.last.push(Proposed {
+                parent: f.parent,
+                token: f.token,
+                rank: n.rank,
+                depth: n.depth,
+                order: f.order,
+            });
+            let ctx: Vec<u32> = std::iter::once(b.token(f.parent))
+                .chain(context[f.parent].iter().copied())
+                .take(MAX_ORDER)
+                .collect();
+            expand(id, f.tnode, f.score, &ctx, f.token, &mut frontier);
+            context.push(ctx);
         }
         Ok(b.build())
     }
@@ -443,7 +598,7 @@ impl Drafter for RecycleDrafter {
             for (id, p) in self.last.iter().enumerate().skip(1) {
                 if p.parent == node {
                     let hit = p.token == next;
-                    self.rates.record(p.depth, p.rank, hit);
+                    self.rates.record(p.order, p.depth, p.rank, hit);
                     if hit {
                         found = Some(id);
                     }
@@ -531,6 +686,7 @@ pub fn top_k_rows(logits: &[f32], vocab: usize, k: usize) -> Vec<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::draft::{PassCandidates, NO_ROW};
 
     fn req(tokens: &[u32], budget: usize, max_depth: usize) -> DraftRequest<'_> {
         DraftRequest {
@@ -557,11 +713,21 @@ mod tests {
         let top = [10, 11, 12, 20, 21, 22, 30, 31, 32];
         m.observe(&RowCandidates {
             tokens: &[5, 6, 5],
+            parents: &[],
+            before: &[],
             k: 3,
             top: &top,
         });
         assert_eq!(m.successors(5), &[30, 31, 32]);
         assert_eq!(m.successors(6), &[20, 21, 22]);
+        // 5 and 6 came through the LLM for the first time: a token never seen is guessed to be
+        // followed as the last new one (6) was; 7 has successors of its own.
+        assert_eq!(
+            m.successors_with_order(&[], 99),
+            (&[20, 21, 22][..], NOVEL_ORDER)
+        );
+        assert_eq!(m.successors_with_order(&[], 7), (&[9, 8][..], 0));
+        assert!(m.successors(99).is_empty());
         assert!(RecycleMatrix::new(100, 0).is_err());
         assert!(RecycleMatrix::new(100, MAX_K + 1).is_err());
     }
@@ -569,8 +735,97 @@ mod tests {
     #[test]
     fn the_matrix_for_qwens_vocabulary_fits_in_five_megabytes() {
         let m = RecycleMatrix::new(151_936, DEFAULT_K).unwrap();
-        assert_eq!(m.bytes(), 151_936 * 8 * 4);
-        assert!(m.bytes() < 5_000_000, "{} bytes", m.bytes());
+        assert_eq!(m.matrix_bytes(), 151_936 * 8 * 4);
+        assert!(m.matrix_bytes() < 5_000_000, "{} bytes", m.matrix_bytes());
+        // The table of successors in context: 16,384 slots of a key and K successors.
+        assert_eq!(m.bytes() - m.matrix_bytes(), CTX_SLOTS * (8 + 8 * 4));
+        assert!(m.bytes() < 5_600_000, "{} bytes", m.bytes());
+    }
+
+    #[test]
+    fn successors_in_context_back_off_to_the_longest_context_held() {
+        let mut m = RecycleMatrix::new(100, 2).unwrap();
+        m.update(5, &[1, 2]);
+        // "4 5" -> 3, "9 4 5" -> 7 (contexts most recent first).
+        m.update_in(&[4], 5, &[3]);
+        m.update_in(&[4, 9], 5, &[7, 200, 8]);
+        assert_eq!(m.successors_with_order(&[], 5), (&[1, 2][..], 0));
+        assert_eq!(m.successors_with_order(&[4], 5), (&[3][..], 1));
+        assert_eq!(m.successors_with_order(&[4, 9], 5), (&[7, 8][..], 2));
+        assert_eq!(m.successors_with_order(&[4, 9, 1], 5), (&[7, 8][..], 2));
+        assert_eq!(m.successors_with_order(&[4, 8], 5), (&[3][..], 1));
+        assert_eq!(m.successors_with_order(&[6], 5), (&[1, 2][..], 0));
+        assert!(m.successors_in(&[4], 6).is_empty());
+        // Contexts longer than MAX_ORDER or out-of-vocabulary tokens are not kept.
+        m.update_in(&[1; MAX_ORDER + 1], 5, &[9]);
+        m.update_in(&[4], 500, &[9]);
+        assert!(m.successors_in(&[4], 500).is_empty());
+        assert_eq!(m.successors_in(&[1; MAX_ORDER + 1], 5), &[1, 2]);
+
+        // A tree pass after the sequence "20 21": root 10, 10 -> 11 -> 12, 10 -> 13. Every row's
+        // candidates go under its token alone and under each context its path gives.
+        let mut m = RecycleMatrix::new(100, 1).unwrap();
+        m.observe(&RowCandidates {
+            tokens: &[10, 11, 12, 13],
+            parents: &[NO_ROW, 0, 1, 0],
+            before: &[20, 21],
+            k: 1,
+            top: &[50, 51, 52, 53],
+        });
+        assert_eq!(m.successors_with_order(&[21, 20], 10), (&[50][..], 2));
+        assert_eq!(m.successors_with_order(&[10, 21, 20], 11), (&[51][..], 3));
+        assert_eq!(
+            m.successors_with_order(&[11, 10, 21, 20], 12),
+            (&[52][..], 4)
+        );
+        assert_eq!(m.successors_with_order(&[10, 21, 7], 13), (&[53][..], 2));
+        // 13's path never passes 11: no such context.
+        assert_eq!(m.successors_with_order(&[11], 13), (&[53][..], 0));
+        // Prefill rows: each row's path is the rows before it.
+        let c = PassCandidates::with_top(
+            vec![30, 31, 32],
+            &[1, 2, 3, 4, 5, 6],
+            vec![60, 61, 62],
+            100,
+            1,
+        );
+        assert_eq!(c.before, vec![3, 4, 5, 6]);
+        m.observe(&c.rows());
+        assert_eq!(m.successors_with_order(&[31, 30, 6, 5], 32), (&[62][..], 4));
+        assert_eq!(m.successors_with_order(&[6, 5, 4], 30), (&[60][..], 3));
+    }
+
+    #[test]
+    fn proposals_read_each_node_in_its_context() {
+        // A chain template three deep; 1 -> 2 alone, but "1 2" -> 6 and "1 2 6" -> 8.
+        let template = RecycleTemplate::from_layers(&[&[1], &[1], &[1]]).unwrap();
+        let mut m = RecycleMatrix::new(100, 2).unwrap();
+        m.update(1, &[2]);
+        m.update(2, &[4]);
+        m.update(6, &[7]);
+        m.update_in(&[1], 2, &[6]);
+        m.update_in(&[2, 1], 6, &[8]);
+        let shared = Arc::new(Mutex::new(m));
+        let mut d = RecycleDrafter::shared(Arc::clone(&shared), Arc::new(template)).unwrap();
+        assert_eq!(
+            d.propose(&req(&[9, 1], 10, 10)).unwrap().tokens(),
+            vec![1, 2, 6, 8]
+        );
+        // The root's context comes from the sequence: after "3 1", 1's successor in that
+        // context wins over its own.
+        shared.lock().unwrap().update_in(&[3], 1, &[5]);
+        assert_eq!(
+            d.propose(&req(&[3, 1], 10, 10)).unwrap().tokens(),
+            vec![1, 5]
+        );
+        // The warm start keeps the sequence's successors in each of their contexts: 8 came
+        // first before 9 ("5 8 9"), but after 7 it came before 11 ("7 8 11").
+        let mut fresh = RecycleDrafter::new(100, 2).unwrap();
+        let t = fresh
+            .propose(&req(&[5, 8, 9, 7, 8, 11, 7, 8], 1, 1))
+            .unwrap();
+        assert_eq!(t.tokens(), vec![8, 11]);
+        assert_eq!(fresh.matrix().successors(8), &[9]);
     }
 
     #[test]
@@ -587,7 +842,7 @@ mod tests {
     }
 
     #[test]
-    fn bfs_over_a_hand_built_matrix_gives_the_exact_tree() {
+    fn best_first_over_a_hand_built_matrix_gives_the_exact_tree() {
         // Template: root -> ranks 0,1; rank 0 -> ranks 0,1; (0,0) -> rank 0.
         let template = RecycleTemplate::from_layers(&[&[2], &[2, 0], &[1, 0]]).unwrap();
         let mut m = RecycleMatrix::new(100, 2).unwrap();

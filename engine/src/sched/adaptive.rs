@@ -204,17 +204,29 @@ impl StepCost {
         self.scale = (1.0 - COST_EMA) * self.scale + COST_EMA * ratio;
     }
 
+    /// Points never fall with more rows: one above a later point was a slow measurement.
+    fn monotone(&mut self) {
+        for j in (0..self.points.len().saturating_sub(1)).rev() {
+            self.points[j].1 = self.points[j].1.min(self.points[j + 1].1);
+        }
+    }
+
     /// Add a measured pass over `rows` rows of one sequence as a point of the curve's shape
-    /// where it has none (a size measured since calibration; an existing point only moves the
-    /// factor, as [`StepCost::record`]).
+    /// where it has none (a size measured since calibration). At an existing point a faster pass
+    /// lowers the point (a size measured twice keeps its faster pass: timing noise on a shared
+    /// machine only ever adds time), a slower one moves the factor, as [`StepCost::record`].
+    /// Points never fall with more rows: one above a later point was a slow measurement.
     pub fn add_point(&mut self, rows: usize, secs: f64) {
         if rows == 0 || !secs.is_finite() || secs <= 0.0 || self.points.is_empty() {
             return;
         }
+        let own = secs / self.scale;
         match self.points.binary_search_by_key(&rows, |p| p.0) {
+            Ok(i) if own < self.points[i].1 => self.points[i].1 = own,
             Ok(_) => self.record(rows, secs),
-            Err(at) => self.points.insert(at, (rows, secs / self.scale)),
+            Err(at) => self.points.insert(at, (rows, own)),
         }
+        self.monotone();
     }
 
     /// Estimated seconds of a pass over `rows` rows of one sequence.
@@ -613,9 +625,17 @@ mod tests {
         let bent = row_costs(&c, 7);
         assert!(bent[..3].iter().all(|&r| r < 0.01), "{bent:?}");
         assert!(bent[3..].iter().all(|&r| r > 0.3), "{bent:?}");
-        // A size that is already a point moves the factor only.
+        // A slower pass at a size that is already a point moves the factor only.
         c.add_point(4, 0.0202);
-        assert!(c.secs(1) > 0.010 && c.secs(4) / c.secs(1) - 1.01 < 1e-9);
+        assert!(c.secs(1) > 0.010 && (c.secs(4) / c.secs(1) - 1.01).abs() < 1e-9);
+        // A faster one lowers the point; a point above a later one comes down to it.
+        let mut c = StepCost::from_points(vec![(1, 0.010), (8, 0.020)]);
+        c.add_point(2, 0.013); // a slow first measurement of two rows
+        c.add_point(4, 0.0105);
+        assert!((c.secs(2) - 0.0105).abs() < 1e-12, "{}", c.secs(2));
+        c.add_point(4, 0.0102);
+        assert!((c.secs(4) - 0.0102).abs() < 1e-12 && (c.secs(2) - 0.0102).abs() < 1e-12);
+        assert!((c.secs(1) - 0.010).abs() < 1e-12 && (c.secs(8) - 0.020).abs() < 1e-12);
     }
 
     #[test]

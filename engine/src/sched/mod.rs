@@ -919,8 +919,10 @@ impl<'a> Scheduler<'a> {
                     }
                     // Token Recycling: the top candidates of every row of this pass.
                     let wanted = sp.candidates_wanted(false);
-                    let candidates =
-                        (wanted > 0).then(|| PassCandidates::of(tree.tokens(), lg, vocab, wanted));
+                    // The root is the sequence's last token (emitted ones join it below).
+                    let before = &r.seq[..r.seq.len().saturating_sub(1)];
+                    let candidates = (wanted > 0)
+                        .then(|| PassCandidates::of_tree(tree, before, lg, vocab, wanted));
                     let emitted = o.emitted();
                     if let Some(p) = &sl.proposal {
                         sp.acceptance.record(p, &emitted);
@@ -950,7 +952,8 @@ impl<'a> Scheduler<'a> {
                 _ if sl.prefill > 0 && sl.candidates > 0 => {
                     // Every prompt row's candidates (warm start), then the first token from the
                     // last row when this chunk ends the prompt.
-                    let c = PassCandidates::of(x.tokens.clone(), lg, vocab, sl.candidates);
+                    let before = &r.seq[..x.positions[0]];
+                    let c = PassCandidates::of(x.tokens.clone(), before, lg, vocab, sl.candidates);
                     if let Some(sp) = r.spec.as_mut() {
                         let (stats, failures) = (&mut self.stats, &mut self.drafter_failures);
                         each_drafter(r.id, sp, "observe", stats, failures, |d| {
