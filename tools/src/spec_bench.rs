@@ -643,6 +643,17 @@ pub fn suite_bench(
         )?
         .adaptive(),
     );
+    // Prompt lookup where the prompt has a match, Token Recycling with the whole budget where
+    // it has none (the merge above splits every step's budget between the two).
+    configs.push(
+        SuiteConfig::new(
+            "ngram else recycle adaptive",
+            vec![DraftSpec::NgramElse(3, Box::new(rc.clone()))],
+            chain8,
+            64,
+        )?
+        .adaptive(),
+    );
     let mut shared = SuiteConfig::new("recycle shared, budget 8", vec![rc.clone()], chain8, 8)?;
     shared.shared_recycle = true;
     configs.push(shared);
