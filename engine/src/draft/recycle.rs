@@ -59,6 +59,8 @@ pub const NOVEL_ORDER: usize = MAX_ORDER + 1;
 
 /// Most tokens of context the table of successors in context keys on.
 pub const MAX_ORDER: usize = 4;
+// A root's context comes from the sequence tokens a pass keeps before its rows.
+const _: () = assert!(MAX_ORDER <= crate::draft::CONTEXT_TOKENS);
 /// Slots of the table of successors in context.
 const CTX_SLOTS: usize = 1 << 14;
 /// Marks an empty slot of the table of successors in context.
