@@ -334,6 +334,7 @@ pub fn draft_trees(
         .iter()
         .map(|j| draft_root(j.tokens))
         .collect::<Result<_>>()?;
+    let budgets: Vec<usize> = jobs.iter().map(|j| j.budget).collect();
     let mut items = Vec::new();
     let mut owner = Vec::new();
     for (j, job) in jobs.iter_mut().enumerate() {
@@ -352,7 +353,8 @@ pub fn draft_trees(
             owner.push((j, i));
         }
     }
-    let proposed = propose_many(&mut items);
+    let mut proposed = propose_many(&mut items);
+    share_leftover(&budgets, &mut items, &owner, &mut proposed);
     let mut trees: Vec<Vec<TokenTree>> = roots
         .iter()
         .map(|&r| vec![TokenTree::root_only(r)])
@@ -369,6 +371,63 @@ pub fn draft_trees(
         }
     }
     trees.iter().map(|t| TokenTree::merge(t)).collect()
+}
+
+/// The budget a job's drafters left unused (each gets an equal share; prompt lookup often finds
+/// nothing) goes to those of them that filled their share and propose again cheaply
+/// ([`Drafter::reproposes_cheaply`]): they propose once more with their share and an equal part
+/// of the leftover, that proposal replacing their first.
+fn share_leftover(
+    budgets: &[usize],
+    items: &mut [ProposeItem<'_>],
+    owner: &[(usize, usize)],
+    proposed: &mut [Result<TokenTree>],
+) {
+    let shares: Vec<usize> = items
+        .iter()
+        .map(|it| it.request().map_or(0, |r| r.budget))
+        .collect();
+    for (j, &budget) in budgets.iter().enumerate() {
+        let mine: Vec<usize> = (0..items.len()).filter(|&k| owner[k].0 == j).collect();
+        if mine.len() < 2 {
+            continue;
+        }
+        let share = |k: usize| shares[k];
+        let used: usize = mine
+            .iter()
+            .map(|&k| proposed[k].as_ref().map_or(0, TokenTree::n_draft))
+            .sum();
+        let left = budget.saturating_sub(used);
+        let full: Vec<usize> = mine
+            .iter()
+            .copied()
+            .filter(|&k| {
+                items[k].drafter.reproposes_cheaply()
+                    && proposed[k]
+                        .as_ref()
+                        .is_ok_and(|t| t.n_draft() > 0 && t.n_draft() >= share(k))
+            })
+            .collect();
+        if left == 0 || full.is_empty() {
+            continue;
+        }
+        for (n, &k) in full.iter().enumerate() {
+            let extra = left / full.len() + usize::from(n < left % full.len());
+            let it = &mut items[k];
+            let mut again = [ProposeItem {
+                drafter: &mut *it.drafter,
+                tokens: it.tokens,
+                index: it.index,
+                of: 1,
+                budget: share(k) + extra,
+                max_depth: it.max_depth,
+                vocab: it.vocab,
+            }];
+            if let Some(Ok(t)) = propose_many(&mut again).pop() {
+                proposed[k] = Ok(t);
+            }
+        }
+    }
 }
 
 /// The text of a caught panic.
@@ -1075,6 +1134,31 @@ mod tests {
     use crate::sample::SamplingParams;
     use crate::testing::{greedy_session, step_until, tiny_model, TinySpec};
     use crate::tree::ExpansionConfig;
+
+    #[test]
+    fn a_merge_gives_the_budget_one_drafter_leaves_to_the_others() {
+        use crate::draft::{NgramDrafter, RecycleDrafter};
+        // "5 6 7 5": prompt lookup (matches of 2+ tokens) finds no earlier "7 5"; recycle knows
+        // the chain 5 -> 6 -> 7 -> 5 from the sequence itself.
+        let seq = [5, 6, 7, 5];
+        let mut ngram = NgramDrafter::new(3, 2, 8, 4).unwrap();
+        let mut recycle = RecycleDrafter::new(100, 8).unwrap();
+        let mut ds: [&mut dyn Drafter; 2] = [&mut recycle, &mut ngram];
+        // Each gets 2 of 4 nodes; recycle fills its share, prompt lookup proposes nothing, so
+        // recycle proposes again with all 4.
+        let t = draft_tree(&mut ds, &seq, 4, 8, 100).unwrap();
+        t.validate(100).unwrap();
+        assert_eq!(t.tokens(), vec![5, 6, 7, 5, 6]);
+        // Where prompt lookup matches ("6 7" came before) both fill their shares with the same
+        // chain 9 -> 6: nothing is left over, nobody proposes again (recycle would have added
+        // 7 -> 9 below it).
+        let seq = [6, 7, 9, 6, 7];
+        let mut ngram = NgramDrafter::new(3, 2, 8, 4).unwrap();
+        let mut recycle = RecycleDrafter::new(100, 8).unwrap();
+        let mut ds: [&mut dyn Drafter; 2] = [&mut recycle, &mut ngram];
+        let t = draft_tree(&mut ds, &seq, 4, 8, 100).unwrap();
+        assert_eq!(t.tokens(), vec![7, 9, 6]);
+    }
 
     /// Greedy incremental decoding: the cache after `prompt` and `n` generated tokens (all fed),
     /// and the tokens.

@@ -120,6 +120,14 @@ pub trait Drafter: Send {
     /// their rows.
     fn set_row_costs(&mut self, _costs: &[f64]) {}
 
+    /// Whether proposing again, with a larger budget, is cheap and changes nothing but the
+    /// proposal (no LLM or draft-model passes, no state beyond the last proposal): a merge then
+    /// gives this drafter the budget its fellow drafters left unused
+    /// ([`crate::spec::draft_trees`]). Default: no.
+    fn reproposes_cheaply(&self) -> bool {
+        false
+    }
+
     /// The drafter's batched form, when its passes can join other drafters' in one forward pass
     /// (model drafters): [`crate::spec::draft_trees`] then drafts many sequences together.
     /// Default: none (the drafter proposes alone).

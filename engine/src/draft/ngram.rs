@@ -90,6 +90,10 @@ impl Drafter for NgramDrafter {
         "ngram"
     }
 
+    fn reproposes_cheaply(&self) -> bool {
+        true
+    }
+
     fn propose(&mut self, req: &DraftRequest<'_>) -> Result<TokenTree> {
         let root = req.root();
         let mut b = TreeBuilder::new(root);

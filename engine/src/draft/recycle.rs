@@ -618,6 +618,10 @@ impl Drafter for RecycleDrafter {
         self.matrix().k()
     }
 
+    fn reproposes_cheaply(&self) -> bool {
+        true
+    }
+
     fn prompt_candidates(&self) -> usize {
         if self.prompt_logits {
             self.candidates_wanted()
