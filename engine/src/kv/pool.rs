@@ -395,33 +395,32 @@ impl BlockLedger for BlockAllocator {
     }
 }
 
-/// FNV-1a 64 offset basis.
-const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
-/// FNV-1a 64 prime.
-const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
+/// The process's secret key of [`block_hash`] (random at first use).
+static BLOCK_HASH_KEY: std::sync::OnceLock<std::hash::RandomState> = std::sync::OnceLock::new();
 
 /// Hash of one full block of tokens chained with its parent block's hash (None for the first
 /// block): equal prefixes give equal chains; the same tokens after another prefix a different hash.
-/// Deterministic across processes and runs: FNV-1a 64 over a parent tag byte (0 for none, 1 then
-/// the parent's little-endian bytes) and the tokens' little-endian bytes, then the splitmix64
-/// finalizer as an avalanche mix.
+/// Keyed SipHash (std's `RandomState`, one random key per process): a client cannot build a prompt
+/// whose block collides with another user's prefix and so have its K/V read in that prefix's
+/// place (as an unkeyed FNV-1a could be made to; vLLM's CVE-2025-25183 is that attack). Stable
+/// within a process only; nothing outlives it.
 pub fn block_hash(parent: Option<u64>, tokens: &[u32]) -> u64 {
-    fn eat(h: u64, bytes: &[u8]) -> u64 {
-        bytes
-            .iter()
-            .fold(h, |h, &x| (h ^ u64::from(x)).wrapping_mul(FNV_PRIME))
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = BLOCK_HASH_KEY
+        .get_or_init(std::hash::RandomState::new)
+        .build_hasher();
+    match parent {
+        None => h.write_u8(0),
+        Some(p) => {
+            h.write_u8(1);
+            h.write_u64(p);
+        }
     }
-    let mut h = match parent {
-        None => eat(FNV_OFFSET, &[0]),
-        Some(p) => eat(eat(FNV_OFFSET, &[1]), &p.to_le_bytes()),
-    };
-    for t in tokens {
-        h = eat(h, &t.to_le_bytes());
+    h.write_usize(tokens.len());
+    for &t in tokens {
+        h.write_u32(t);
     }
-    // splitmix64 finalizer.
-    h = (h ^ (h >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    h = (h ^ (h >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    h ^ (h >> 31)
+    h.finish()
 }
 
 #[cfg(test)]
@@ -679,11 +678,22 @@ mod tests {
         );
         assert_ne!(block_hash(None, &t), block_hash(None, &u));
         assert_ne!(block_hash(None, &[1, 2]), block_hash(None, &[2, 1]));
-        // Fixed values (checked against an independent Python FNV-1a + splitmix64): a change of
-        // the function shows here.
-        assert_eq!(h0, 0xe3d0_6c25_b97f_9de9);
-        assert_eq!(block_hash(None, &[]), 0x25fc_6dd3_6ce0_4b20);
-        assert_eq!(block_hash(Some(1), &[7]), 0xfcb8_48a2_6376_6b8c);
+        // The same from another thread (one key per process, not per thread).
+        let t2 = t.clone();
+        let other = std::thread::spawn(move || block_hash(None, &t2))
+            .join()
+            .unwrap();
+        assert_eq!(other, h0);
+        // Keyed: not the unkeyed SipHash-1-3 of the same input (std's `DefaultHasher::new` has
+        // the all-zero key).
+        let mut unkeyed = std::hash::DefaultHasher::new();
+        {
+            use std::hash::Hasher;
+            unkeyed.write_u8(0);
+            unkeyed.write_usize(t.len());
+            t.iter().for_each(|&x| unkeyed.write_u32(x));
+            assert_ne!(unkeyed.finish(), h0);
+        }
     }
 
     /// One step of the property test; indices pick among the live sequences / their blocks.

@@ -180,8 +180,10 @@ fn prefix_blocks_are_found_by_token_hash_and_evicted_lru() {
     let b = KvCache::with_prefix(&pool, 128, &toks[..35]);
     assert_eq!(b.len(), 32);
     assert_eq!(b.blocks(), &a.blocks()[..2]);
+    // b reads what a wrote (layer 1, slot s: s + 1 and its negation, f16-exact here).
     for s in [0, 31] {
-        assert_eq!(slot_value(&a, 1, s), slot_value(&b, 1, s));
+        let want = ((s + 1) as f32, -((s + 1) as f32));
+        assert_eq!(slot_value(&b, 1, s), want);
     }
     // Exactly one full block and the last token never cached: 17 tokens -> 16 slots; 16 -> 0.
     assert_eq!(KvCache::with_prefix(&pool, 128, &toks[..17]).len(), 16);

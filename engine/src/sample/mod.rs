@@ -117,11 +117,23 @@ impl Sampler {
         if p.is_greedy() {
             return vec![(argmax(logits), 1.0)];
         }
+        // A temperature so small that `logit / t` overflows (t = 1e-40 is a valid f32) would
+        // make the softmax `inf - inf`: there the logits are shifted by their maximum first
+        // (the same distribution; other temperatures keep the unshifted, bit-stable form).
+        let top = logits
+            .iter()
+            .filter(|v| !v.is_nan())
+            .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        let shift = if top.is_finite() && !(top / p.temperature).is_finite() {
+            top
+        } else {
+            0.0
+        };
         let mut cand: Vec<(u32, f32)> = logits
             .iter()
             .enumerate()
             .filter(|(_, v)| !v.is_nan())
-            .map(|(i, &v)| (i as u32, v / p.temperature))
+            .map(|(i, &v)| (i as u32, (v - shift) / p.temperature))
             .collect();
         let by_prob = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         if p.top_k > 0 && p.top_k < cand.len() {
@@ -287,6 +299,28 @@ mod tests {
             .sum();
         // 2 degrees of freedom: p = 0.001 at chi2 = 13.8.
         assert!(chi2 < 13.8, "chi2 {chi2}, counts {counts:?}");
+    }
+
+    #[test]
+    fn tiny_temperature_puts_the_mass_on_the_maximum() {
+        // 5.0 / 1e-40 overflows f32: without the shift the softmax was `inf - inf` = NaN and
+        // every draw fell through to the last token.
+        let logits = [1.0f32, 5.0, -3.0, 4.999];
+        for t in [1e-40f32, 1e-30, f32::MIN_POSITIVE] {
+            let mut s = Sampler::new(SamplingParams {
+                temperature: t,
+                seed: 3,
+                ..Default::default()
+            })
+            .unwrap();
+            let d = s.distribution(&logits);
+            let p1 = d.iter().find(|c| c.0 == 1).map_or(0.0, |c| c.1);
+            assert_eq!(p1, 1.0, "t = {t}: {d:?}");
+            assert!(d.iter().all(|c| c.1.is_finite()), "t = {t}: {d:?}");
+            for _ in 0..20 {
+                assert_eq!(s.sample(&logits), 1, "t = {t}");
+            }
+        }
     }
 
     #[test]

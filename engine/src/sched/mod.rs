@@ -355,7 +355,8 @@ struct Request<'a> {
     preemptions: usize,
     /// Slots of the request's cache (its tokens plus tree scratch).
     capacity: usize,
-    /// Positions generation may fill (prompt + max_tokens, at most the model context).
+    /// Positions generation may fill (prompt + max_tokens, at most the model context and the
+    /// pool's slots).
     cap: usize,
     spec: Option<SpecState<'a>>,
 }
@@ -368,6 +369,9 @@ impl Request<'_> {
     /// Top candidates per prompt row this request's drafters want (Token Recycling's warm
     /// start).
     fn prompt_candidates(&self) -> usize {
+        if self.generated() > 0 {
+            return 0; // a preempted request's recompute: its drafters saw the prompt already
+        }
         self.spec
             .as_ref()
             .map_or(0, |sp| sp.candidates_wanted(true))
@@ -606,7 +610,11 @@ impl<'a> Scheduler<'a> {
                 "token id {t} is outside the vocabulary (size {vocab})"
             )));
         }
-        let cap = (prompt.len() + params.max_tokens).min(self.model.config.context_length);
+        // The whole pool bounds a request as the model's context does: one that outgrows it
+        // ends with `Length` (keeping its tokens) instead of failing part way.
+        let cap = (prompt.len() + params.max_tokens)
+            .min(self.model.config.context_length)
+            .min(self.pool.max_blocks().saturating_mul(BLOCK_SLOTS));
         let spec = match spec {
             Some(rs) => {
                 let mode = rs.mode.unwrap_or(VerifyMode::auto(&params.sampling));
@@ -733,6 +741,46 @@ impl<'a> Scheduler<'a> {
         }
     }
 
+    /// New blocks a slot's rows need.
+    fn blocks_needed(&self, sl: &Slot) -> usize {
+        let r = &self.running[sl.idx];
+        let cache = r.cache.as_ref().expect("running requests have a cache");
+        cache.blocks_needed(sl.rows_upper())
+    }
+
+    /// Cut draft trees, newest requests first (only adaptive requests' when `adaptive_only`),
+    /// until the plan's `blocks` fit in `available`; the plan's blocks after the cuts.
+    fn fit_trees(
+        &self,
+        plan: &mut [Slot],
+        available: usize,
+        mut blocks: usize,
+        adaptive_only: bool,
+    ) -> usize {
+        let mut order: Vec<usize> = (0..plan.len()).collect();
+        order.sort_by_key(|&k| std::cmp::Reverse(self.running[plan[k].idx].admitted));
+        for k in order {
+            if blocks <= available {
+                break;
+            }
+            let sl = &plan[k];
+            let adaptive = self.running[sl.idx]
+                .spec
+                .as_ref()
+                .is_some_and(|sp| sp.policy == SpecPolicy::Adaptive);
+            if sl.tree_cap == 0 || (adaptive_only && !adaptive) {
+                continue;
+            }
+            let others = blocks - self.blocks_needed(sl);
+            let sl = &mut plan[k];
+            while sl.tree_cap > 0 && others + self.blocks_needed(sl) > available {
+                sl.tree_cap -= 1;
+            }
+            blocks = others + self.blocks_needed(sl);
+        }
+        blocks
+    }
+
     /// Free the newest running request's blocks and queue it first (it recomputes later).
     fn preempt_newest(&mut self) -> bool {
         if self.running.len() <= 1 {
@@ -766,19 +814,24 @@ impl<'a> Scheduler<'a> {
         let mut events = Vec::new();
         self.admit(&mut events);
         let plan = loop {
-            let plan = self.plan();
-            let blocks: usize = plan
-                .iter()
-                .map(|sl| {
-                    let r = &self.running[sl.idx];
-                    let cache = r.cache.as_ref().expect("running requests have a cache");
-                    cache.blocks_needed(sl.rows_upper())
-                })
-                .sum();
-            if blocks <= self.pool.available() {
+            let mut plan = self.plan();
+            let available = self.pool.available();
+            let mut blocks: usize = plan.iter().map(|sl| self.blocks_needed(sl)).sum();
+            if blocks > available {
+                // Draft trees are optional rows: adaptive requests' shrink before anyone is
+                // preempted (their trees follow the load anyway; a fixed tree keeps its size,
+                // so sampled outputs stay those of the request alone, unless nobody is left
+                // to preempt).
+                blocks = self.fit_trees(&mut plan, available, blocks, true);
+            }
+            if blocks <= available {
                 break plan;
             }
             if !self.preempt_newest() {
+                blocks = self.fit_trees(&mut plan, available, blocks, false);
+                if blocks <= available {
+                    break plan;
+                }
                 // One request alone does not fit: it can never run.
                 if let Some(req) = self.running.pop() {
                     events.push(failed(
@@ -1059,6 +1112,31 @@ impl<'a> Scheduler<'a> {
                 plan.push(Slot::decode(i, self.running[i].id));
             }
         }
+        // Fixed trees next, whole or not at all: a fixed tree's size (and so a sampled
+        // request's random stream) must not depend on the other requests of the step. One that
+        // does not fit waits a step (older requests' trees come first; finishing requests free
+        // the budget), unless it could never fit a step's budget.
+        let mut waiting = Vec::new();
+        for (k, sl) in plan.iter_mut().enumerate() {
+            let r = &self.running[sl.idx];
+            if r.spec
+                .as_ref()
+                .is_none_or(|sp| sp.policy != SpecPolicy::Fixed)
+            {
+                continue;
+            }
+            let cap = r.tree_cap();
+            if cap <= budget || cap >= self.config.max_step_tokens {
+                sl.tree_cap = cap.min(budget);
+                budget -= sl.tree_cap;
+            } else {
+                waiting.push(k);
+            }
+        }
+        for k in waiting.into_iter().rev() {
+            plan.remove(k);
+            budget += 1;
+        }
         for &i in &order {
             let r = &self.running[i];
             if let Phase::Prefill {
@@ -1095,6 +1173,12 @@ impl<'a> Scheduler<'a> {
         }
         for sl in plan.iter_mut().filter(|sl| sl.prefill == 0) {
             let r = &self.running[sl.idx];
+            if r.spec
+                .as_ref()
+                .is_some_and(|sp| sp.policy == SpecPolicy::Fixed)
+            {
+                continue; // sized above
+            }
             let mut cap = r.tree_cap().min(budget);
             // Adaptive requests draft only what a pass worth verifying holds.
             if let (Some(c), Some(sp)) = (self.cost.as_ref(), r.spec.as_ref()) {

@@ -139,7 +139,9 @@ fn batched_outputs_equal_each_request_alone() {
                 }
                 assert_eq!(total_preempt > 0, preempts, "pool {blocks}: preemptions");
                 assert_eq!(s.stats().preemptions as usize, total_preempt);
-                assert!(s.stats().peak_blocks <= blocks);
+                // A pool that preempted was full at some step; a roomy one never was.
+                let peak = s.stats().peak_blocks;
+                assert_eq!(peak == blocks, preempts, "pool {blocks}: peak {peak}");
                 assert_eq!(pool.stats().used, 0, "every block back");
             }
         }
@@ -261,6 +263,49 @@ fn bad_requests_fail_alone_and_cancel_frees_blocks() {
     assert!(!s.cancel(id));
     assert_eq!(pool.stats().used, 0);
     assert!(s.is_idle());
+}
+
+/// A pool that holds a request's tokens but not its draft tree on top: the tree shrinks instead
+/// of the request failing; a request longer than the whole pool ends with `Length` and the
+/// tokens it has (as at the model's context), instead of failing part way.
+#[test]
+fn a_small_pool_shrinks_trees_and_bounds_requests_like_a_context() {
+    let be = CpuBackend::new(2).unwrap();
+    // 40 prompt tokens + 20 generated = 60 slots of 4 blocks (64); a 32-node tree needs 5.
+    let (model, prompt, params, want) = greedy_case(&be, 11, 40, 3, 20);
+    let pool = KvPool::new(&model.config, model.config.n_layers, 4);
+    let mut s = Scheduler::new(&model, None, pool.clone(), SchedConfig::default()).unwrap();
+    s.submit_spec(
+        prompt.clone(),
+        params.clone(),
+        Some(ngram_spec(SpecPolicy::Fixed, 32)),
+    )
+    .unwrap();
+    let done = s.run_to_completion(&be).unwrap();
+    assert_eq!(done.len(), 1);
+    assert_eq!(done_tokens(&done[0].1).0, &want[..]);
+    assert!(spec_metrics(&done[0].1).drafted > 0, "drafts were verified");
+    assert_eq!(pool.stats().used, 0);
+    // 40 + 40 tokens do not fit 3 blocks (48 slots): the output stops at the pool's size.
+    let long = GenerateParams {
+        max_tokens: 40,
+        ..params.clone()
+    };
+    let want_long = alone(&model, &be, &prompt, &long);
+    let pool = KvPool::new(&model.config, model.config.n_layers, 3);
+    let mut s = Scheduler::new(&model, None, pool.clone(), SchedConfig::default()).unwrap();
+    s.submit(prompt.clone(), long).unwrap();
+    let done = s.run_to_completion(&be).unwrap();
+    match &done[0].1 {
+        Finish::Done { reason, tokens, .. } => {
+            assert_eq!(*reason, FinishReason::Length);
+            // The cache holds all but the last token: 48 slots, 40 of them the prompt's.
+            assert_eq!(tokens.len(), 48 - 40 + 1);
+            assert_eq!(tokens[..], want_long[..tokens.len()]);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(pool.stats().used, 0);
 }
 
 /// A prompt that repeats itself, so prompt lookup finds matches.
@@ -400,9 +445,9 @@ fn speculating_requests_in_a_batch_keep_their_outputs() {
         },
         ..GenerateParams::default()
     };
-    let run = |which: &[usize], seed_shift: u64| -> Vec<Vec<u32>> {
+    let run_in = |which: &[usize], seed_shift: u64, config: SchedConfig| -> Vec<Vec<u32>> {
         let pool = KvPool::new(&model.config, model.config.n_layers, 128);
-        let mut s = Scheduler::new(&model, None, pool, SchedConfig::default()).unwrap();
+        let mut s = Scheduler::new(&model, None, pool, config).unwrap();
         for &i in which {
             let mut params = sampled(i);
             params.sampling.seed += seed_shift;
@@ -419,10 +464,18 @@ fn speculating_requests_in_a_batch_keep_their_outputs() {
             .map(|(_, f)| done_tokens(f).0.to_vec())
             .collect()
     };
+    let run = |which: &[usize], seed_shift: u64| run_in(which, seed_shift, SchedConfig::default());
     let batched = run(&[0, 1, 2, 3, 4], 0);
     for (i, b) in batched.iter().enumerate() {
         assert_eq!(&run(&[i], 0)[0], b, "request {i}");
     }
+    // A step budget that does not hold every request's tree (5 roots + 6-node trees > 16):
+    // trees wait whole rather than shrink, so the outputs stay the same.
+    let tight = SchedConfig {
+        max_step_tokens: 16,
+        ..SchedConfig::default()
+    };
+    assert_eq!(run_in(&[0, 1, 2, 3, 4], 0, tight), batched);
     // Another seed, another output.
     assert_ne!(run(&[0], 1)[0], batched[0]);
 }
