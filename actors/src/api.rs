@@ -201,26 +201,25 @@ impl Engine {
     /// The counters (blocking; `None` when the engine has stopped).
     pub fn stats(&self) -> Option<EngineStats> {
         let (tx, rx) = crossbeam_channel::bounded(1);
-        self.intake
-            .try_send(GetStats {
-                reply: Box::new(move |s| {
-                    let _ = tx.send(s);
-                }),
-            })
-            .ok()?;
+        // `do_send`, as `submit_to`: `try_send` fails while the Intake's mailbox is over its
+        // capacity (many pipelined requests), which would read as a stopped engine. A stopped
+        // Intake drops the message and with it `tx`, so the receive ends at once.
+        self.intake.do_send(GetStats {
+            reply: Box::new(move |s| {
+                let _ = tx.send(s);
+            }),
+        });
         rx.recv_timeout(Duration::from_secs(10)).ok()
     }
 
     /// The counters, for async callers.
     pub async fn stats_async(&self) -> Option<EngineStats> {
         let (tx, rx) = tokio::sync::oneshot::channel();
-        self.intake
-            .try_send(GetStats {
-                reply: Box::new(move |s| {
-                    let _ = tx.send(s);
-                }),
-            })
-            .ok()?;
+        self.intake.do_send(GetStats {
+            reply: Box::new(move |s| {
+                let _ = tx.send(s);
+            }),
+        });
         rx.await.ok()
     }
 
@@ -228,15 +227,15 @@ impl Engine {
     /// `shutdown`. Returns once the actors have stopped (blocking).
     pub fn shutdown(&self, grace: Duration) {
         let (tx, rx) = crossbeam_channel::bounded::<()>(1);
-        let sent = self.intake.try_send(Shutdown {
+        // `do_send`: a full mailbox must not lose the shutdown (the join below would wait on an
+        // engine thread that never stops). A stopped Intake drops `tx`: the receive ends.
+        self.intake.do_send(Shutdown {
             grace,
             done: Box::new(move || {
                 let _ = tx.send(());
             }),
         });
-        if sent.is_ok() {
-            let _ = rx.recv();
-        }
+        let _ = rx.recv();
         if let Some(t) = self.thread.lock().take() {
             let _ = t.join();
         }
@@ -245,15 +244,13 @@ impl Engine {
     /// [`Engine::shutdown`] for async callers (the final join runs on a blocking thread).
     pub async fn shutdown_async(self: Arc<Self>, grace: Duration) {
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let sent = self.intake.try_send(Shutdown {
+        self.intake.do_send(Shutdown {
             grace,
             done: Box::new(move || {
                 let _ = tx.send(());
             }),
         });
-        if sent.is_ok() {
-            let _ = rx.await;
-        }
+        let _ = rx.await;
         let me = Arc::clone(&self);
         let _ = tokio::task::spawn_blocking(move || {
             if let Some(t) = me.thread.lock().take() {

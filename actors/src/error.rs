@@ -21,6 +21,7 @@ pub mod codes {
     pub const CONTEXT_OVERFLOW: &str = "context_overflow";
     pub const KV_POOL_EXHAUSTED: &str = "kv_pool_exhausted";
     pub const TOO_MANY_REQUESTS: &str = "too_many_requests";
+    pub const TOO_MANY_CONNECTIONS: &str = "too_many_connections";
     pub const OVERLOADED: &str = "overloaded";
     pub const UNAUTHORIZED: &str = "unauthorized";
     pub const UNKNOWN_ID: &str = "unknown_id";
@@ -76,6 +77,10 @@ pub mod codes {
         (
             TOO_MANY_REQUESTS,
             "the connection already has its maximum of requests in flight",
+        ),
+        (
+            TOO_MANY_CONNECTIONS,
+            "the server already has its maximum of connections (answered once, then closed)",
         ),
         (OVERLOADED, "the server's queue of waiting requests is full"),
         (

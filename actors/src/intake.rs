@@ -42,8 +42,12 @@ struct Entry {
     /// A `Cancel` is on its way to the Verifier.
     cancel_sent: bool,
     prompt_tokens: usize,
+    /// What the consumer was sent.
     tokens: Vec<u32>,
     text: String,
+    /// Tokens of steps that ran after an early end was asked for (cancel, deadline, shutdown):
+    /// dropped if the early end takes effect, streamed if the request finishes on its own first.
+    held: (Vec<u32>, String),
 }
 
 impl Entry {
@@ -304,20 +308,26 @@ impl Intake {
                 continue;
             };
             let id = ev.id;
-            if !ev.tokens.is_empty() {
-                sent += ev.tokens.len();
-                e.tokens.extend_from_slice(&ev.tokens);
-                e.text.push_str(&ev.text);
-                if e.state == EntryState::Active {
-                    e.first_token.get_or_insert(now);
-                    let r = e.sink.send(Event::Tokens {
-                        id,
-                        tokens: ev.tokens,
-                        text: ev.text,
-                    });
-                    if let Err(err) = r {
-                        self.sink_failed(id, err, ctx);
-                    }
+            sent += ev.tokens.len();
+            // Tokens of steps after an early end was asked for are held back, so an early final
+            // line reports exactly what the consumer got; a request that finishes on its own
+            // first sends them with its last step's (its final line has the whole output).
+            let (mut tokens, mut text) = (ev.tokens, ev.text);
+            if e.state != EntryState::Active {
+                e.held.0.append(&mut tokens);
+                e.held.1.push_str(&text);
+                if matches!(ev.finish, Some(Finish::Done { .. })) {
+                    (tokens, text) = std::mem::take(&mut e.held);
+                } else {
+                    text.clear();
+                }
+            }
+            if !tokens.is_empty() {
+                e.tokens.extend_from_slice(&tokens);
+                e.text.push_str(&text);
+                e.first_token.get_or_insert(now);
+                if let Err(err) = e.sink.send(Event::Tokens { id, tokens, text }) {
+                    self.sink_failed(id, err, ctx);
                 }
             }
             match ev.finish {
@@ -621,6 +631,7 @@ impl Handler<Submit> for Intake {
                 prompt_tokens: 0,
                 tokens: Vec::new(),
                 text: String::new(),
+                held: (Vec::new(), String::new()),
             },
         );
         self.interrupt.store(true, Ordering::Release);

@@ -220,7 +220,12 @@ impl Verifier {
     /// End every request after a step failed as a whole (their state is not trusted).
     fn fail_all(&mut self, error: ServeError) -> Vec<(RequestId, ServeError)> {
         let mut out = Vec::new();
-        for sid in self.sched.request_ids() {
+        // Every request this actor tracks, not only those the scheduler still holds: a request
+        // the failed step's planning had already dropped (its `kv_pool_exhausted` event went
+        // down with the step) must get a final line too.
+        let mut sids: Vec<u64> = self.to_req.keys().copied().collect();
+        sids.sort_unstable();
+        for sid in sids {
             self.sched.cancel(sid);
             if let Some(id) = self.forget_sched(sid) {
                 out.push((id, error.clone()));

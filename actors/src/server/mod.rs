@@ -90,6 +90,18 @@ pub async fn serve(
                 };
                 if counters.connections.load(Ordering::Relaxed) >= config.max_connections {
                     tracing::warn!(%peer, "too many connections; closed");
+                    // One error line, if the socket takes it now (never waits on the client).
+                    let line = protocol::error_line(
+                        None,
+                        &crate::error::ServeError::new(
+                            crate::error::codes::TOO_MANY_CONNECTIONS,
+                            format!(
+                                "the server has {} connections (its limit); try again later",
+                                config.max_connections
+                            ),
+                        ),
+                    ) + "\n";
+                    let _ = stream.try_write(line.as_bytes());
                     drop(stream);
                     continue;
                 }

@@ -386,7 +386,22 @@ pub fn error_line(id: Option<&Value>, e: &ServeError) -> String {
     .to_string()
 }
 
-pub fn stats_line(s: &EngineStats, connections: usize) -> String {
+/// An error that ends no request although its line named one (`key`: `"rejected_id"` for a
+/// request line refused without starting, e.g. a duplicate id; `"cancel"` for a cancel of no
+/// request in flight). `"id"` stays null, so a line with an id and `error` is always the final
+/// line of that request.
+pub fn rejected_line(key: &str, id: &Value, e: &ServeError) -> String {
+    let mut v = json!({
+        "id": Value::Null,
+        "error": {"code": e.code, "message": e.message},
+    });
+    v[key] = id.clone();
+    v.to_string()
+}
+
+/// `slow_reader_connections`: connections closed because their client stopped reading (the
+/// engine's `slow_readers` counts requests whose consumer stopped reading).
+pub fn stats_line(s: &EngineStats, connections: usize, slow_reader_connections: u64) -> String {
     json!({"stats": {
         "running": s.running,
         "waiting": s.waiting,
@@ -405,6 +420,7 @@ pub fn stats_line(s: &EngineStats, connections: usize) -> String {
         "cancelled": s.cancelled,
         "failed": s.failed,
         "slow_readers": s.slow_readers,
+        "slow_reader_connections": slow_reader_connections,
         "steps": s.steps,
         "step_ms": s.step_ms,
         "step_gap_ms": s.step_gap_ms,

@@ -176,7 +176,13 @@ impl Session {
             Err(LineError { id, error }) => {
                 self.counters.bad_lines.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(code = error.code, "bad line");
-                return vec![protocol::error_line(id.as_ref(), &error)];
+                // A bad line reusing the id of a running request must not read as its end.
+                return match id {
+                    Some(id) if self.by_client.contains_key(&id.to_string()) => {
+                        vec![protocol::rejected_line("rejected_id", &id, &error)]
+                    }
+                    id => vec![protocol::error_line(id.as_ref(), &error)],
+                };
             }
         };
         if !self.authed {
@@ -194,8 +200,11 @@ impl Session {
                         )]
                     }
                 }
-                ClientLine::Request { id, .. } | ClientLine::Cancel(id) => {
+                ClientLine::Request { id, .. } => {
                     vec![protocol::error_line(Some(&id), &unauthorized())]
+                }
+                ClientLine::Cancel(id) => {
+                    vec![protocol::rejected_line("cancel", &id, &unauthorized())]
                 }
                 _ => vec![protocol::error_line(None, &unauthorized())],
             };
@@ -206,9 +215,9 @@ impl Session {
             ClientLine::Stats => {
                 let conns = self.counters.connections.load(Ordering::Relaxed);
                 match self.engine.stats_async().await {
-                    Some(mut s) => {
-                        s.slow_readers += self.counters.slow_readers.load(Ordering::Relaxed);
-                        vec![protocol::stats_line(&s, conns)]
+                    Some(s) => {
+                        let slow = self.counters.slow_readers.load(Ordering::Relaxed);
+                        vec![protocol::stats_line(&s, conns, slow)]
                     }
                     None => vec![protocol::error_line(
                         None,
@@ -222,8 +231,9 @@ impl Session {
                     self.engine.cancel(eid);
                     Vec::new()
                 }
-                None => vec![protocol::error_line(
-                    Some(&id),
+                None => vec![protocol::rejected_line(
+                    "cancel",
+                    &id,
                     &ServeError::new(
                         codes::UNKNOWN_ID,
                         format!("no request {id} in flight on this connection"),
@@ -233,8 +243,9 @@ impl Session {
             ClientLine::Request { id, stream, req } => {
                 let key = id.to_string();
                 if self.by_client.contains_key(&key) {
-                    return vec![protocol::error_line(
-                        Some(&id),
+                    return vec![protocol::rejected_line(
+                        "rejected_id",
+                        &id,
                         &ServeError::new(
                             codes::DUPLICATE_ID,
                             format!("request {id} is still in flight on this connection"),
