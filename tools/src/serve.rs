@@ -173,7 +173,43 @@ pub fn init_logging(json: bool) {
     };
 }
 
-/// Seconds as a `Duration` (CLI values).
-pub fn secs(s: f64) -> Duration {
-    Duration::from_secs_f64(s.max(0.0))
+/// Longest duration a CLI flag may give (a year): later than any server runs, and far from
+/// where `Instant + Duration` overflows.
+pub const MAX_FLAG_SECS: f64 = 365.0 * 24.0 * 3600.0;
+
+/// Seconds given by `--flag` as a `Duration`: finite, at least `min` and at most a year (a NaN,
+/// `inf` or `1e19` used to panic at start or on the first request).
+pub fn secs(flag: &str, s: f64, min: f64) -> anyhow::Result<Duration> {
+    if !(s.is_finite() && s >= min && s <= MAX_FLAG_SECS) {
+        anyhow::bail!("--{flag} must be a number of seconds in [{min}, {MAX_FLAG_SECS}], got {s}");
+    }
+    Ok(Duration::from_secs_f64(s))
+}
+
+/// A count given by `--flag` that must be at least 1.
+pub fn at_least_one(flag: &str, n: usize) -> anyhow::Result<usize> {
+    if n == 0 {
+        anyhow::bail!("--{flag} must be at least 1");
+    }
+    Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flag_seconds_are_checked() {
+        assert_eq!(
+            secs("request-timeout", 1.5, 0.001).unwrap(),
+            Duration::from_millis(1500)
+        );
+        assert_eq!(secs("shutdown-grace", 0.0, 0.0).unwrap(), Duration::ZERO);
+        for bad in [f64::NAN, f64::INFINITY, 1e19, -1.0, 0.0] {
+            let e = secs("request-timeout", bad, 0.001).unwrap_err().to_string();
+            assert!(e.contains("--request-timeout"), "{bad}: {e}");
+        }
+        assert!(at_least_one("max-line-bytes", 0).is_err());
+        assert_eq!(at_least_one("max-line-bytes", 7).unwrap(), 7);
+    }
 }

@@ -152,6 +152,45 @@ fn bad_input_gives_a_clear_error_and_nonzero_exit() {
             "temperature",
         ),
         (vec!["generate", "--prompt", "x", "--top-p", "0"], "top_p"),
+        // Server flags are checked before any model loads (these panicked before).
+        (
+            vec![
+                "serve",
+                "--model",
+                "no-such-model",
+                "--request-timeout",
+                "inf",
+            ],
+            "--request-timeout",
+        ),
+        (
+            vec![
+                "serve",
+                "--model",
+                "no-such-model",
+                "--request-timeout",
+                "1e19",
+            ],
+            "--request-timeout",
+        ),
+        (
+            vec![
+                "serve",
+                "--model",
+                "no-such-model",
+                "--shutdown-grace",
+                "NaN",
+            ],
+            "--shutdown-grace",
+        ),
+        (
+            vec!["serve", "--model", "no-such-model", "--max-line-bytes", "0"],
+            "--max-line-bytes",
+        ),
+        (
+            vec!["generate", "--prompt", "x", "--system", "be brief"],
+            "--chat",
+        ),
     ] {
         let out = arbor(&args);
         assert!(!out.status.success(), "{args:?} succeeded");
@@ -162,6 +201,29 @@ fn bad_input_gives_a_clear_error_and_nonzero_exit() {
         );
         assert!(out.stdout.is_empty(), "{args:?} wrote to stdout");
     }
+}
+
+/// A mistyped `ARBOR_KERNEL` is an error, not a silent run on another kernel family.
+#[test]
+fn an_unknown_kernel_family_is_refused() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_arbor"))
+        .args(["models", "list"])
+        .env("ARBOR_KERNEL", "avx-2")
+        .output()
+        .expect("arbor runs");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("ARBOR_KERNEL must be one of"), "{err}");
+    let ok = std::process::Command::new(env!("CARGO_BIN_EXE_arbor"))
+        .args(["models", "list"])
+        .env("ARBOR_KERNEL", " AVX2 ")
+        .output()
+        .expect("arbor runs");
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
 }
 
 #[test]

@@ -164,7 +164,7 @@ struct GenerateArgs {
     #[arg(long)]
     chat: bool,
     /// System message for --chat (default: the model template's own).
-    #[arg(long)]
+    #[arg(long, requires = "chat")]
     system: Option<String>,
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
@@ -447,6 +447,27 @@ enum BenchCmd {
     },
 }
 
+/// The values `ARBOR_KERNEL` may take (the engine reads it; a typo must not silently run
+/// another kernel family than the one asked for).
+const KERNEL_FAMILIES: [&str; 5] = ["scalar", "avx2", "avxvnni", "avx512", "amx"];
+
+fn check_kernel_env() -> Result<()> {
+    match std::env::var("ARBOR_KERNEL") {
+        Ok(v)
+            if !v.trim().is_empty()
+                && !KERNEL_FAMILIES
+                    .iter()
+                    .any(|k| v.trim().eq_ignore_ascii_case(k)) =>
+        {
+            anyhow::bail!(
+                "ARBOR_KERNEL must be one of {} (or unset for the CPU's best), got '{v}'",
+                KERNEL_FAMILIES.join(", ")
+            )
+        }
+        _ => Ok(()),
+    }
+}
+
 fn main() {
     let cli = Cli::parse();
     // Commands that print to stdout end quietly, like other Unix filters, when its reader goes
@@ -467,7 +488,7 @@ fn main() {
     }
     #[cfg(not(unix))]
     let _ = filter;
-    if let Err(e) = run(cli) {
+    if let Err(e) = check_kernel_env().and_then(|()| run(cli)) {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
@@ -722,6 +743,13 @@ fn cmd_serve(a: ServeArgs) -> Result<()> {
     serve::init_logging(a.log_format == Format::Json);
     serve::check_drafters(&a.draft)?;
     a.speculate_tree.parse::<DraftShape>()?;
+    // Flags checked before the model resolves (which may fetch it).
+    let max_deadline = serve::secs("request-timeout", a.request_timeout, 0.001)?;
+    let shutdown_grace = serve::secs("shutdown-grace", a.shutdown_grace, 0.0)?;
+    let max_requests_per_connection =
+        serve::at_least_one("max-requests-per-connection", a.max_requests_per_connection)?;
+    let max_line_bytes = serve::at_least_one("max-line-bytes", a.max_line_bytes)?;
+    let max_connections = serve::at_least_one("max-connections", a.max_connections)?;
     let auth_token = a
         .auth_token
         .clone()
@@ -739,14 +767,14 @@ fn cmd_serve(a: ServeArgs) -> Result<()> {
             max_waiting: a.max_waiting,
             max_prompt_tokens: a.max_prompt_tokens,
             max_tokens: a.max_tokens,
-            max_deadline: serve::secs(a.request_timeout),
+            max_deadline,
             ..Default::default()
         },
         server: arbor_actors::server::ServerConfig {
-            max_line_bytes: a.max_line_bytes,
-            max_requests_per_connection: a.max_requests_per_connection,
-            max_connections: a.max_connections,
-            shutdown_grace: serve::secs(a.shutdown_grace),
+            max_line_bytes,
+            max_requests_per_connection,
+            max_connections,
+            shutdown_grace,
             ..Default::default()
         },
         spec_budget: a.speculate_budget,
@@ -772,6 +800,17 @@ fn cuda_generate(a: &GenerateArgs, params: &GenerateParams, ordinal: usize) -> R
         use arbor_engine::draft::ngram::NgramDrafter;
         if params.sampling.temperature != 0.0 {
             bail!("--device cuda decodes greedily only so far: use --temperature 0");
+        }
+        // Settings this path does not honour are refused, not ignored.
+        if a.format != Format::Text {
+            bail!("--device cuda prints text only so far: drop --format json");
+        }
+        if !matches!(a.spec.speculate_verify.as_str(), "auto" | "greedy")
+            || a.spec.speculate_policy != "auto"
+        {
+            bail!(
+                "--device cuda verifies greedily with fixed trees of --speculate-budget nodes:                  drop --speculate-verify / --speculate-policy"
+            );
         }
         let mut drafter: Option<NgramDrafter> = None;
         for d in &a.spec.speculate {
