@@ -10,7 +10,11 @@ use arbor_actors::{DrafterFactory, Engine, EngineConfig};
 use arbor_tools::load::instant::InstantServer;
 use arbor_tools::load::metrics::Outcome;
 use arbor_tools::load::prompts::PromptSource;
-use arbor_tools::load::{report, run, Arrivals, LoadOptions, ResultsFile, RunResult, Slo};
+use arbor_tools::load::schedule::ArrivalSchedule;
+use arbor_tools::load::target::Target;
+use arbor_tools::load::{
+    report, run, sweep, Arrivals, LoadError, LoadOptions, ResultsFile, RunResult, Slo,
+};
 
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
@@ -38,6 +42,11 @@ fn serve() -> Served {
 
 fn check_accounting(r: &RunResult) {
     let c = &r.counts;
+    // The driver counts what it starts; every request started has exactly one record.
+    assert_eq!(
+        c.sent, r.spawned,
+        "a request started without a record: {c:?}"
+    );
     assert_eq!(
         c.sent,
         c.completed + c.cancelled + c.failed,
@@ -171,8 +180,16 @@ fn requests_cut_off_at_the_end_are_cancelled_and_free_their_blocks() {
     o.ignore_eos = true;
     let r = rt().block_on(run(&o, None)).expect("run");
     check_accounting(&r);
-    assert!(r.counts.sent >= 1);
-    assert!(r.counts.cancelled >= 1, "{:?}", r.counts);
+    // The seeded arrivals before the 1 s bound are sent, no more and no fewer...
+    let mut schedule = ArrivalSchedule::new(8.0, 1.0, o.seed).unwrap();
+    let expected = 1 + std::iter::repeat_with(|| schedule.next_arrival())
+        .take_while(|&t| t < 1.0)
+        .count() as u64;
+    assert_eq!(r.counts.sent, expected, "{:?}", r.counts);
+    // ... and none of them can finish 2000 tokens within the second: with no drain, every one
+    // is cancelled (none completed, none failed).
+    assert_eq!(r.counts.cancelled, r.counts.sent, "{:?}", r.counts);
+    assert!(r.requests.iter().all(|q| q.outcome == Outcome::Cancelled));
     // The server frees the cancelled requests' KV blocks.
     let t0 = Instant::now();
     loop {
@@ -388,4 +405,441 @@ fn a_server_that_hangs_up_or_talks_nonsense_is_counted_not_fatal() {
     );
     assert_eq!(r.counts.stray_lines, 6, "{:?}", r.counts);
     assert!(r.requests.iter().all(|q| q.events.len() == 1));
+}
+
+fn dead_addr() -> std::net::SocketAddr {
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = dead.local_addr().unwrap();
+    drop(dead);
+    addr
+}
+
+fn temp_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("arbor-load-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[test]
+fn a_run_where_nothing_completes_fails_with_each_code_and_a_sample_message() {
+    let dir = temp_dir("nothing");
+    let out_file = dir.join("dead.json");
+    let target = format!("arbor://{}", dead_addr());
+    let out = common::arbor(&[
+        "load",
+        "--target",
+        &target,
+        "--requests",
+        "3",
+        "--rate",
+        "100",
+        "--quiet",
+        "--out",
+        out_file.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("no request completed")
+            && stderr.contains("connect_failed 3: cannot connect"),
+        "{stderr}"
+    );
+    // The summary names each failure code with one message.
+    assert!(
+        stdout.contains("failed 3 (connect_failed 3)")
+            && stdout.contains("failures     connect_failed: cannot connect to"),
+        "{stdout}"
+    );
+    // The results were written before the error.
+    let ResultsFile::Run(r) = ResultsFile::read(&out_file).expect("results written") else {
+        panic!("a run file")
+    };
+    assert_eq!(r.counts.failed_by_code.get("connect_failed"), Some(&3));
+    assert!(r.counts.failed_samples["connect_failed"].contains("cannot connect"));
+    assert_eq!(
+        r.check_completed().unwrap_err().error_type(),
+        "no_request_completed"
+    );
+    // A sweep where no rate completes anything fails the same way.
+    let out = common::arbor(&[
+        "load",
+        "sweep",
+        "--rates",
+        "100,200",
+        "--target",
+        &target,
+        "--requests",
+        "2",
+        "--cooldown",
+        "0",
+        "--quiet",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("connect_failed 4: cannot connect"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn out_of_range_numbers_are_refused_naming_the_flag_not_a_panic() {
+    let server = InstantServer::start(1).expect("instant server");
+    let target = format!("arbor://{}", server.addr);
+    let cases: &[(&[&str], &str)] = &[
+        (&["--duration", "1e20"], "--duration"),
+        (&["--duration", "NaN"], "--duration"),
+        (&["--rate", "1e-30", "--requests", "2"], "--rate"),
+        (&["--rate", "inf"], "--rate"),
+        (&["--burstiness", "1e400"], "--burstiness"),
+        (&["--warmup", "1e20"], "--warmup"),
+        (&["--warmup", "NaN"], "--warmup"),
+        (&["--drain", "1e20"], "--drain"),
+        (&["--drain=-1"], "--drain"),
+        (&["--requests", "100000000000"], "--requests"),
+        (&["--input-len", "100000000000"], "--input-len"),
+        (&["--per-connection", "0"], "--per-connection"),
+        (
+            &["sweep", "--rates", "1", "--cooldown", "1e20"],
+            "--cooldown",
+        ),
+        (
+            &["sweep", "--rates", "1", "--cooldown", "NaN"],
+            "--cooldown",
+        ),
+        (&["sweep", "--rates", "1e-30"], "--rates"),
+    ];
+    for (args, flag) in cases {
+        let mut all = vec!["load"];
+        all.extend_from_slice(args);
+        all.extend_from_slice(&["--target", &target, "--quiet"]);
+        let started = Instant::now();
+        let out = common::arbor(&all);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} ran");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert!(stderr.contains(flag), "{args:?}: {stderr}");
+        assert!(started.elapsed() < Duration::from_secs(10), "{args:?} ran");
+    }
+    // The library refuses them too.
+    let mut o = LoadOptions::new(&target);
+    o.arrivals = Arrivals::Open {
+        rate: 1e-30,
+        burstiness: 1.0,
+    };
+    let e = rt().block_on(run(&o, None)).unwrap_err();
+    assert!(matches!(e, LoadError::Invalid(_)), "{e}");
+    assert_eq!(e.error_type(), "invalid_argument");
+}
+
+#[test]
+fn a_plot_that_cannot_be_drawn_is_a_warning_after_the_results_are_written() {
+    let server = InstantServer::start(1).expect("instant server");
+    let dir = temp_dir("plot");
+    let out_file = dir.join("run.json");
+    // A file where the plot folder should be: plots cannot be written there.
+    let not_a_dir = dir.join("plots");
+    std::fs::write(&not_a_dir, "a file").unwrap();
+    let out = common::arbor(&[
+        "load",
+        "--target",
+        &format!("arbor://{}", server.addr),
+        "--requests",
+        "5",
+        "--rate",
+        "500",
+        "--max-tokens",
+        "3",
+        "--quiet",
+        "--out",
+        out_file.to_str().unwrap(),
+        "--plot",
+        not_a_dir.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("warning") && stderr.contains(not_a_dir.to_str().unwrap()),
+        "{stderr}"
+    );
+    let ResultsFile::Run(r) = ResultsFile::read(&out_file).expect("results written") else {
+        panic!("a run file")
+    };
+    assert_eq!(r.counts.completed, 5);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn targets_must_be_host_and_port() {
+    let ok = [
+        (
+            "arbor://127.0.0.1:7070",
+            Target::Arbor {
+                addr: "127.0.0.1:7070".into(),
+            },
+        ),
+        (
+            "127.0.0.1:7070",
+            Target::Arbor {
+                addr: "127.0.0.1:7070".into(),
+            },
+        ),
+        (
+            "arbor://localhost:1/",
+            Target::Arbor {
+                addr: "localhost:1".into(),
+            },
+        ),
+        (
+            "arbor://[::1]:7070",
+            Target::Arbor {
+                addr: "[::1]:7070".into(),
+            },
+        ),
+        (
+            "openai://localhost:8080/",
+            Target::OpenAi {
+                addr: "localhost:8080".into(),
+            },
+        ),
+        (
+            "http://127.0.0.1:8080/v1",
+            Target::OpenAi {
+                addr: "127.0.0.1:8080".into(),
+            },
+        ),
+        (
+            "http://127.0.0.1:8080/v1/",
+            Target::OpenAi {
+                addr: "127.0.0.1:8080".into(),
+            },
+        ),
+        (
+            "openai://my-host.lan:65535",
+            Target::OpenAi {
+                addr: "my-host.lan:65535".into(),
+            },
+        ),
+    ];
+    for (s, want) in ok {
+        assert_eq!(
+            Target::parse(s).unwrap_or_else(|e| panic!("{s}: {e}")),
+            want
+        );
+    }
+    for (s, why) in [
+        ("http://127.0.0.1:8080/v2", "has a path ('/v2')"),
+        ("openai://127.0.0.1:8080/v1/completions", "has a path"),
+        ("arbor://127.0.0.1:7070/v1", "has a path"),
+        ("arbor://127.0.0.1", "has no port"),
+        ("arbor://127.0.0.1:0", "as its port"),
+        ("arbor://127.0.0.1:65536", "as its port"),
+        ("arbor://127.0.0.1:http", "as its port"),
+        ("arbor://127.0.0.1:", "as its port"),
+        ("arbor://:7070", "as its host"),
+        ("arbor://::1:7070", "without brackets"),
+        ("arbor://[::1]", "no port"),
+        ("arbor://[nope]:7070", "not an IPv6 address"),
+        ("arbor://user@host:7070", "as its host"),
+        ("arbor://", "names no address"),
+        ("ftp://x:1", "unknown target scheme"),
+    ] {
+        let e = Target::parse(s)
+            .err()
+            .unwrap_or_else(|| panic!("{s} parsed"));
+        let msg = e.to_string();
+        assert!(msg.contains(why), "{s}: {msg}");
+        assert_eq!(e.error_type(), "invalid_argument");
+        if why != "unknown target scheme" {
+            assert!(msg.contains("HOST:PORT"), "{s}: {msg}");
+        }
+    }
+    // The CLI refuses a bad target before sending anything.
+    let out = common::arbor(&["load", "--target", "http://127.0.0.1:1/v2", "--quiet"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("has a path"));
+}
+
+#[test]
+fn a_sweep_checks_every_rate_before_the_first_run() {
+    let server = InstantServer::start(1).expect("instant server");
+    let mut o = LoadOptions::new(&format!("arbor://{}", server.addr));
+    o.requests = Some(5);
+    o.max_tokens = 2;
+    let rt = rt();
+    for rates in [[100.0, -1.0], [100.0, f64::NAN], [100.0, 0.0]] {
+        let mut ran = 0;
+        let e = rt
+            .block_on(sweep(&o, &rates, None, 0.0, |_| ran += 1))
+            .unwrap_err();
+        assert_eq!(ran, 0, "{rates:?}: a rate ran before the error");
+        assert!(e.to_string().contains("--rates"), "{e}");
+    }
+    let e = rt
+        .block_on(sweep(&o, &[100.0], None, f64::INFINITY, |_| {}))
+        .unwrap_err();
+    assert!(e.to_string().contains("--cooldown"), "{e}");
+    // The CLI: nothing runs, nothing is written.
+    let dir = temp_dir("sweep-rates");
+    let out_file = dir.join("sweep.json");
+    let out = common::arbor(&[
+        "load",
+        "sweep",
+        "--rates",
+        "100,-1",
+        "--target",
+        &format!("arbor://{}", server.addr),
+        "--requests",
+        "5",
+        "--quiet",
+        "--cooldown",
+        "0",
+        "--out",
+        out_file.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("--rates") && !stderr.contains("completed"),
+        "{stderr}"
+    );
+    assert!(!out_file.exists());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn an_oversized_request_fails_at_once_and_the_servers_idless_errors_are_counted() {
+    // Client side: lines over --max-line-bytes are not sent, and nothing waits for the drain.
+    let server = InstantServer::start(1).expect("instant server");
+    let mut o = LoadOptions::new(&format!("arbor://{}", server.addr));
+    o.arrivals = Arrivals::Closed { concurrency: 2 };
+    o.requests = Some(4);
+    o.max_tokens = 2;
+    o.max_line_bytes = 40;
+    let started = Instant::now();
+    let r = rt().block_on(run(&o, None)).expect("run");
+    check_accounting(&r);
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert_eq!(
+        r.counts.failed_by_code.get("line_too_long"),
+        Some(&4),
+        "{:?}",
+        r.counts
+    );
+    assert!(r.counts.failed_samples["line_too_long"].contains("--max-line-bytes 40"));
+    // The same requests fit the default limit.
+    o.max_line_bytes = arbor_tools::load::run::DEFAULT_MAX_LINE_BYTES;
+    let r = rt().block_on(run(&o, None)).expect("run");
+    assert_eq!(r.counts.completed, 4, "{:?}", r.counts);
+}
+
+/// A fake Arbor server answering each request line in turn with the next of `finals` as its
+/// final line (after one token), plus, on the first request, an error line with `"id": null`
+/// and a late-cancel answer (both name no request).
+fn fake_server(finals: Vec<&'static str>) -> std::net::SocketAddr {
+    use std::io::{BufRead, BufReader, Write};
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let mut k = 0usize;
+        for s in l.incoming().flatten() {
+            let mut w = s.try_clone().unwrap();
+            for line in BufReader::new(s).lines() {
+                let Ok(line) = line else { break };
+                let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
+                let Some(id) = v.get("id").cloned() else {
+                    continue;
+                };
+                if k == 0 {
+                    let _ = writeln!(
+                        w,
+                        "{}",
+                        serde_json::json!({"id": null, "error": {"code": "line_too_long", "message": "a line of 9 bytes is over the limit"}})
+                    );
+                    let _ = writeln!(
+                        w,
+                        "{}",
+                        serde_json::json!({"id": null, "cancel": 77, "error": {"code": "unknown_id", "message": "no such request"}})
+                    );
+                }
+                let reason = finals[k % finals.len()];
+                k += 1;
+                let _ = writeln!(
+                    w,
+                    "{}",
+                    serde_json::json!({"id": id, "text": "a", "tokens": [1]})
+                );
+                let _ = writeln!(
+                    w,
+                    "{}",
+                    serde_json::json!({"id": id, "done": true, "finish_reason": reason, "usage": {"prompt_tokens": 1, "completion_tokens": 1}})
+                );
+            }
+        }
+    });
+    addr
+}
+
+#[test]
+fn requests_the_server_ends_at_deadline_or_shutdown_are_failures() {
+    let addr = fake_server(vec!["deadline", "shutdown", "length"]);
+    let mut o = LoadOptions::new(&format!("arbor://{addr}"));
+    o.arrivals = Arrivals::Closed { concurrency: 1 };
+    o.requests = Some(3);
+    let r = rt().block_on(run(&o, None)).expect("run");
+    check_accounting(&r);
+    assert_eq!(
+        (r.counts.completed, r.counts.failed),
+        (1, 2),
+        "{:?}",
+        r.counts
+    );
+    assert_eq!(r.counts.failed_by_code.get("deadline"), Some(&1));
+    assert_eq!(r.counts.failed_by_code.get("shutdown"), Some(&1));
+    assert_eq!(
+        r.summary.e2e_ms.count, 1,
+        "only the completed request is measured"
+    );
+    // The id-less error is a stray line counted by code; the late-cancel answer is not stray.
+    assert_eq!(r.counts.stray_lines, 1, "{:?}", r.counts);
+    assert_eq!(r.counts.stray_errors_by_code.get("line_too_long"), Some(&1));
+    let text = report::summary(&r);
+    assert!(
+        text.contains("errors naming no request: line_too_long 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("deadline: the server ended the request at its deadline"),
+        "{text}"
+    );
+}
+
+#[test]
+fn compare_into_a_closed_pipe_ends_quietly() {
+    let server = InstantServer::start(1).expect("instant server");
+    let mut o = LoadOptions::new(&format!("arbor://{}", server.addr));
+    o.requests = Some(3);
+    o.max_tokens = 2;
+    o.arrivals = Arrivals::Closed { concurrency: 1 };
+    let r = rt().block_on(run(&o, None)).expect("run");
+    let dir = temp_dir("pipe");
+    let a = dir.join("a.json");
+    ResultsFile::Run(Box::new(r)).write(&a).unwrap();
+    // A pipe whose reader is gone before arbor prints (as `| head` is once it has its lines).
+    let (reader, writer) = std::io::pipe().expect("pipe");
+    drop(reader);
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_arbor"))
+        .args(["load", "compare", a.to_str().unwrap(), a.to_str().unwrap()])
+        .stdout(writer)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("arbor runs");
+    let out = child.wait_with_output().expect("arbor ends");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}: {stderr}", out.status);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1,14 +1,15 @@
 //! The `arbor load` command line: one run, `sweep` over rates, `compare` two results files, and `bench load-tool` (the generator's own ceiling against the instant server).
 
-use std::path::PathBuf;
+use std::io::{ErrorKind, Write};
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use serde_json::Value;
 
 use super::prompts::PromptSource;
-use super::run::{Arrivals, LoadOptions};
-use super::{plot, report, resolve_slo, sweep, ResultsFile, SloSpec};
+use super::run::{Arrivals, LoadOptions, DEFAULT_MAX_LINE_BYTES, DEFAULT_PER_CONNECTION};
+use super::{plot, report, resolve_slo, sweep_into, ResultsFile, RunResult, SloSpec, SweepResult};
 
 /// `arbor load [OPTIONS]` or `arbor load sweep|compare ...`.
 #[derive(Args)]
@@ -61,7 +62,8 @@ pub enum LoadSubcommand {
 /// The options of a run.
 #[derive(Args, Clone)]
 pub struct LoadArgs {
-    /// arbor://HOST:PORT (`arbor serve`) or openai://HOST:PORT (e.g. llama.cpp's llama-server).
+    /// arbor://HOST:PORT (`arbor serve`) or openai://HOST:PORT, alias http://HOST:PORT (e.g.
+    /// llama.cpp's llama-server; a trailing /v1 is ignored). IPv6 in brackets: [::1]:7070.
     #[arg(long, default_value = "arbor://127.0.0.1:7070")]
     pub target: String,
     /// Open loop: mean arrivals per second.
@@ -134,6 +136,14 @@ pub struct LoadArgs {
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
+    /// Arbor targets: most requests in flight on one connection (keep it at or below the
+    /// server's --max-requests-per-connection, 64).
+    #[arg(long, default_value_t = DEFAULT_PER_CONNECTION)]
+    pub per_connection: usize,
+    /// Arbor targets: a request line longer than this is not sent but counted as failed
+    /// (line_too_long); match the server's --max-line-bytes.
+    #[arg(long, default_value_t = DEFAULT_MAX_LINE_BYTES)]
+    pub max_line_bytes: usize,
 }
 
 impl LoadArgs {
@@ -177,6 +187,8 @@ impl LoadArgs {
         o.model = self.model.clone();
         o.label = self.label.clone();
         o.progress = !self.quiet;
+        o.per_connection = self.per_connection;
+        o.max_line_bytes = self.max_line_bytes;
         Ok(o)
     }
 }
@@ -225,10 +237,11 @@ pub fn main(cmd: LoadCommand) -> Result<()> {
                     sweeps.iter().map(|(l, s)| (l.as_str(), *s)).collect();
                 written.extend(plot::sweeps(&v, &dir)?);
             }
-            for f in written {
-                println!("{}", f.display());
-            }
-            Ok(())
+            let list: String = written
+                .iter()
+                .map(|f| format!("{}\n", f.display()))
+                .collect();
+            print_out(&list)
         }
         Some(LoadSubcommand::Compare { a, b, slo, plot }) => {
             let mut fa = ResultsFile::read(&a)?;
@@ -245,7 +258,7 @@ pub fn main(cmd: LoadCommand) -> Result<()> {
                     }
                 }
             }
-            print!("{}", report::compare(&fa, &fb)?);
+            print_out(&report::compare(&fa, &fb)?)?;
             if let Some(dir) = plot {
                 let files = match (&fa, &fb) {
                     (ResultsFile::Run(x), ResultsFile::Run(y)) => {
@@ -267,6 +280,28 @@ pub fn main(cmd: LoadCommand) -> Result<()> {
     }
 }
 
+/// Print `text` on stdout. A reader that went away (`arbor load compare a b | head`) is not an
+/// error: the output ends quietly and the command goes on (results files are still written).
+fn print_out(text: &str) -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() != ErrorKind::BrokenPipe => Err(e).context("writing to stdout"),
+        _ => Ok(()),
+    }
+}
+
+/// Draw plots; a failure is a warning naming the folder (the results are already written).
+fn plots(dir: &Path, draw: impl FnOnce() -> Result<Vec<PathBuf>, super::LoadError>) {
+    match draw() {
+        Ok(files) => {
+            for f in files {
+                eprintln!("wrote {}", f.display());
+            }
+        }
+        Err(e) => eprintln!("warning: plots in {} not drawn: {e}", dir.display()),
+    }
+}
+
 fn one_run(args: &LoadArgs) -> Result<()> {
     let opts = args.options()?;
     let spec = SloSpec::parse(args.slo.as_deref())?;
@@ -278,17 +313,18 @@ fn one_run(args: &LoadArgs) -> Result<()> {
         }
         super::run(&opts, slo).await
     })?;
-    print!("{}", report::summary(&result));
-    if let Some(dir) = &args.plot {
-        let l = result.label();
-        for f in plot::cdfs(&[(l.as_str(), &result)], dir)? {
-            eprintln!("wrote {}", f.display());
-        }
-    }
+    let printed = print_out(&report::summary(&result));
+    // The results before anything that may fail: nothing may lose the run.
     if let Some(out) = &args.out {
-        ResultsFile::Run(Box::new(result)).write(out)?;
+        super::write_json(&result, out)?;
         eprintln!("wrote {}", out.display());
     }
+    if let Some(dir) = &args.plot {
+        let l = result.label();
+        plots(dir, || plot::cdfs(&[(l.as_str(), &result)], dir));
+    }
+    printed?;
+    result.check_completed()?;
     Ok(())
 }
 
@@ -299,12 +335,14 @@ fn one_sweep(args: &LoadArgs, rates: &[f64], cooldown: f64) -> Result<()> {
     let opts = args.options()?;
     let spec = SloSpec::parse(args.slo.as_deref())?;
     let rt = runtime()?;
-    let result = rt.block_on(async {
-        let slo = resolve_slo(&spec, &opts).await?;
+    let mut runs: Vec<RunResult> = Vec::new();
+    let mut slo = None;
+    let ended = rt.block_on(async {
+        slo = resolve_slo(&spec, &opts).await?;
         if let (SloSpec::Auto, Some(s)) = (&spec, &slo) {
             eprintln!("slo auto: {}", s.describe());
         }
-        sweep(&opts, rates, slo, cooldown, |r| {
+        sweep_into(&opts, rates, slo, cooldown, &mut runs, |r| {
             eprintln!(
                 "rate {:?}: completed {}/{}, {:.1} tok/s, goodput {:.3} req/s",
                 r.options.arrivals,
@@ -315,30 +353,44 @@ fn one_sweep(args: &LoadArgs, rates: &[f64], cooldown: f64) -> Result<()> {
             );
         })
         .await
-    })?;
-    print!("{}", report::sweep_table(&result));
-    if let Some(dir) = &args.plot {
-        let l = result.label();
-        let mut files = plot::sweeps(&[(l.as_str(), &result)], dir)?;
-        let labels: Vec<String> = result
-            .runs
-            .iter()
-            .map(|r| r.rate().map_or_else(String::new, |x| format!("{x} req/s")))
-            .collect();
-        let runs: Vec<(&str, &super::RunResult)> = labels
-            .iter()
-            .map(String::as_str)
-            .zip(result.runs.iter())
-            .collect();
-        files.extend(plot::cdfs(&runs, dir)?);
-        for f in files {
-            eprintln!("wrote {}", f.display());
+    });
+    let result = SweepResult::new(&opts, slo, runs);
+    if let Err(e) = ended {
+        // Keep the rates that ran: write them before reporting the error.
+        if let (Some(out), false) = (&args.out, result.runs.is_empty()) {
+            super::write_json(&result, out)?;
+            eprintln!(
+                "wrote {} (the rates that ran before the error)",
+                out.display()
+            );
         }
+        return Err(e.into());
     }
+    let printed = print_out(&report::sweep_table(&result));
     if let Some(out) = &args.out {
-        ResultsFile::Sweep(result).write(out)?;
+        super::write_json(&result, out)?;
         eprintln!("wrote {}", out.display());
     }
+    if let Some(dir) = &args.plot {
+        plots(dir, || {
+            let l = result.label();
+            let mut files = plot::sweeps(&[(l.as_str(), &result)], dir)?;
+            let labels: Vec<String> = result
+                .runs
+                .iter()
+                .map(|r| r.rate().map_or_else(String::new, |x| format!("{x} req/s")))
+                .collect();
+            let runs: Vec<(&str, &RunResult)> = labels
+                .iter()
+                .map(String::as_str)
+                .zip(result.runs.iter())
+                .collect();
+            files.extend(plot::cdfs(&runs, dir)?);
+            Ok(files)
+        });
+    }
+    printed?;
+    result.check_completed()?;
     Ok(())
 }
 

@@ -114,7 +114,8 @@ fn answer(line: &str, per: usize, out: &mut String) {
     if let Some(c) = v.get("cancel") {
         push(
             out,
-            json!({"id": c, "error": {"code": "unknown_id", "message": "no such request"}}),
+            // As `arbor serve` answers it: no request ends here (`"id": null`).
+            json!({"id": null, "cancel": c, "error": {"code": "unknown_id", "message": "no such request"}}),
         );
         return;
     }

@@ -221,10 +221,32 @@ pub struct Counts {
     pub cancelled: u64,
     pub failed: u64,
     pub failed_by_code: BTreeMap<String, u64>,
+    /// One message per failure code: the first failed request's (by index) with that code.
+    #[serde(default)]
+    pub failed_samples: BTreeMap<String, String>,
     /// Of `sent`, how many went out during the warm-up.
     pub warmup: u64,
     /// Lines the server sent that named no request (e.g. an error about an unreadable line).
     pub stray_lines: u64,
+    /// Of the stray lines, the error lines by code (`line_too_long`, `invalid_json`, ... with
+    /// `"id": null`).
+    #[serde(default)]
+    pub stray_errors_by_code: BTreeMap<String, u64>,
+}
+
+impl Counts {
+    /// `code n (sample message)` for each failure code, for error messages.
+    pub fn describe_failures(&self) -> String {
+        let v: Vec<String> = self
+            .failed_by_code
+            .iter()
+            .map(|(code, n)| match self.failed_samples.get(code) {
+                Some(m) if !m.is_empty() => format!("{code} {n}: {m}"),
+                _ => format!("{code} {n}"),
+            })
+            .collect();
+        v.join("; ")
+    }
 }
 
 /// The figures of one run over its measured (post-warm-up) requests.
@@ -266,9 +288,12 @@ pub fn summarize(records: &[RequestRecord], slo: &Slo, stray_lines: u64) -> (Cou
         match &r.outcome {
             Outcome::Completed { .. } => c.completed += 1,
             Outcome::Cancelled => c.cancelled += 1,
-            Outcome::Failed { code, .. } => {
+            Outcome::Failed { code, message } => {
                 c.failed += 1;
                 *c.failed_by_code.entry(code.clone()).or_default() += 1;
+                c.failed_samples
+                    .entry(code.clone())
+                    .or_insert_with(|| message.clone());
             }
         }
     }

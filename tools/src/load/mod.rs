@@ -27,6 +27,9 @@ pub enum LoadError {
     Io { path: String, message: String },
     #[error("SLO calibration failed: {0}")]
     Calibration(String),
+    /// A run (or every run of a sweep) where no request completed.
+    #[error("no request completed ({0})")]
+    NoneCompleted(String),
 }
 
 impl LoadError {
@@ -35,6 +38,7 @@ impl LoadError {
             LoadError::Invalid(_) => "invalid_argument",
             LoadError::Io { .. } => "io_error",
             LoadError::Calibration(_) => "calibration_failed",
+            LoadError::NoneCompleted(_) => "no_request_completed",
         }
     }
 }
@@ -115,6 +119,17 @@ pub struct SweepResult {
 }
 
 impl SweepResult {
+    /// The sweep made of these runs, at their rates.
+    pub fn new(opts: &LoadOptions, slo: Option<Slo>, runs: Vec<RunResult>) -> SweepResult {
+        SweepResult {
+            tool: format!("arbor load {}", env!("CARGO_PKG_VERSION")),
+            label: opts.label.clone(),
+            rates: runs.iter().filter_map(RunResult::rate).collect(),
+            slo,
+            runs,
+        }
+    }
+
     /// The run at `rate`, or the lowest rate's when None, with its rate.
     pub fn run_at(&self, rate: Option<f64>) -> Option<(f64, &RunResult)> {
         self.runs
@@ -122,6 +137,30 @@ impl SweepResult {
             .filter_map(|r| Some((r.rate()?, r)))
             .filter(|(x, _)| rate.is_none_or(|want| (x - want).abs() < 1e-9))
             .min_by(|a, b| a.0.total_cmp(&b.0))
+    }
+
+    /// An error naming the failure codes, with a sample message each, when no request of any
+    /// rate completed.
+    pub fn check_completed(&self) -> Result<(), LoadError> {
+        if self.runs.iter().any(|r| r.counts.completed > 0) {
+            return Ok(());
+        }
+        let mut all = metrics::Counts::default();
+        for r in &self.runs {
+            let c = &r.counts;
+            all.sent += c.sent;
+            all.cancelled += c.cancelled;
+            all.failed += c.failed;
+            for (code, n) in &c.failed_by_code {
+                *all.failed_by_code.entry(code.clone()).or_default() += n;
+            }
+            for (code, m) in &c.failed_samples {
+                all.failed_samples
+                    .entry(code.clone())
+                    .or_insert_with(|| m.clone());
+            }
+        }
+        Err(none_completed(&all))
     }
 
     pub fn label(&self) -> String {
@@ -133,14 +172,44 @@ impl SweepResult {
     }
 }
 
-/// Run `opts` at each rate (open loop), pausing `cooldown_s` between rates.
+/// The error of a run where nothing completed, from its counts.
+pub(crate) fn none_completed(c: &metrics::Counts) -> LoadError {
+    let mut s = format!(
+        "sent {} = cancelled {} + failed {}",
+        c.sent, c.cancelled, c.failed
+    );
+    if c.failed > 0 {
+        s.push_str(": ");
+        s.push_str(&c.describe_failures());
+    }
+    LoadError::NoneCompleted(s)
+}
+
+/// Run `opts` at each rate (open loop), pausing `cooldown_s` between rates. Every rate, the
+/// cooldown and the options at each rate are checked before the first run; `on_run` sees each
+/// run as it ends (so a caller keeps the runs done when a later one fails).
 pub async fn sweep(
     opts: &LoadOptions,
     rates: &[f64],
     slo: Option<Slo>,
     cooldown_s: f64,
-    mut on_run: impl FnMut(&RunResult),
+    on_run: impl FnMut(&RunResult),
 ) -> Result<SweepResult, LoadError> {
+    let mut runs = Vec::new();
+    sweep_into(opts, rates, slo, cooldown_s, &mut runs, on_run).await?;
+    Ok(SweepResult::new(opts, slo, runs))
+}
+
+/// `sweep`, pushing each run onto `runs` as it ends: when a later rate fails, the runs done
+/// are still there (`SweepResult::new` makes a partial sweep of them).
+pub async fn sweep_into(
+    opts: &LoadOptions,
+    rates: &[f64],
+    slo: Option<Slo>,
+    cooldown_s: f64,
+    runs: &mut Vec<RunResult>,
+    mut on_run: impl FnMut(&RunResult),
+) -> Result<(), LoadError> {
     if rates.is_empty() {
         return Err(LoadError::Invalid("--rates needs at least one rate".into()));
     }
@@ -148,24 +217,26 @@ pub async fn sweep(
         Arrivals::Open { burstiness, .. } => burstiness,
         Arrivals::Closed { .. } => 1.0,
     };
-    let mut runs = Vec::new();
-    for (k, &rate) in rates.iter().enumerate() {
-        if k > 0 && cooldown_s > 0.0 {
-            tokio::time::sleep(std::time::Duration::from_secs_f64(cooldown_s)).await;
-        }
+    run::check_seconds("--cooldown", cooldown_s, false)?;
+    let mut each = Vec::with_capacity(rates.len());
+    for &rate in rates {
+        run::check_rate("--rates", rate)?;
         let mut o = opts.clone();
         o.arrivals = Arrivals::Open { rate, burstiness };
-        let r = run(&o, slo).await?;
+        o.check()?;
+        each.push(o);
+    }
+    let cooldown = std::time::Duration::try_from_secs_f64(cooldown_s)
+        .map_err(|e| LoadError::Invalid(format!("--cooldown: {e}")))?;
+    for (k, o) in each.iter().enumerate() {
+        if k > 0 && !cooldown.is_zero() {
+            tokio::time::sleep(cooldown).await;
+        }
+        let r = run(o, slo).await?;
         on_run(&r);
         runs.push(r);
     }
-    Ok(SweepResult {
-        tool: format!("arbor load {}", env!("CARGO_PKG_VERSION")),
-        label: opts.label.clone(),
-        rates: rates.to_vec(),
-        slo,
-        runs,
-    })
+    Ok(())
 }
 
 /// A results file: one run or a sweep.
@@ -199,20 +270,25 @@ impl ResultsFile {
     }
 
     pub fn write(&self, path: &Path) -> Result<(), LoadError> {
-        let text = match self {
-            ResultsFile::Run(r) => serde_json::to_string_pretty(r),
-            ResultsFile::Sweep(s) => serde_json::to_string_pretty(s),
+        match self {
+            ResultsFile::Run(r) => write_json(r.as_ref(), path),
+            ResultsFile::Sweep(s) => write_json(s, path),
         }
-        .map_err(|e| LoadError::Invalid(e.to_string()))?;
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(|e| LoadError::Io {
-                path: dir.display().to_string(),
-                message: e.to_string(),
-            })?;
-        }
-        std::fs::write(path, text).map_err(|e| LoadError::Io {
-            path: path.display().to_string(),
-            message: e.to_string(),
-        })
     }
+}
+
+/// Write a run or a sweep as a results file (creating its folder).
+pub(crate) fn write_json<T: Serialize>(value: &T, path: &Path) -> Result<(), LoadError> {
+    let text =
+        serde_json::to_string_pretty(value).map_err(|e| LoadError::Invalid(e.to_string()))?;
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| LoadError::Io {
+            path: dir.display().to_string(),
+            message: e.to_string(),
+        })?;
+    }
+    std::fs::write(path, text).map_err(|e| LoadError::Io {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    })
 }

@@ -15,6 +15,22 @@ fn arrivals(r: &RunResult) -> String {
     }
 }
 
+/// One line per failure code with its sample message, the first prefixed with `head`.
+fn failure_samples(
+    out: &mut String,
+    head: &str,
+    samples: &std::collections::BTreeMap<String, String>,
+) {
+    for (k, (code, message)) in samples.iter().enumerate() {
+        let lead = if k == 0 {
+            head.to_string()
+        } else {
+            " ".repeat(head.len())
+        };
+        let _ = writeln!(out, "{lead}{code}: {message}");
+    }
+}
+
 fn stats_row(out: &mut String, name: &str, s: &Stats) {
     let _ = writeln!(
         out,
@@ -50,8 +66,19 @@ pub fn summary(r: &RunResult) -> String {
         "requests     sent {} = completed {} + cancelled {} + failed {}{by_code}; warm-up {}",
         c.sent, c.completed, c.cancelled, c.failed, c.warmup
     );
+    failure_samples(&mut out, "failures     ", &c.failed_samples);
     if c.stray_lines > 0 {
-        let _ = writeln!(out, "stray lines  {}", c.stray_lines);
+        let errors = if c.stray_errors_by_code.is_empty() {
+            String::new()
+        } else {
+            let v: Vec<String> = c
+                .stray_errors_by_code
+                .iter()
+                .map(|(k, n)| format!("{k} {n}"))
+                .collect();
+            format!(" (errors naming no request: {})", v.join(", "))
+        };
+        let _ = writeln!(out, "stray lines  {}{errors}", c.stray_lines);
     }
     let _ = writeln!(
         out,
@@ -241,6 +268,12 @@ pub fn sweep_table(s: &SweepResult) -> String {
             m.acceptance_rate
                 .map_or_else(|| "-".into(), |a| format!("{:.1}%", 100.0 * a))
         );
+    }
+    for r in &s.runs {
+        if !r.counts.failed_samples.is_empty() {
+            let head = format!("failures at {} req/s: ", r.rate().unwrap_or(f64::NAN));
+            failure_samples(&mut out, &head, &r.counts.failed_samples);
+        }
     }
     out
 }

@@ -1,5 +1,6 @@
 //! The load driver: open loop (seeded gamma arrivals at `--rate`) or closed loop (`--concurrency` clients), bounded by requests and/or duration, with warm-up, a drain period, a live progress bar and complete request accounting.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -8,12 +9,12 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tokio::sync::watch;
-use tokio::task::JoinSet;
+use tokio::task::{Id as TaskId, JoinError, JoinSet};
 
 use super::metrics::{summarize, Counts, RequestRecord, Slo, Summary};
 use super::prompts::{self, LoadPrompt, PromptSource};
 use super::schedule::{choice_rng, uniform, ArrivalSchedule};
-use super::target::{AbortOnDrop, Client, Outgoing, Target};
+use super::target::{AbortOnDrop, Client, ClientLimits, Outgoing, Target};
 use super::LoadError;
 
 /// How requests arrive.
@@ -55,6 +56,58 @@ pub struct LoadOptions {
     pub progress: bool,
     /// A label for reports (`compare`, plots).
     pub label: Option<String>,
+    /// Arbor targets: most requests in flight on one connection (below the server's
+    /// `--max-requests-per-connection`, 64).
+    #[serde(default = "default_per_connection")]
+    pub per_connection: usize,
+    /// Arbor targets: a request whose line is longer than this many bytes is not sent but
+    /// counted as failed (`line_too_long`), as the server would refuse it (`--max-line-bytes`).
+    #[serde(default = "default_max_line_bytes")]
+    pub max_line_bytes: usize,
+}
+
+/// `--per-connection`'s default.
+pub const DEFAULT_PER_CONNECTION: usize = 48;
+/// `--max-line-bytes`'s default: `arbor serve`'s (1 MiB).
+pub const DEFAULT_MAX_LINE_BYTES: usize = 1 << 20;
+/// The longest `--duration`, `--warmup`, `--drain` and `sweep --cooldown`, in seconds (30 days).
+pub const MAX_SECONDS: f64 = 30.0 * 86_400.0;
+/// The lowest `--rate` (one request per 11.6 days on average).
+pub const MIN_RATE: f64 = 1e-6;
+/// The most `--requests` (the plan holds one entry per request).
+pub const MAX_REQUESTS: usize = 10_000_000;
+/// The largest `--input-len` (every prompt is padded to it in memory).
+pub const MAX_INPUT_LEN: usize = 1_000_000;
+
+fn default_per_connection() -> usize {
+    DEFAULT_PER_CONNECTION
+}
+
+fn default_max_line_bytes() -> usize {
+    DEFAULT_MAX_LINE_BYTES
+}
+
+/// A number of seconds for `flag`: finite, not negative (positive when `positive`), at most
+/// `MAX_SECONDS`.
+pub(super) fn check_seconds(flag: &str, x: f64, positive: bool) -> Result<(), LoadError> {
+    let low_ok = if positive { x > 0.0 } else { x >= 0.0 };
+    if x.is_finite() && low_ok && x <= MAX_SECONDS {
+        return Ok(());
+    }
+    let what = if positive { "positive" } else { "non-negative" };
+    Err(LoadError::Invalid(format!(
+        "{flag} must be a {what} number of seconds up to {MAX_SECONDS} (30 days), got {x}"
+    )))
+}
+
+/// An open-loop request rate for `flag`: finite and at least `MIN_RATE`.
+pub(super) fn check_rate(flag: &str, rate: f64) -> Result<(), LoadError> {
+    if rate.is_finite() && rate >= MIN_RATE {
+        return Ok(());
+    }
+    Err(LoadError::Invalid(format!(
+        "{flag} must be a number of requests per second of at least {MIN_RATE}, got {rate}"
+    )))
 }
 
 impl LoadOptions {
@@ -82,39 +135,73 @@ impl LoadOptions {
             model: None,
             progress: false,
             label: None,
+            per_connection: DEFAULT_PER_CONNECTION,
+            max_line_bytes: DEFAULT_MAX_LINE_BYTES,
         }
     }
 
-    fn check(&self) -> Result<(), LoadError> {
+    /// Every option in range (`run` calls it; a sweep calls it for each rate before the first).
+    pub fn check(&self) -> Result<(), LoadError> {
         if self.requests.is_none() && self.duration_s.is_none() {
             return Err(LoadError::Invalid(
                 "bound the run with --requests N and/or --duration S".into(),
             ));
         }
-        if self.requests == Some(0) {
-            return Err(LoadError::Invalid("--requests must be at least 1".into()));
-        }
-        if let Some(d) = self.duration_s {
-            if !(d.is_finite() && d > 0.0) {
-                return Err(LoadError::Invalid("--duration must be positive".into()));
+        if let Some(n) = self.requests {
+            if !(1..=MAX_REQUESTS).contains(&n) {
+                return Err(LoadError::Invalid(format!(
+                    "--requests must be from 1 to {MAX_REQUESTS}, got {n}"
+                )));
             }
         }
-        if let Arrivals::Closed { concurrency: 0 } = self.arrivals {
+        if let Some(d) = self.duration_s {
+            check_seconds("--duration", d, true)?;
+        }
+        check_seconds("--warmup", self.warmup_s, false)?;
+        check_seconds("--drain", self.drain_s, false)?;
+        match self.arrivals {
+            Arrivals::Closed { concurrency: 0 } => {
+                return Err(LoadError::Invalid(
+                    "--concurrency must be at least 1".into(),
+                ));
+            }
+            Arrivals::Closed { .. } => {}
+            Arrivals::Open { rate, burstiness } => {
+                check_rate("--rate", rate)?;
+                if !(burstiness.is_finite() && burstiness > 0.0) {
+                    return Err(LoadError::Invalid(format!(
+                        "--burstiness must be a positive number, got {burstiness}"
+                    )));
+                }
+            }
+        }
+        if self.input_len.is_some_and(|n| n > MAX_INPUT_LEN) {
+            return Err(LoadError::Invalid(format!(
+                "--input-len must be at most {MAX_INPUT_LEN}"
+            )));
+        }
+        if self.per_connection == 0 {
             return Err(LoadError::Invalid(
-                "--concurrency must be at least 1".into(),
+                "--per-connection must be at least 1".into(),
+            ));
+        }
+        if self.max_line_bytes == 0 {
+            return Err(LoadError::Invalid(
+                "--max-line-bytes must be at least 1".into(),
             ));
         }
         if self.max_tokens == 0 {
             return Err(LoadError::Invalid("--max-tokens must be at least 1".into()));
         }
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return Err(LoadError::Invalid(format!(
+                "--temperature must be a number from 0, got {}",
+                self.temperature
+            )));
+        }
         if !(0.0..1.0).contains(&self.output_range) {
             return Err(LoadError::Invalid(
                 "--output-range must be in [0, 1)".into(),
-            ));
-        }
-        if !(self.warmup_s >= 0.0 && self.drain_s >= 0.0) {
-            return Err(LoadError::Invalid(
-                "--warmup and --drain must not be negative".into(),
             ));
         }
         Ok(())
@@ -130,6 +217,10 @@ pub struct RunResult {
     pub counts: Counts,
     pub summary: Summary,
     pub requests: Vec<RequestRecord>,
+    /// Requests the driver started, counted as it starts them (independently of the records:
+    /// `counts.sent` must equal it).
+    #[serde(default)]
+    pub spawned: u64,
 }
 
 impl RunResult {
@@ -145,6 +236,15 @@ impl RunResult {
             })
     }
 
+    /// An error naming the failure codes, with a sample message each, when no request
+    /// completed.
+    pub fn check_completed(&self) -> Result<(), LoadError> {
+        if self.counts.completed > 0 {
+            return Ok(());
+        }
+        Err(super::none_completed(&self.counts))
+    }
+
     /// The open-loop request rate (None for a closed loop).
     pub fn rate(&self) -> Option<f64> {
         match self.options.arrivals {
@@ -155,11 +255,12 @@ impl RunResult {
 
     /// Re-derive counts and figures under other SLOs (e.g. to compare runs under one SLO).
     pub fn resummarize(&mut self, slo: Option<Slo>) {
-        let (c, s) = summarize(
+        let (mut c, s) = summarize(
             &self.requests,
             &slo.unwrap_or_default(),
             self.counts.stray_lines,
         );
+        c.stray_errors_by_code = std::mem::take(&mut self.counts.stray_errors_by_code);
         self.counts = c;
         self.summary = s;
         self.slo = slo;
@@ -223,6 +324,54 @@ struct Live {
     tokens: AtomicU64,
 }
 
+/// What the driver knows of a request it started, to account for it if its task panics.
+#[derive(Clone, Copy, Debug)]
+struct Started {
+    index: usize,
+    prompt: usize,
+    max_tokens: usize,
+    at: Instant,
+}
+
+/// The record a finished request task returned, or for a task that panicked, a failed record
+/// with code `panic` built from what was known when it started.
+fn joined(
+    res: Result<(TaskId, RequestRecord), JoinError>,
+    started: &mut HashMap<TaskId, Started>,
+    start: Instant,
+    warmup_s: f64,
+) -> RequestRecord {
+    match res {
+        Ok((id, r)) => {
+            started.remove(&id);
+            r
+        }
+        Err(e) => {
+            let s = started.remove(&e.id()).unwrap_or(Started {
+                index: usize::MAX,
+                prompt: 0,
+                max_tokens: 0,
+                at: start,
+            });
+            let why = if e.is_panic() {
+                "the request's task panicked (a bug in arbor load)"
+            } else {
+                "the request's task was cancelled"
+            };
+            let reply = super::target::Reply::failed("panic", why);
+            record(
+                s.index,
+                s.prompt,
+                s.max_tokens,
+                start,
+                s.at,
+                warmup_s,
+                reply,
+            )
+        }
+    }
+}
+
 /// Run the load against the target; Ctrl-C ends sending and cancels what is in flight.
 pub async fn run(opts: &LoadOptions, slo: Option<Slo>) -> Result<RunResult, LoadError> {
     opts.check()?;
@@ -232,11 +381,15 @@ pub async fn run(opts: &LoadOptions, slo: Option<Slo>) -> Result<RunResult, Load
         &target,
         opts.auth_token.clone(),
         opts.model.clone(),
+        ClientLimits {
+            per_connection: opts.per_connection,
+            max_line_bytes: opts.max_line_bytes,
+        },
     ));
     // Plan far enough ahead for any duration bound (plans are cheap; requests bound it exactly).
     let cap = opts.requests.unwrap_or(match opts.arrivals {
         Arrivals::Open { rate, .. } => {
-            (rate * opts.duration_s.unwrap_or(0.0) * 3.0 + 1000.0).min(10_000_000.0) as usize
+            (rate * opts.duration_s.unwrap_or(0.0) * 3.0 + 1000.0).min(MAX_REQUESTS as f64) as usize
         }
         Arrivals::Closed { .. } => 1_000_000,
     });
@@ -245,29 +398,46 @@ pub async fn run(opts: &LoadOptions, slo: Option<Slo>) -> Result<RunResult, Load
     let live = Arc::new(Live::default());
     let (bar, by_time) = progress_bar(opts);
     let start = Instant::now();
-    let deadline = opts.duration_s.map(|d| start + Duration::from_secs_f64(d));
+    // `check` bounds the duration; a deadline past the clock's range is no deadline.
+    let deadline = opts
+        .duration_s
+        .and_then(|d| start.checked_add(Duration::try_from_secs_f64(d).ok()?));
+    let warmup_s = opts.warmup_s;
     let mut tasks: JoinSet<RequestRecord> = JoinSet::new();
-    let spawn = |tasks: &mut JoinSet<RequestRecord>, i: usize| {
-        let client = Arc::clone(&client);
-        let planned = Arc::clone(&planned);
-        let live = Arc::clone(&live);
-        let stop = stop_rx.clone();
-        let warmup = opts.warmup_s;
-        tasks.spawn(async move {
-            let (p, req) = planned.request(i);
-            let sent = Instant::now();
-            live.in_flight.fetch_add(1, Ordering::Relaxed);
-            let reply = client.send(&req, stop).await;
-            live.in_flight.fetch_sub(1, Ordering::Relaxed);
-            let rec = record(i, p, req.max_tokens, start, sent, warmup, reply);
-            live.done.fetch_add(1, Ordering::Relaxed);
-            if !rec.completed() {
-                live.failed.fetch_add(1, Ordering::Relaxed);
-            }
-            live.tokens.fetch_add(rec.tokens(), Ordering::Relaxed);
-            rec
-        });
-    };
+    let mut started: HashMap<TaskId, Started> = HashMap::new();
+    let mut spawned = 0u64;
+    let mut spawn =
+        |tasks: &mut JoinSet<RequestRecord>, started: &mut HashMap<TaskId, Started>, i: usize| {
+            let client = Arc::clone(&client);
+            let planned = Arc::clone(&planned);
+            let live = Arc::clone(&live);
+            let stop = stop_rx.clone();
+            let (prompt, max_tokens) = planned.picks[i];
+            let handle = tasks.spawn(async move {
+                let (p, req) = planned.request(i);
+                let sent = Instant::now();
+                live.in_flight.fetch_add(1, Ordering::Relaxed);
+                let reply = client.send(&req, stop).await;
+                live.in_flight.fetch_sub(1, Ordering::Relaxed);
+                let rec = record(i, p, req.max_tokens, start, sent, warmup_s, reply);
+                live.done.fetch_add(1, Ordering::Relaxed);
+                if !rec.completed() {
+                    live.failed.fetch_add(1, Ordering::Relaxed);
+                }
+                live.tokens.fetch_add(rec.tokens(), Ordering::Relaxed);
+                rec
+            });
+            started.insert(
+                handle.id(),
+                Started {
+                    index: i,
+                    prompt,
+                    max_tokens,
+                    at: Instant::now(),
+                },
+            );
+            spawned += 1;
+        };
     let mut records = Vec::new();
     let ctrl_c = tokio::signal::ctrl_c();
     tokio::pin!(ctrl_c);
@@ -289,7 +459,13 @@ pub async fn run(opts: &LoadOptions, slo: Option<Slo>) -> Result<RunResult, Load
                 if i > 0 {
                     at = schedule.next_arrival();
                 }
-                let when = start + Duration::from_secs_f64(at);
+                // An arrival beyond the clock's range (a huge gamma gap) never comes: stop.
+                let Some(when) = Duration::try_from_secs_f64(at)
+                    .ok()
+                    .and_then(|d| start.checked_add(d))
+                else {
+                    break;
+                };
                 if deadline.is_some_and(|d| when >= d) {
                     break;
                 }
@@ -297,8 +473,8 @@ pub async fn run(opts: &LoadOptions, slo: Option<Slo>) -> Result<RunResult, Load
                 loop {
                     tokio::select! {
                         _ = tokio::time::sleep_until(when.into()) => break,
-                        Some(r) = tasks.join_next(), if !tasks.is_empty() => {
-                            if let Ok(r) = r { records.push(r); }
+                        Some(r) = tasks.join_next_with_id(), if !tasks.is_empty() => {
+                            records.push(joined(r, &mut started, start, warmup_s));
                         }
                         _ = &mut ctrl_c, if !interrupted => { interrupted = true; break; }
                     }
@@ -306,33 +482,37 @@ pub async fn run(opts: &LoadOptions, slo: Option<Slo>) -> Result<RunResult, Load
                 if interrupted {
                     break;
                 }
-                spawn(&mut tasks, i);
+                spawn(&mut tasks, &mut started, i);
             }
         }
         Arrivals::Closed { concurrency } => {
-            let next = Arc::new(AtomicUsize::new(0));
+            let mut next = 0usize;
             let mut running = 0usize;
-            let launch = |tasks: &mut JoinSet<RequestRecord>, running: &mut usize| -> bool {
-                let i = next.fetch_add(1, Ordering::Relaxed);
+            let mut launch = |tasks: &mut JoinSet<RequestRecord>,
+                              started: &mut HashMap<TaskId, Started>,
+                              running: &mut usize|
+             -> bool {
+                let i = next;
+                next += 1;
                 if i >= cap || deadline.is_some_and(|d| Instant::now() >= d) {
                     return false;
                 }
-                spawn(tasks, i);
+                spawn(tasks, started, i);
                 *running += 1;
                 true
             };
             for _ in 0..concurrency {
-                if !launch(&mut tasks, &mut running) {
+                if !launch(&mut tasks, &mut started, &mut running) {
                     break;
                 }
             }
             let mut sending = true;
             while running > 0 && sending {
                 tokio::select! {
-                    Some(r) = tasks.join_next() => {
+                    Some(r) = tasks.join_next_with_id() => {
                         running -= 1;
-                        if let Ok(r) = r { records.push(r); }
-                        sending = launch(&mut tasks, &mut running);
+                        records.push(joined(r, &mut started, start, warmup_s));
+                        sending = launch(&mut tasks, &mut started, &mut running);
                     }
                     _ = &mut ctrl_c, if !interrupted => { interrupted = true; sending = false; }
                 }
@@ -340,17 +520,19 @@ pub async fn run(opts: &LoadOptions, slo: Option<Slo>) -> Result<RunResult, Load
         }
     }
     // Drain: in-flight requests may finish for `drain_s`, then they are cancelled.
-    let drain_until = Instant::now() + Duration::from_secs_f64(opts.drain_s.min(1e6));
+    let drain_until = Duration::try_from_secs_f64(opts.drain_s)
+        .ok()
+        .and_then(|d| Instant::now().checked_add(d));
     let mut stopped = interrupted;
     if stopped {
         let _ = stop_tx.send(true);
     }
     while !tasks.is_empty() {
         tokio::select! {
-            Some(r) = tasks.join_next() => {
-                if let Ok(r) = r { records.push(r); }
+            Some(r) = tasks.join_next_with_id() => {
+                records.push(joined(r, &mut started, start, warmup_s));
             }
-            _ = tokio::time::sleep_until(drain_until.into()), if !stopped => {
+            _ = sleep_until_opt(drain_until), if !stopped => {
                 stopped = true;
                 let _ = stop_tx.send(true);
             }
@@ -363,7 +545,8 @@ pub async fn run(opts: &LoadOptions, slo: Option<Slo>) -> Result<RunResult, Load
     refresh(&bar, &live, start, by_time);
     bar.finish_and_clear();
     records.sort_by_key(|r| r.index);
-    let (counts, summary) = summarize(&records, &slo.unwrap_or_default(), client.stray_lines());
+    let (mut counts, summary) = summarize(&records, &slo.unwrap_or_default(), client.stray_lines());
+    counts.stray_errors_by_code = client.stray_errors_by_code();
     Ok(RunResult {
         tool: format!("arbor load {}", env!("CARGO_PKG_VERSION")),
         options: opts.clone(),
@@ -371,7 +554,16 @@ pub async fn run(opts: &LoadOptions, slo: Option<Slo>) -> Result<RunResult, Load
         counts,
         summary,
         requests: records,
+        spawned,
     })
+}
+
+/// Sleep until `t`, or forever when there is no `t`.
+async fn sleep_until_opt(t: Option<Instant>) {
+    match t {
+        Some(t) => tokio::time::sleep_until(t.into()).await,
+        None => std::future::pending().await,
+    }
 }
 
 fn record(
@@ -439,4 +631,46 @@ fn refresh(bar: &ProgressBar, live: &Live, start: Instant, by_time: bool) {
         live.failed.load(Ordering::Relaxed),
         live.tokens.load(Ordering::Relaxed) as f64 / secs.max(1e-3)
     ));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::load::metrics::Outcome;
+
+    fn boom() -> RequestRecord {
+        panic!("a bug in a request task (this panic is the test's)")
+    }
+
+    #[test]
+    fn a_request_task_that_panics_is_a_failed_record_with_code_panic() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            let start = Instant::now();
+            let mut tasks: JoinSet<RequestRecord> = JoinSet::new();
+            let mut started = HashMap::new();
+            let h = tasks.spawn(async { boom() });
+            let s = Started {
+                index: 7,
+                prompt: 2,
+                max_tokens: 9,
+                at: start,
+            };
+            started.insert(h.id(), s);
+            let res = tasks.join_next_with_id().await.expect("one task");
+            assert!(res.is_err());
+            let r = joined(res, &mut started, start, 1.0);
+            assert!(started.is_empty());
+            assert_eq!((r.index, r.prompt, r.max_tokens, r.warmup), (7, 2, 9, true));
+            match &r.outcome {
+                Outcome::Failed { code, message } => {
+                    assert_eq!(code, "panic");
+                    assert!(message.contains("panicked"), "{message}");
+                }
+                o => panic!("{o:?}"),
+            }
+        });
+    }
 }

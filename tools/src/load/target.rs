@@ -1,6 +1,6 @@
 //! Load targets: Arbor's line-delimited JSON protocol (many requests multiplexed per connection, docs/protocol.md) and an OpenAI-compatible `/v1/completions` / `/v1/chat/completions` server-sent-event stream (llama.cpp's `llama-server`), timed per token event.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -27,21 +27,77 @@ pub enum Target {
 }
 
 impl Target {
+    /// `arbor://HOST:PORT`, `openai://HOST:PORT` (alias `http://`), or a bare `HOST:PORT`
+    /// (Arbor). HOST is a name, an IPv4 address or an IPv6 address in brackets; PORT is 1 to
+    /// 65535. A trailing `/` is ignored, and so is a trailing `/v1` on an OpenAI target (the
+    /// tool adds the `/v1/...` paths itself); any other path is an error.
     pub fn parse(s: &str) -> Result<Target, LoadError> {
-        let (scheme, addr) = s.split_once("://").unwrap_or(("arbor", s));
-        let addr = addr.trim_end_matches('/').to_string();
-        if addr.is_empty() || !addr.contains(':') {
-            return Err(LoadError::Invalid(format!(
-                "target '{s}' needs HOST:PORT (e.g. arbor://127.0.0.1:7070)"
-            )));
+        let (scheme, rest) = s.split_once("://").unwrap_or(("arbor", s));
+        let openai = match scheme {
+            "arbor" => false,
+            "openai" | "http" => true,
+            other => {
+                return Err(LoadError::Invalid(format!(
+                    "unknown target scheme '{other}://' (arbor://, openai:// or its alias http://; \
+                     TLS is not supported)"
+                )))
+            }
+        };
+        let mut addr = rest.trim_end_matches('/');
+        if openai {
+            if let Some(a) = addr.strip_suffix("/v1") {
+                addr = a.trim_end_matches('/');
+            }
         }
-        match scheme {
-            "arbor" => Ok(Target::Arbor { addr }),
-            "openai" | "http" => Ok(Target::OpenAi { addr }),
-            other => Err(LoadError::Invalid(format!(
-                "unknown target scheme '{other}://' (arbor://, openai://)"
-            ))),
+        let form = if openai {
+            "openai://HOST:PORT (e.g. openai://127.0.0.1:8080 or http://127.0.0.1:8080/v1)"
+        } else {
+            "arbor://HOST:PORT (e.g. arbor://127.0.0.1:7070)"
+        };
+        let bad = |why: &str| {
+            LoadError::Invalid(format!(
+                "target '{s}' {why}: expected {form}, with PORT from 1 to 65535 and an IPv6 \
+                 address in brackets ([::1]:PORT)"
+            ))
+        };
+        if addr.is_empty() {
+            return Err(bad("names no address"));
         }
+        if let Some(i) = addr.find('/') {
+            return Err(bad(&format!("has a path ('{}')", &addr[i..])));
+        }
+        let (host, port) = if let Some(v6) = addr.strip_prefix('[') {
+            let (ip, port) = v6
+                .split_once("]:")
+                .ok_or_else(|| bad("has no port after its bracketed address"))?;
+            if ip.parse::<std::net::Ipv6Addr>().is_err() {
+                return Err(bad(&format!("has '{ip}' in brackets, not an IPv6 address")));
+            }
+            (ip, port)
+        } else {
+            let (host, port) = addr.rsplit_once(':').ok_or_else(|| bad("has no port"))?;
+            if host.contains(':') {
+                return Err(bad("has an IPv6 address without brackets"));
+            }
+            let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_');
+            if host.is_empty() || !host.chars().all(ok) {
+                return Err(bad(&format!("has '{host}' as its host")));
+            }
+            (host, port)
+        };
+        if host.is_empty() {
+            return Err(bad("has no host"));
+        }
+        match port.parse::<u16>() {
+            Ok(p) if p > 0 => {}
+            _ => return Err(bad(&format!("has '{port}' as its port"))),
+        }
+        let addr = addr.to_string();
+        Ok(if openai {
+            Target::OpenAi { addr }
+        } else {
+            Target::Arbor { addr }
+        })
     }
 
     pub fn url(&self) -> String {
@@ -77,7 +133,7 @@ pub struct Reply {
 }
 
 impl Reply {
-    fn failed(code: &str, message: impl Into<String>) -> Reply {
+    pub(super) fn failed(code: &str, message: impl Into<String>) -> Reply {
         Reply::ended(Outcome::Failed {
             code: code.into(),
             message: message.into(),
@@ -97,6 +153,22 @@ impl Reply {
     }
 }
 
+/// Limits of the Arbor protocol client (`--per-connection`, `--max-line-bytes`).
+#[derive(Clone, Copy, Debug)]
+pub struct ClientLimits {
+    pub per_connection: usize,
+    pub max_line_bytes: usize,
+}
+
+impl Default for ClientLimits {
+    fn default() -> Self {
+        ClientLimits {
+            per_connection: super::run::DEFAULT_PER_CONNECTION,
+            max_line_bytes: super::run::DEFAULT_MAX_LINE_BYTES,
+        }
+    }
+}
+
 /// A connected client for a target, shared by every request of a run.
 pub enum Client {
     Arbor(ArborClient),
@@ -104,9 +176,19 @@ pub enum Client {
 }
 
 impl Client {
-    pub fn new(target: &Target, auth_token: Option<String>, model: Option<String>) -> Client {
+    pub fn new(
+        target: &Target,
+        auth_token: Option<String>,
+        model: Option<String>,
+        limits: ClientLimits,
+    ) -> Client {
         match target {
-            Target::Arbor { addr } => Client::Arbor(ArborClient::new(addr.clone(), auth_token)),
+            Target::Arbor { addr } => {
+                let mut c = ArborClient::new(addr.clone(), auth_token);
+                c.per_connection = limits.per_connection.max(1);
+                c.max_line_bytes = limits.max_line_bytes;
+                Client::Arbor(c)
+            }
             Target::OpenAi { addr } => Client::OpenAi(OpenAiClient {
                 addr: addr.clone(),
                 auth_token,
@@ -126,8 +208,39 @@ impl Client {
     /// Lines the server sent that named no request in flight.
     pub fn stray_lines(&self) -> u64 {
         match self {
-            Client::Arbor(c) => c.stray.load(Ordering::Relaxed),
+            Client::Arbor(c) => c.stray.lines.load(Ordering::Relaxed),
             Client::OpenAi(_) => 0,
+        }
+    }
+
+    /// Of the stray lines, the error lines, by code (e.g. `line_too_long`, which has
+    /// `"id": null`).
+    pub fn stray_errors_by_code(&self) -> BTreeMap<String, u64> {
+        match self {
+            Client::Arbor(c) => c.stray.errors.lock().clone(),
+            Client::OpenAi(_) => BTreeMap::new(),
+        }
+    }
+}
+
+/// Lines from an Arbor server that named no request in flight.
+#[derive(Default)]
+struct Stray {
+    lines: AtomicU64,
+    errors: Mutex<BTreeMap<String, u64>>,
+}
+
+impl Stray {
+    fn line(&self) {
+        self.lines.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A stray line; an error line is also counted by its code.
+    fn value(&self, v: &Value) {
+        self.line();
+        if let Some(e) = v.get("error") {
+            let code = e.get("code").and_then(Value::as_str).unwrap_or("unknown");
+            *self.errors.lock().entry(code.to_string()).or_default() += 1;
         }
     }
 }
@@ -152,9 +265,12 @@ pub struct ArborClient {
     auth_token: Option<String>,
     conns: tokio::sync::Mutex<Vec<Arc<ArborConn>>>,
     next_id: AtomicU64,
-    stray: Arc<AtomicU64>,
-    /// Below the server's `--max-requests-per-connection` (64).
+    stray: Arc<Stray>,
+    /// Below the server's `--max-requests-per-connection` (64): `--per-connection`.
     pub per_connection: usize,
+    /// Longer request lines are not sent (the server would drop them with an error that names
+    /// no request): `--max-line-bytes`.
+    pub max_line_bytes: usize,
 }
 
 impl ArborClient {
@@ -164,8 +280,9 @@ impl ArborClient {
             auth_token,
             conns: tokio::sync::Mutex::new(Vec::new()),
             next_id: AtomicU64::new(1),
-            stray: Arc::new(AtomicU64::new(0)),
-            per_connection: 48,
+            stray: Arc::new(Stray::default()),
+            per_connection: super::run::DEFAULT_PER_CONNECTION,
+            max_line_bytes: super::run::DEFAULT_MAX_LINE_BYTES,
         }
     }
 
@@ -223,14 +340,7 @@ impl ArborClient {
     }
 
     async fn send(&self, req: &Outgoing, mut stop: watch::Receiver<bool>) -> Reply {
-        let conn = match self.conn().await {
-            Ok(c) => c,
-            Err(e) => return Reply::failed("connect_failed", e),
-        };
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let (tx, mut rx) = mpsc::unbounded_channel();
-        conn.pending.lock().insert(id, tx);
-        conn.in_flight.fetch_add(1, Ordering::AcqRel);
         let mut body = json!({
             "id": id,
             "max_tokens": req.max_tokens,
@@ -250,8 +360,28 @@ impl ArborClient {
         if let Some(s) = &req.speculation {
             body["speculation"] = s.clone();
         }
+        let line = body.to_string();
+        if line.len() > self.max_line_bytes {
+            // The server would drop the line with an error that names no request, and the
+            // request would wait for a final line that never comes.
+            return Reply::failed(
+                "line_too_long",
+                format!(
+                    "the request line is {} bytes, over --max-line-bytes {} (not sent)",
+                    line.len(),
+                    self.max_line_bytes
+                ),
+            );
+        }
+        let conn = match self.conn().await {
+            Ok(c) => c,
+            Err(e) => return Reply::failed("connect_failed", e),
+        };
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        conn.pending.lock().insert(id, tx);
+        conn.in_flight.fetch_add(1, Ordering::AcqRel);
         let mut reply = Reply::failed("connection_closed", "no reply");
-        if conn.tx.send(body.to_string()).is_err() || !conn.alive.load(Ordering::Acquire) {
+        if conn.tx.send(line).is_err() || !conn.alive.load(Ordering::Acquire) {
             conn.pending.lock().remove(&id);
             conn.in_flight.fetch_sub(1, Ordering::AcqRel);
             return Reply::failed(
@@ -309,28 +439,28 @@ impl ArborClient {
 }
 
 /// Route one server line to its request.
-fn route(conn: &ArborConn, line: &str, stray: &AtomicU64) {
+fn route(conn: &ArborConn, line: &str, stray: &Stray) {
     let at = Instant::now();
     if line.trim().is_empty() {
         return;
     }
     let Ok(v) = serde_json::from_str::<Value>(line) else {
-        stray.fetch_add(1, Ordering::Relaxed);
+        stray.line();
         return;
     };
     let Some(id) = v.get("id").and_then(Value::as_u64) else {
-        // auth / health answers carry no id; an error about an unreadable line has `id: null`.
-        if v.get("error").is_some() {
-            stray.fetch_add(1, Ordering::Relaxed);
+        // auth / health answers carry no id; an error about an unreadable line (or one too
+        // long, `line_too_long`) has `id: null` and is counted by code. A cancel that crossed
+        // the request's final line is answered `unknown_id` (with `"cancel": ID`): expected.
+        if v.get("error").is_some() && !late_cancel(&v) {
+            stray.value(&v);
         }
         return;
     };
     let pending = conn.pending.lock();
     let Some(tx) = pending.get(&id) else {
-        // A cancel that crossed the request's final line is answered `unknown_id`: expected.
-        let late_cancel = v["error"]["code"].as_str() == Some("unknown_id");
-        if !late_cancel {
-            stray.fetch_add(1, Ordering::Relaxed);
+        if !late_cancel(&v) {
+            stray.value(&v);
         }
         return;
     };
@@ -344,6 +474,11 @@ fn route(conn: &ArborConn, line: &str, stray: &AtomicU64) {
         Line::Tokens(at, n as u32)
     };
     let _ = tx.send(msg);
+}
+
+/// The `unknown_id` answer to a cancel whose request had already ended.
+fn late_cancel(v: &Value) -> bool {
+    v["error"]["code"].as_str() == Some("unknown_id")
 }
 
 /// Fill a reply from a `done` or `error` line.
@@ -365,13 +500,21 @@ fn read_final(v: &Value, reply: &mut Reply) {
         .and_then(Value::as_str)
         .unwrap_or("unknown")
         .to_string();
-    // A request that finished before the tool's cancel reached the server counts as completed.
-    reply.outcome = if reason == "cancelled" {
-        Outcome::Cancelled
-    } else {
-        Outcome::Completed {
+    // A request that finished before the tool's cancel reached the server counts as completed;
+    // one the server ended at its deadline or at shutdown did not complete: it failed.
+    reply.outcome = match reason.as_str() {
+        "cancelled" => Outcome::Cancelled,
+        "deadline" => Outcome::Failed {
+            code: "deadline".into(),
+            message: "the server ended the request at its deadline (`--request-timeout`)".into(),
+        },
+        "shutdown" => Outcome::Failed {
+            code: "shutdown".into(),
+            message: "the server ended the request as it shut down".into(),
+        },
+        _ => Outcome::Completed {
             finish_reason: reason,
-        }
+        },
     };
     let usage = &v["usage"];
     reply.usage_prompt_tokens = usage.get("prompt_tokens").and_then(Value::as_u64);
