@@ -739,6 +739,55 @@ fn overload_limits_answer_with_their_codes() {
 }
 
 #[test]
+fn idle_and_unauthenticated_connections_are_closed_with_a_line() {
+    let server = TestServer::start(
+        engine_config(vec![]),
+        ServerConfig {
+            idle_timeout: Some(Duration::from_millis(400)),
+            ..ServerConfig::default()
+        },
+    );
+    // Silent: closed after the idle line.
+    let mut silent = server.client();
+    let v = silent.try_recv().expect("an idle_timeout line");
+    assert_eq!(code(&v), "idle_timeout", "{v}");
+    assert_eq!(v["id"], Value::Null, "{v}");
+    assert!(silent.try_recv().is_none(), "closed after the line");
+    // A request running longer than the timeout keeps its connection, and blank keep-alive
+    // lines keep an idle one open.
+    let mut busy = server.client();
+    let (events, fin) =
+        busy.run(&json!({"id": 1, "prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": true}));
+    assert_eq!(fin["done"], true, "{fin}");
+    assert_eq!(streamed(&events).1.len(), 200);
+    for _ in 0..4 {
+        std::thread::sleep(Duration::from_millis(200));
+        busy.send_raw(b"\n");
+    }
+    busy.send(&json!({"health": true}));
+    assert_eq!(busy.recv()["health"], "ok");
+    // With a token: no auth in time, closed.
+    let guarded = TestServer::start(
+        engine_config(vec![]),
+        ServerConfig {
+            auth_token: Some("t".into()),
+            auth_timeout: Duration::from_millis(300),
+            ..ServerConfig::default()
+        },
+    );
+    let mut c = guarded.client();
+    let v = c.try_recv().expect("an unauthorized line");
+    assert_eq!(code(&v), "unauthorized", "{v}");
+    assert!(c.try_recv().is_none(), "closed after the line");
+    let mut ok = guarded.client();
+    ok.send(&json!({"auth": "t"}));
+    assert_eq!(ok.recv()["auth"], "ok");
+    std::thread::sleep(Duration::from_millis(500));
+    ok.send(&json!({"health": true}));
+    assert_eq!(ok.recv()["health"], "ok");
+}
+
+#[test]
 fn a_connection_over_the_limit_is_told_why_it_is_closed() {
     let server = TestServer::start(
         engine_config(vec![]),

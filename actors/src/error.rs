@@ -22,6 +22,7 @@ pub mod codes {
     pub const KV_POOL_EXHAUSTED: &str = "kv_pool_exhausted";
     pub const TOO_MANY_REQUESTS: &str = "too_many_requests";
     pub const TOO_MANY_CONNECTIONS: &str = "too_many_connections";
+    pub const IDLE_TIMEOUT: &str = "idle_timeout";
     pub const OVERLOADED: &str = "overloaded";
     pub const UNAUTHORIZED: &str = "unauthorized";
     pub const UNKNOWN_ID: &str = "unknown_id";
@@ -81,6 +82,10 @@ pub mod codes {
         (
             TOO_MANY_CONNECTIONS,
             "the server already has its maximum of connections (answered once, then closed)",
+        ),
+        (
+            IDLE_TIMEOUT,
+            "the connection had no request in flight and sent nothing for the server's idle timeout (then closed)",
         ),
         (OVERLOADED, "the server's queue of waiting requests is full"),
         (

@@ -34,6 +34,12 @@ pub struct ServerConfig {
     pub shutdown_grace: Duration,
     /// Socket send buffer size (tests make it small to exercise slow readers).
     pub send_buffer_bytes: Option<usize>,
+    /// A connection with no request in flight that sends no line for this long is closed
+    /// (after an `idle_timeout` line); None: never.
+    pub idle_timeout: Option<Duration>,
+    /// With `auth_token`, a connection that has not authenticated this long after it opened is
+    /// closed (after an `unauthorized` line).
+    pub auth_timeout: Duration,
 }
 
 impl Default for ServerConfig {
@@ -47,6 +53,8 @@ impl Default for ServerConfig {
             auth_token: None,
             shutdown_grace: Duration::from_secs(10),
             send_buffer_bytes: None,
+            idle_timeout: Some(Duration::from_secs(300)),
+            auth_timeout: Duration::from_secs(10),
         }
     }
 }

@@ -45,7 +45,13 @@ enum End {
     WriteFailed,
     SlowReader,
     Shutdown,
+    /// Nothing in flight and nothing received for the idle timeout (or no auth in time).
+    Idle,
 }
+
+/// Keep-alive probes after a minute of silence: a peer that vanished (no FIN, no RST) while a
+/// non-streaming request runs is found out and its request cancelled well before its deadline.
+const KEEPALIVE: Duration = Duration::from_secs(60);
 
 impl Session {
     pub(super) fn new(
@@ -72,6 +78,13 @@ impl Session {
             let _ = socket2::SockRef::from(&stream).set_send_buffer_size(n);
         }
         let _ = stream.set_nodelay(true);
+        let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(
+            &socket2::TcpKeepalive::new()
+                .with_time(KEEPALIVE)
+                .with_interval(Duration::from_secs(10)),
+        );
+        let opened = tokio::time::Instant::now();
+        let mut last_line = opened;
         let (rd, wr) = stream.into_split();
         let (out_tx, out_rx) = mpsc::channel::<String>(self.config.out_queue_lines.max(1));
         let write_failed = Arc::new(AtomicBool::new(false));
@@ -94,10 +107,19 @@ impl Session {
             if *self.closing.borrow() && self.in_flight.is_empty() {
                 break End::Shutdown;
             }
+            // Idle time counts from the last line or the last request's end, whichever is later.
+            if !self.in_flight.is_empty() {
+                last_line = tokio::time::Instant::now();
+            }
+            if let Some(line) = self.timed_out(opened, last_line) {
+                let _ = out_tx.try_send(line);
+                break End::Idle;
+            }
             tokio::select! {
                 frame = lines.next() => match frame {
                     None | Some(Err(_)) => break End::ClientClosed,
                     Some(Ok(frame)) => {
+                        last_line = tokio::time::Instant::now();
                         let reply = self.on_frame(frame, &sink).await;
                         for line in reply {
                             if out_tx.try_send(line).is_err() {
@@ -147,6 +169,42 @@ impl Session {
         }
         self.counters.connections.fetch_sub(1, Ordering::Relaxed);
         tracing::debug!(?end, "disconnected");
+    }
+
+    /// The line to close an idle (or never authenticated) connection with, when it is time.
+    fn timed_out(
+        &self,
+        opened: tokio::time::Instant,
+        last_line: tokio::time::Instant,
+    ) -> Option<String> {
+        if !self.authed && opened.elapsed() >= self.config.auth_timeout {
+            tracing::info!("no auth in time: connection closed");
+            return Some(protocol::error_line(
+                None,
+                &ServeError::new(
+                    codes::UNAUTHORIZED,
+                    format!(
+                        "no {{\"auth\": TOKEN}} within {} s: connection closed",
+                        self.config.auth_timeout.as_secs_f64()
+                    ),
+                ),
+            ));
+        }
+        let idle = self.config.idle_timeout?;
+        if self.in_flight.is_empty() && last_line.elapsed() >= idle {
+            tracing::debug!("idle: connection closed");
+            return Some(protocol::error_line(
+                None,
+                &ServeError::new(
+                    codes::IDLE_TIMEOUT,
+                    format!(
+                        "no request and no line for {} s: connection closed",
+                        idle.as_secs_f64()
+                    ),
+                ),
+            ));
+        }
+        None
     }
 
     /// The lines that answer one frame.

@@ -99,6 +99,10 @@ struct ServeArgs {
     /// Seconds in-flight requests may run on after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 10.0)]
     shutdown_grace: f64,
+    /// Seconds a connection with no request in flight may stay silent before it is closed
+    /// (0: never).
+    #[arg(long, default_value_t = 300.0)]
+    idle_timeout: f64,
     /// Most draft nodes per request and step.
     #[arg(long, default_value_t = 64)]
     speculate_budget: usize,
@@ -746,6 +750,8 @@ fn cmd_serve(a: ServeArgs) -> Result<()> {
     // Flags checked before the model resolves (which may fetch it).
     let max_deadline = serve::secs("request-timeout", a.request_timeout, 0.001)?;
     let shutdown_grace = serve::secs("shutdown-grace", a.shutdown_grace, 0.0)?;
+    let idle_timeout = serve::secs("idle-timeout", a.idle_timeout, 0.0)?;
+    let idle_timeout = (!idle_timeout.is_zero()).then_some(idle_timeout);
     let max_requests_per_connection =
         serve::at_least_one("max-requests-per-connection", a.max_requests_per_connection)?;
     let max_line_bytes = serve::at_least_one("max-line-bytes", a.max_line_bytes)?;
@@ -775,6 +781,7 @@ fn cmd_serve(a: ServeArgs) -> Result<()> {
             max_requests_per_connection,
             max_connections,
             shutdown_grace,
+            idle_timeout,
             ..Default::default()
         },
         spec_budget: a.speculate_budget,
