@@ -399,6 +399,15 @@ impl Request<'_> {
         }
     }
 
+    /// Whether the request's tree is verified whole or not at all (fixed trees of a sampling
+    /// request: their size is part of its random stream).
+    fn whole_tree(&self) -> bool {
+        self.spec
+            .as_ref()
+            .is_some_and(|sp| sp.policy == SpecPolicy::Fixed)
+            && !self.params.sampling.is_greedy()
+    }
+
     /// Deepest draft this step may verify: no token past `max_tokens` or the position cap.
     fn max_depth(&self) -> usize {
         let remaining = self.params.max_tokens.saturating_sub(self.generated());
@@ -748,14 +757,14 @@ impl<'a> Scheduler<'a> {
         cache.blocks_needed(sl.rows_upper())
     }
 
-    /// Cut draft trees, newest requests first (only adaptive requests' when `adaptive_only`),
+    /// Cut draft trees, newest requests first (not those verified whole when `keep_whole`),
     /// until the plan's `blocks` fit in `available`; the plan's blocks after the cuts.
     fn fit_trees(
         &self,
         plan: &mut [Slot],
         available: usize,
         mut blocks: usize,
-        adaptive_only: bool,
+        keep_whole: bool,
     ) -> usize {
         let mut order: Vec<usize> = (0..plan.len()).collect();
         order.sort_by_key(|&k| std::cmp::Reverse(self.running[plan[k].idx].admitted));
@@ -764,11 +773,7 @@ impl<'a> Scheduler<'a> {
                 break;
             }
             let sl = &plan[k];
-            let adaptive = self.running[sl.idx]
-                .spec
-                .as_ref()
-                .is_some_and(|sp| sp.policy == SpecPolicy::Adaptive);
-            if sl.tree_cap == 0 || (adaptive_only && !adaptive) {
+            if sl.tree_cap == 0 || (keep_whole && self.running[sl.idx].whole_tree()) {
                 continue;
             }
             let others = blocks - self.blocks_needed(sl);
@@ -818,10 +823,9 @@ impl<'a> Scheduler<'a> {
             let available = self.pool.available();
             let mut blocks: usize = plan.iter().map(|sl| self.blocks_needed(sl)).sum();
             if blocks > available {
-                // Draft trees are optional rows: adaptive requests' shrink before anyone is
-                // preempted (their trees follow the load anyway; a fixed tree keeps its size,
-                // so sampled outputs stay those of the request alone, unless nobody is left
-                // to preempt).
+                // Draft trees are optional rows: they shrink before anyone is preempted, but
+                // for the trees a sampling request verifies whole (their size is part of its
+                // random stream), unless nobody is left to preempt.
                 blocks = self.fit_trees(&mut plan, available, blocks, true);
             }
             if blocks <= available {
@@ -1112,17 +1116,15 @@ impl<'a> Scheduler<'a> {
                 plan.push(Slot::decode(i, self.running[i].id));
             }
         }
-        // Fixed trees next, whole or not at all: a fixed tree's size (and so a sampled
-        // request's random stream) must not depend on the other requests of the step. One that
-        // does not fit waits a step (older requests' trees come first; finishing requests free
-        // the budget), unless it could never fit a step's budget.
+        // Sampled fixed trees next, whole or not at all: their size (and so the request's
+        // random stream) must not depend on the other requests of the step. One that does not
+        // fit waits a step (older requests' trees come first; finishing requests free the
+        // budget), unless it could never fit a step's budget. (Greedy trees may shrink: that
+        // changes no token.)
         let mut waiting = Vec::new();
         for (k, sl) in plan.iter_mut().enumerate() {
             let r = &self.running[sl.idx];
-            if r.spec
-                .as_ref()
-                .is_none_or(|sp| sp.policy != SpecPolicy::Fixed)
-            {
+            if !r.whole_tree() {
                 continue;
             }
             let cap = r.tree_cap();
@@ -1173,10 +1175,7 @@ impl<'a> Scheduler<'a> {
         }
         for sl in plan.iter_mut().filter(|sl| sl.prefill == 0) {
             let r = &self.running[sl.idx];
-            if r.spec
-                .as_ref()
-                .is_some_and(|sp| sp.policy == SpecPolicy::Fixed)
-            {
+            if r.whole_tree() {
                 continue; // sized above
             }
             let mut cap = r.tree_cap().min(budget);
