@@ -699,6 +699,10 @@ impl<'a> Scheduler<'a> {
     /// Admit waiting requests (oldest first) while the pool has blocks for their whole
     /// uncached prompt, and fail those that could never fit.
     fn admit(&mut self, events: &mut Vec<StepEvent>) {
+        // Blocks the requests admitted in this call will take (`available` counts none of
+        // them until their prefill runs): each later one must fit beside them, or the step's
+        // plan would preempt it again at once.
+        let mut reserved = 0;
         while self.running.len() < self.config.max_running {
             let Some(req) = self.waiting.front() else {
                 break;
@@ -736,9 +740,10 @@ impl<'a> Scheduler<'a> {
                 KvCache::in_pool(&self.pool, req.capacity)
             };
             let need = (req.seq.len() + 1).div_ceil(BLOCK_SLOTS) - cache.blocks().len();
-            if need > self.pool.available() {
+            if reserved + need > self.pool.available() {
                 break; // its prefix blocks go back with `cache`
             }
+            reserved += need;
             let mut req = self.waiting.pop_front().expect("front exists");
             if req.cached_prompt_tokens.is_none() {
                 req.cached_prompt_tokens = Some(cache.len().min(req.prompt_len));

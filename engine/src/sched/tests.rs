@@ -308,6 +308,26 @@ fn a_small_pool_shrinks_trees_and_bounds_requests_like_a_context() {
     assert_eq!(pool.stats().used, 0);
 }
 
+/// Admission reserves what it admits: two 40-token prompts (3 blocks each) in a pool of 5 are
+/// admitted one after the other, not both at once and the second preempted by the first plan.
+#[test]
+fn admission_does_not_admit_what_the_step_must_preempt() {
+    let be = CpuBackend::new(2).unwrap();
+    let (model, prompt, params, want) = greedy_case(&be, 12, 40, 5, 4);
+    let pool = KvPool::new(&model.config, model.config.n_layers, 5);
+    let mut s = Scheduler::new(&model, None, pool.clone(), SchedConfig::default()).unwrap();
+    for _ in 0..2 {
+        s.submit(prompt.clone(), params.clone()).unwrap();
+    }
+    let done = s.run_to_completion(&be).unwrap();
+    assert_eq!(done.len(), 2);
+    for (_, f) in &done {
+        assert_eq!(done_tokens(f), (&want[..], 0));
+    }
+    assert_eq!(s.stats().preemptions, 0);
+    assert_eq!(pool.stats().used, 0);
+}
+
 /// A prompt that repeats itself, so prompt lookup finds matches.
 fn repetitive(vocab: u32, n: usize, salt: u32) -> Vec<u32> {
     (0..n as u32)
