@@ -843,3 +843,54 @@ fn compare_into_a_closed_pipe_ends_quietly() {
     assert!(!stderr.contains("panicked"), "{stderr}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Ctrl-C during a sweep ends the rate that runs and the sweep with it (before, each rate had
+/// its own handler: the next rate started); the finished part is written.
+#[cfg(unix)]
+#[test]
+fn ctrl_c_ends_a_sweep_and_keeps_what_ran() {
+    let server = InstantServer::start(1).expect("instant server");
+    let dir = temp_dir("sigint");
+    let out = dir.join("sweep.json");
+    let t0 = std::time::Instant::now();
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_arbor"))
+        .args([
+            "load",
+            "sweep",
+            "--target",
+            &format!("arbor://{}", server.addr),
+            "--rates",
+            "20,20,20",
+            "--duration",
+            "3",
+            "--cooldown",
+            "1",
+            "--max-tokens",
+            "2",
+            "--quiet",
+            "--out",
+            out.to_str().unwrap(),
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("arbor runs");
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    // SAFETY: sending a signal to our own child process.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    let done = child.wait_with_output().expect("arbor ends");
+    let stderr = String::from_utf8_lossy(&done.stderr);
+    assert!(done.status.success(), "{:?}: {stderr}", done.status);
+    // Three rates would take 3 x 3 s + 2 cooldowns.
+    assert!(
+        t0.elapsed() < std::time::Duration::from_secs(7),
+        "{:?}: {stderr}",
+        t0.elapsed()
+    );
+    let ResultsFile::Sweep(s) = ResultsFile::read(&out).expect("results written") else {
+        panic!("not a sweep");
+    };
+    assert_eq!(s.runs.len(), 1, "{stderr}");
+    assert!(s.runs[0].counts.completed > 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}

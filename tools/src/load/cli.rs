@@ -307,7 +307,13 @@ fn one_run(args: &LoadArgs) -> Result<()> {
     let spec = SloSpec::parse(args.slo.as_deref())?;
     let rt = runtime()?;
     let result = rt.block_on(async {
+        super::interrupt::watch();
         let slo = resolve_slo(&spec, &opts).await?;
+        if super::interrupt::presses() > 0 {
+            return Err(super::LoadError::Invalid(
+                "interrupted during the SLO calibration".into(),
+            ));
+        }
         if let (SloSpec::Auto, Some(s)) = (&spec, &slo) {
             eprintln!("slo auto: {}", s.describe());
         }
@@ -338,7 +344,13 @@ fn one_sweep(args: &LoadArgs, rates: &[f64], cooldown: f64) -> Result<()> {
     let mut runs: Vec<RunResult> = Vec::new();
     let mut slo = None;
     let ended = rt.block_on(async {
+        super::interrupt::watch();
         slo = resolve_slo(&spec, &opts).await?;
+        if super::interrupt::presses() > 0 {
+            return Err(super::LoadError::Invalid(
+                "interrupted during the SLO calibration".into(),
+            ));
+        }
         if let (SloSpec::Auto, Some(s)) = (&spec, &slo) {
             eprintln!("slo auto: {}", s.describe());
         }

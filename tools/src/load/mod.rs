@@ -2,6 +2,7 @@
 
 pub mod cli;
 pub mod instant;
+pub mod interrupt;
 pub mod metrics;
 pub mod plot;
 pub mod prompts;
@@ -228,9 +229,17 @@ pub async fn sweep_into(
     }
     let cooldown = std::time::Duration::try_from_secs_f64(cooldown_s)
         .map_err(|e| LoadError::Invalid(format!("--cooldown: {e}")))?;
+    // Ctrl-C ends the rate that runs (it drains as a single run does) and the sweep with it.
+    let presses = interrupt::presses();
     for (k, o) in each.iter().enumerate() {
         if k > 0 && !cooldown.is_zero() {
-            tokio::time::sleep(cooldown).await;
+            tokio::select! {
+                _ = tokio::time::sleep(cooldown) => {}
+                _ = interrupt::after(presses) => {}
+            }
+        }
+        if interrupt::presses() > presses {
+            break;
         }
         let r = run(o, slo).await?;
         on_run(&r);

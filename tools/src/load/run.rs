@@ -439,7 +439,7 @@ pub async fn run(opts: &LoadOptions, slo: Option<Slo>) -> Result<RunResult, Load
             spawned += 1;
         };
     let mut records = Vec::new();
-    let ctrl_c = tokio::signal::ctrl_c();
+    let ctrl_c = super::interrupt::after(super::interrupt::presses());
     tokio::pin!(ctrl_c);
     let mut interrupted = false;
     let ticker_bar = bar.clone();
