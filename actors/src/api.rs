@@ -18,6 +18,7 @@ use crate::intake::Intake;
 use crate::kv_allocator::{KvAllocator, LedgerClient};
 use crate::merger::TreeMerger;
 use crate::messages::{CancelRequest, EventSink, GetStats, Shutdown, Submit};
+use crate::prompt::PromptTokenizer;
 use crate::request::{Request, SpecLimits, ValidRequest};
 use crate::verifier::Verifier;
 
@@ -103,8 +104,12 @@ impl Engine {
                         })
                         .collect();
                     let merger = SyncArbiter::start(1, TreeMerger::default);
+                    let tokenizer = Arc::clone(&config.tokenizer);
+                    let prompts =
+                        SyncArbiter::start(1, move || PromptTokenizer::new(Arc::clone(&tokenizer)));
                     Ok(Intake::new(
                         verifier,
+                        prompts,
                         interrupt,
                         drafters,
                         merger,

@@ -18,9 +18,10 @@ use crate::events::{
 use crate::merger::TreeMerger;
 use crate::messages::{
     Cancel, CancelRequest, CommitDrafts, Draft, Drafted, Enqueue, EventSink, Forget, GetStats,
-    Merge, PlanReply, PlanStep, Shutdown, SinkError, StepDone, StepReport, Submit, VerifierState,
-    Verify,
+    Merge, PlanReply, PlanStep, Shutdown, SinkError, StepDone, StepReport, Submit, Tokenize,
+    VerifierState, Verify,
 };
+use crate::prompt::PromptTokenizer;
 use crate::verifier::Verifier;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,6 +69,8 @@ struct ShutdownState {
 
 pub struct Intake {
     verifier: Addr<Verifier>,
+    /// Tokenizes prompts before they go to the Verifier (off its thread).
+    tokenizer: Addr<PromptTokenizer>,
     /// Raised before a message to the Verifier, so it stops running steps back to back.
     interrupt: Arc<AtomicBool>,
     drafters: Vec<Addr<DrafterActor>>,
@@ -100,6 +103,7 @@ const DRAFT_TIMEOUT: Duration = Duration::from_secs(2);
 impl Intake {
     pub fn new(
         verifier: Addr<Verifier>,
+        tokenizer: Addr<PromptTokenizer>,
         interrupt: Arc<AtomicBool>,
         drafters: Vec<Addr<DrafterActor>>,
         merger: Addr<TreeMerger>,
@@ -108,6 +112,7 @@ impl Intake {
     ) -> Intake {
         Intake {
             verifier,
+            tokenizer,
             interrupt,
             drafters,
             merger,
@@ -634,10 +639,26 @@ impl Handler<Submit> for Intake {
                 held: (Vec::new(), String::new()),
             },
         );
-        self.interrupt.store(true, Ordering::Release);
-        let fut = self.verifier.send(Enqueue { id, req });
-        ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| {
+        // Tokenized on the PromptTokenizer's thread, then queued on the Verifier's.
+        let tokenized = self.tokenizer.send(Tokenize {
+            input: req.input.clone(),
+        });
+        let queued = tokenized.into_actor(self).then(move |res, act, _| {
             let res = res.unwrap_or_else(|e| Err(ServeError::internal(e.to_string())));
+            let verifier = act.verifier.clone();
+            if res.is_ok() {
+                act.interrupt.store(true, Ordering::Release);
+            }
+            async move {
+                let prompt = res?;
+                verifier
+                    .send(Enqueue { id, req, prompt })
+                    .await
+                    .unwrap_or_else(|e| Err(ServeError::internal(e.to_string())))
+            }
+            .into_actor(act)
+        });
+        ctx.spawn(queued.map(move |res, act, ctx| {
             match res {
                 Ok(n) => {
                     let Some(e) = act.entries.get_mut(&id) else {

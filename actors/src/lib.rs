@@ -27,6 +27,7 @@ pub mod intake;
 pub mod kv_allocator;
 pub mod merger;
 pub mod messages;
+pub mod prompt;
 pub mod request;
 pub mod server;
 pub mod verifier;

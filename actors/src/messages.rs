@@ -90,12 +90,21 @@ pub struct Shutdown {
     pub done: Box<dyn FnOnce() + Send>,
 }
 
-/// Intake → Verifier: tokenize and queue a request.
+/// Intake → PromptTokenizer: a request's prompt tokens.
+#[derive(Message)]
+#[rtype(result = "Result<Vec<u32>, ServeError>")]
+pub struct Tokenize {
+    pub input: crate::request::Input,
+}
+
+/// Intake → Verifier: queue a request (its prompt tokenized by the PromptTokenizer); replies
+/// with the prompt's token count.
 #[derive(Message)]
 #[rtype(result = "Result<usize, ServeError>")]
 pub struct Enqueue {
     pub id: RequestId,
     pub req: ValidRequest,
+    pub prompt: Vec<u32>,
 }
 
 /// Intake → Verifier: drop a request (if it still runs); replies with the pool after.

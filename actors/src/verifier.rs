@@ -9,7 +9,7 @@ use std::time::Instant;
 use actix::{Actor, Handler, Recipient, SyncContext};
 use arbor_engine::backend::cuda::open_device;
 use arbor_engine::sched::{PlannedStep, RequestSpec, Scheduler, SpecPolicy, StepCost};
-use arbor_engine::{CpuBackend, KvPool, Tokenizer};
+use arbor_engine::{CpuBackend, KvPool};
 
 use crate::config::EngineConfig;
 use crate::error::{codes, Result, ServeError};
@@ -18,12 +18,10 @@ use crate::kv_allocator::{LedgerClient, LedgerTraffic};
 use crate::messages::{
     Cancel, DraftWork, Enqueue, PlanReply, PlanStep, StepDone, StepReport, VerifierState, Verify,
 };
-use crate::request::Input;
 
 pub struct Verifier {
     sched: Scheduler<'static>,
     backend: CpuBackend,
-    tokenizer: Arc<Tokenizer>,
     n_drafters: usize,
     /// Per drafter, the candidates per verified row and per prompt row it wants (Token
     /// Recycling).
@@ -101,7 +99,6 @@ impl Verifier {
         Ok(Verifier {
             sched,
             backend,
-            tokenizer: Arc::clone(&config.tokenizer),
             n_drafters: config.drafters.len(),
             drafter_candidates: config
                 .drafters
@@ -149,17 +146,7 @@ impl Verifier {
 
     fn enqueue(&mut self, msg: Enqueue) -> Result<usize> {
         let req = msg.req;
-        let text = match &req.input {
-            Input::Prompt(p) => p.clone(),
-            Input::Messages(m) => self.tokenizer.apply_chat_template(m, true),
-        };
-        let prompt = self.tokenizer.encode_prompt(&text)?;
-        if prompt.is_empty() {
-            return Err(ServeError::new(
-                codes::EMPTY_PROMPT,
-                "the prompt has no tokens",
-            ));
-        }
+        let prompt = msg.prompt;
         if prompt.len() > self.max_prompt_tokens {
             return Err(ServeError::new(
                 codes::PROMPT_TOO_LONG,

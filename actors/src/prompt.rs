@@ -1,0 +1,56 @@
+//! The PromptTokenizer actor: renders a request's chat messages with the model's template and tokenizes its prompt on a thread of its own, so a long prompt (up to the line limit, a MiB) never stalls the Verifier's steps for the requests already running.
+
+use std::sync::Arc;
+
+use actix::{Actor, Handler, SyncContext};
+use arbor_engine::Tokenizer;
+
+use crate::error::{codes, Result, ServeError};
+use crate::messages::Tokenize;
+use crate::request::Input;
+
+pub struct PromptTokenizer {
+    tokenizer: Arc<Tokenizer>,
+}
+
+impl PromptTokenizer {
+    pub fn new(tokenizer: Arc<Tokenizer>) -> PromptTokenizer {
+        PromptTokenizer { tokenizer }
+    }
+
+    /// The prompt's tokens (BOS as the model wants it); an empty prompt is an error.
+    pub fn tokenize(&self, input: &Input) -> Result<Vec<u32>> {
+        let text = match input {
+            Input::Prompt(p) => std::borrow::Cow::Borrowed(p.as_str()),
+            Input::Messages(m) => {
+                std::borrow::Cow::Owned(self.tokenizer.apply_chat_template(m, true))
+            }
+        };
+        let prompt = self.tokenizer.encode_prompt(&text)?;
+        if prompt.is_empty() {
+            return Err(ServeError::new(
+                codes::EMPTY_PROMPT,
+                "the prompt has no tokens",
+            ));
+        }
+        Ok(prompt)
+    }
+}
+
+impl Actor for PromptTokenizer {
+    type Context = SyncContext<Self>;
+}
+
+impl Handler<Tokenize> for PromptTokenizer {
+    type Result = Result<Vec<u32>>;
+
+    fn handle(&mut self, msg: Tokenize, _: &mut SyncContext<Self>) -> Result<Vec<u32>> {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.tokenize(&msg.input))) {
+            Ok(r) => r,
+            Err(p) => Err(ServeError::internal(format!(
+                "tokenizing panicked: {}",
+                arbor_engine::spec::panic_message(&*p)
+            ))),
+        }
+    }
+}
