@@ -118,6 +118,37 @@ fn streamed_text_equals_generate_with_and_without_speculation() {
             assert_eq!(fin["text"], json!(want_text));
         }
     }
+    // Cancelled mid-stream: the final line still reports the request's speculation counters
+    // and its prefix-cache hit (the prompt's full blocks cached by the request before it).
+    let prompt =
+        "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n";
+    let spec = json!({"draft": ["ngram"], "adaptive": false});
+    let (_, warm) =
+        c.run(&json!({"id": "warm", "prompt": prompt, "max_tokens": 2, "speculation": spec}));
+    assert_eq!(warm["usage"]["cached_prompt_tokens"], 0, "{warm}");
+    c.send(
+        &json!({"id": "cut", "prompt": prompt, "max_tokens": 3000, "ignore_eos": true,
+        "speculation": spec}),
+    );
+    let (_, _) = (c.recv(), c.recv());
+    c.send(&json!({"cancel": "cut"}));
+    let fin = loop {
+        let v = c.recv();
+        if v.get("done").is_some() {
+            break v;
+        }
+    };
+    assert_eq!(fin["finish_reason"], "cancelled", "{fin}");
+    assert!(
+        fin["spec"]["steps"].as_u64().is_some_and(|n| n > 0),
+        "{fin}"
+    );
+    assert!(
+        fin["usage"]["cached_prompt_tokens"]
+            .as_u64()
+            .is_some_and(|n| n >= 16),
+        "{fin}"
+    );
 }
 
 /// Token lines and the final line of `n` requests whose lines interleave on one connection, by

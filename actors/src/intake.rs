@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use actix::{Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, WrapFuture};
 use arbor_engine::sched::{Commit, Finish};
+use arbor_engine::spec::SpecMetrics;
 use arbor_engine::FinishReason as EngineFinish;
 
 use crate::config::Limits;
@@ -349,16 +350,7 @@ impl Intake {
                     let Some(e) = self.entries.remove(&id) else {
                         continue;
                     };
-                    let spec = spec.map(|m| {
-                        self.spec_steps += m.steps as u64;
-                        self.spec_accepted += m.accepted as u64;
-                        SpecSummary {
-                            steps: m.steps,
-                            drafted: m.drafted,
-                            accepted: m.accepted,
-                            mean_accepted: m.mean_accepted(),
-                        }
-                    });
+                    let spec = spec.map(|m| self.spec_summary(&m));
                     // A request that finished before its cancel took effect ends as it finished.
                     let finish_reason = match reason {
                         EngineFinish::Length => FinishReason::Length,
@@ -406,6 +398,18 @@ impl Intake {
         self.check_deadlines(ctx);
     }
 
+    /// A finished request's speculation counters, added to the server's totals.
+    fn spec_summary(&mut self, m: &SpecMetrics) -> SpecSummary {
+        self.spec_steps += m.steps as u64;
+        self.spec_accepted += m.accepted as u64;
+        SpecSummary {
+            steps: m.steps,
+            drafted: m.drafted,
+            accepted: m.accepted,
+            mean_accepted: m.mean_accepted(),
+        }
+    }
+
     fn sink_failed(&mut self, id: RequestId, err: SinkError, ctx: &mut Context<Self>) {
         if err == SinkError::Full {
             self.slow_readers += 1;
@@ -444,9 +448,13 @@ impl Intake {
         self.interrupt.store(true, Ordering::Release);
         let fut = self.verifier.send(Cancel { id });
         ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| {
-            if let Ok(state) = res {
-                act.set_state(state);
-            }
+            let stats = match res {
+                Ok(c) => {
+                    act.set_state(c.state);
+                    c.stats.unwrap_or_default()
+                }
+                Err(_) => Default::default(),
+            };
             act.forget(id);
             if let Some(e) = act.entries.remove(&id) {
                 let reason = match e.state {
@@ -469,13 +477,13 @@ impl Intake {
                     usage: Usage {
                         prompt_tokens: e.prompt_tokens,
                         completion_tokens: e.tokens.len(),
-                        cached_prompt_tokens: 0,
+                        cached_prompt_tokens: stats.cached_prompt_tokens,
                     },
                     text: e.text.clone(),
                     tokens: e.tokens.clone(),
-                    spec: None,
+                    spec: stats.spec.map(|m| act.spec_summary(&m)),
                     timing: e.timing(Instant::now()),
-                    preemptions: 0,
+                    preemptions: stats.preemptions,
                 };
                 let _ = e.sink.send(Event::Done(Box::new(c)));
             }

@@ -109,9 +109,17 @@ pub struct Enqueue {
 
 /// Intake → Verifier: drop a request (if it still runs); replies with the pool after.
 #[derive(Message)]
-#[rtype(result = "VerifierState")]
+#[rtype(result = "Cancelled")]
 pub struct Cancel {
     pub id: RequestId,
+}
+
+/// The Verifier's reply to [`Cancel`].
+pub struct Cancelled {
+    pub state: VerifierState,
+    /// What the request had done, if the scheduler still held it (None: it had finished or
+    /// failed on its own, or was never queued).
+    pub stats: Option<arbor_engine::sched::CancelledStats>,
 }
 
 /// The scheduler and pool as the verifier saw them last.

@@ -16,7 +16,8 @@ use crate::error::{codes, Result, ServeError};
 use crate::events::RequestId;
 use crate::kv_allocator::{LedgerClient, LedgerTraffic};
 use crate::messages::{
-    Cancel, DraftWork, Enqueue, PlanReply, PlanStep, StepDone, StepReport, VerifierState, Verify,
+    Cancel, Cancelled, DraftWork, Enqueue, PlanReply, PlanStep, StepDone, StepReport,
+    VerifierState, Verify,
 };
 
 pub struct Verifier {
@@ -213,7 +214,7 @@ impl Verifier {
         let mut sids: Vec<u64> = self.to_req.keys().copied().collect();
         sids.sort_unstable();
         for sid in sids {
-            self.sched.cancel(sid);
+            let _ = self.sched.cancel(sid);
             if let Some(id) = self.forget_sched(sid) {
                 out.push((id, error.clone()));
             }
@@ -266,11 +267,14 @@ impl Handler<Cancel> for Verifier {
     type Result = actix::MessageResult<Cancel>;
 
     fn handle(&mut self, msg: Cancel, _: &mut SyncContext<Self>) -> Self::Result {
-        if let Some(t) = self.requests.remove(&msg.id) {
+        let stats = self.requests.remove(&msg.id).and_then(|t| {
             self.to_req.remove(&t.sid);
-            self.sched.cancel(t.sid);
-        }
-        actix::MessageResult(self.state())
+            self.sched.cancel(t.sid)
+        });
+        actix::MessageResult(Cancelled {
+            state: self.state(),
+            stats,
+        })
     }
 }
 

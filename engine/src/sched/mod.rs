@@ -85,6 +85,18 @@ pub enum Finish {
     Failed(EngineError),
 }
 
+/// What a cancelled request had done before [`Scheduler::cancel`] dropped it (the counters of
+/// [`Finish::Done`]; its tokens are those its events carried).
+#[derive(Clone, Debug, Default)]
+pub struct CancelledStats {
+    /// Prompt tokens whose K/V came from the prefix cache at the first admission (0 if never
+    /// admitted).
+    pub cached_prompt_tokens: usize,
+    pub preemptions: usize,
+    /// Speculation counters of a speculating request.
+    pub spec: Option<SpecMetrics>,
+}
+
 /// Scheduler counters.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct SchedStats {
@@ -364,6 +376,13 @@ struct Request<'a> {
 impl Request<'_> {
     fn generated(&self) -> usize {
         self.seq.len() - self.prompt_len
+    }
+
+    /// Slots admission must find: every token of `seq` (the last one is fed to sample the
+    /// next), and one more if generation goes on after that token.
+    fn slots_to_admit(&self) -> usize {
+        let goes_on = self.generated() + 1 < self.params.max_tokens && self.seq.len() < self.cap;
+        self.seq.len() + usize::from(goes_on)
     }
 
     /// Top candidates per prompt row this request's drafters want (Token Recycling's warm
@@ -683,17 +702,20 @@ impl<'a> Scheduler<'a> {
         Ok(id)
     }
 
-    /// Drop a request wherever it is; its blocks go back to the pool. False if unknown.
-    pub fn cancel(&mut self, id: u64) -> bool {
-        if let Some(i) = self.waiting.iter().position(|r| r.id == id) {
-            self.waiting.remove(i);
-            return true;
-        }
-        if let Some(i) = self.running.iter().position(|r| r.id == id) {
-            self.running.remove(i);
-            return true;
-        }
-        false
+    /// Drop a request wherever it is; its blocks go back to the pool. Returns what it had
+    /// done (for its final report), or None if unknown.
+    pub fn cancel(&mut self, id: u64) -> Option<CancelledStats> {
+        let r = if let Some(i) = self.waiting.iter().position(|r| r.id == id) {
+            self.waiting.remove(i)?
+        } else {
+            let i = self.running.iter().position(|r| r.id == id)?;
+            self.running.remove(i)
+        };
+        Some(CancelledStats {
+            cached_prompt_tokens: r.cached_prompt_tokens.unwrap_or(0),
+            preemptions: r.preemptions,
+            spec: r.spec.map(|sp| sp.metrics),
+        })
     }
 
     /// Admit waiting requests (oldest first) while the pool has blocks for their whole
@@ -725,7 +747,7 @@ impl<'a> Scheduler<'a> {
                 });
                 continue;
             }
-            let need_all = (req.seq.len() + 1).div_ceil(BLOCK_SLOTS);
+            let need_all = req.slots_to_admit().div_ceil(BLOCK_SLOTS);
             if need_all > self.pool.max_blocks() {
                 let req = self.waiting.pop_front().expect("front exists");
                 events.push(failed(
@@ -739,7 +761,10 @@ impl<'a> Scheduler<'a> {
             } else {
                 KvCache::in_pool(&self.pool, req.capacity)
             };
-            let need = (req.seq.len() + 1).div_ceil(BLOCK_SLOTS) - cache.blocks().len();
+            let need = req
+                .slots_to_admit()
+                .div_ceil(BLOCK_SLOTS)
+                .saturating_sub(cache.blocks().len());
             if reserved + need > self.pool.available() {
                 break; // its prefix blocks go back with `cache`
             }

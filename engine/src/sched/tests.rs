@@ -259,8 +259,10 @@ fn bad_requests_fail_alone_and_cancel_frees_blocks() {
     let id = s.submit(vec![5; 40], params).unwrap();
     s.step(&be).unwrap();
     assert!(pool.stats().used >= 3);
-    assert!(s.cancel(id));
-    assert!(!s.cancel(id));
+    let stats = s.cancel(id).expect("known request");
+    assert_eq!((stats.cached_prompt_tokens, stats.preemptions), (0, 0));
+    assert!(stats.spec.is_none());
+    assert!(s.cancel(id).is_none());
     assert_eq!(pool.stats().used, 0);
     assert!(s.is_idle());
 }
@@ -306,6 +308,27 @@ fn a_small_pool_shrinks_trees_and_bounds_requests_like_a_context() {
         other => panic!("{other:?}"),
     }
     assert_eq!(pool.stats().used, 0);
+    // A prompt that fills the whole pool (48 slots) still gets the token its last row gives,
+    // whether `max_tokens` or the pool ends it.
+    let (model, prompt, _, want) = greedy_case(&be, 11, 48, 3, 1);
+    for max_tokens in [1, 5] {
+        let pool = KvPool::new(&model.config, model.config.n_layers, 3);
+        let mut s = Scheduler::new(&model, None, pool.clone(), SchedConfig::default()).unwrap();
+        let p = GenerateParams {
+            max_tokens,
+            ..params.clone()
+        };
+        s.submit(prompt.clone(), p).unwrap();
+        let done = s.run_to_completion(&be).unwrap();
+        match &done[0].1 {
+            Finish::Done { reason, tokens, .. } => {
+                assert_eq!(*reason, FinishReason::Length, "max_tokens {max_tokens}");
+                assert_eq!(tokens[..], want[..1], "max_tokens {max_tokens}");
+            }
+            other => panic!("max_tokens {max_tokens}: {other:?}"),
+        }
+        assert_eq!(pool.stats().used, 0);
+    }
 }
 
 /// Admission reserves what it admits: two 40-token prompts (3 blocks each) in a pool of 5 are
