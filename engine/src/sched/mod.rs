@@ -999,11 +999,22 @@ impl<'a> Scheduler<'a> {
             let emitted: Vec<u32> = match (&sl.tree, r.spec.as_mut()) {
                 (Some(tree), Some(sp)) => {
                     let cache = r.cache.as_mut().expect("running requests have a cache");
-                    let o = sp.verifier.verify(tree, lg, vocab)?;
-                    match &device {
-                        Some(d) => d.commit_rows(cache, x.positions[0], &o.kv_rows())?,
-                        None => cache.commit_rows(x.positions[0], &o.kv_rows())?,
-                    }
+                    // An error here is this request's alone: it fails, the others go on.
+                    let verified = sp.verifier.verify(tree, lg, vocab).and_then(|o| {
+                        match &device {
+                            Some(d) => d.commit_rows(cache, x.positions[0], &o.kv_rows())?,
+                            None => cache.commit_rows(x.positions[0], &o.kv_rows())?,
+                        }
+                        Ok(o)
+                    });
+                    let o = match verified {
+                        Ok(o) => o,
+                        Err(e) => {
+                            events.push(failed(r.id, e));
+                            finished.push((sl.idx, None, events.len() - 1));
+                            continue;
+                        }
+                    };
                     // Token Recycling: the top candidates of every row of this pass.
                     let wanted = sp.candidates_wanted(false);
                     // The root is the sequence's last token (emitted ones join it below).
@@ -1100,13 +1111,17 @@ impl<'a> Scheduler<'a> {
             }
             events.push(ev);
             if let Some(reason) = reason {
-                finished.push((sl.idx, reason, events.len() - 1));
+                finished.push((sl.idx, Some(reason), events.len() - 1));
             }
         }
-        // Remove finished requests (highest index first); their blocks go back on drop.
+        // Remove finished requests (highest index first); their blocks go back on drop. A
+        // request without a reason failed (its event says so).
         finished.sort_by_key(|&(i, _, _)| std::cmp::Reverse(i));
         for (i, reason, ev) in finished {
             let r = self.running.remove(i);
+            let Some(reason) = reason else {
+                continue;
+            };
             let spec = r.spec.map(|sp| sp.metrics);
             let (text, tokens, reason) = match r.sink {
                 Some(sink) => {

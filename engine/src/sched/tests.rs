@@ -1163,3 +1163,86 @@ fn empty_outside_proposals_back_off() {
         "{asked} of {steps} steps asked for drafts"
     );
 }
+
+/// A device whose `fail_at`-th `commit_rows` call fails (0-based).
+struct FailingCommit<D> {
+    inner: D,
+    calls: std::sync::atomic::AtomicUsize,
+    fail_at: usize,
+}
+
+impl<D: crate::backend::cuda::DeviceForward> crate::backend::cuda::DeviceForward
+    for FailingCommit<D>
+{
+    fn forward_batch(&self, seqs: &mut [SeqBatch<'_>]) -> Result<Vec<Vec<f32>>> {
+        self.inner.forward_batch(seqs)
+    }
+
+    fn commit_rows(&self, cache: &mut KvCache, base: usize, keep: &[usize]) -> Result<()> {
+        use std::sync::atomic::Ordering::SeqCst;
+        if self.calls.fetch_add(1, SeqCst) == self.fail_at {
+            return Err(EngineError::InvalidArgument(
+                "device commit failed (test)".into(),
+            ));
+        }
+        self.inner.commit_rows(cache, base, keep)
+    }
+}
+
+/// An error verifying one request's tree (here its device commit) fails that request alone:
+/// the other speculating request in the same steps finishes with its exact tokens, and every
+/// block comes back.
+#[test]
+fn one_requests_verification_error_fails_it_alone() {
+    use crate::backend::cuda::DeviceModel;
+    let model = tiny_model(&spec("qwen2", GgmlType::Q8_0), 31).unwrap();
+    let reference = DeviceModel::on_host(&model, 64).unwrap();
+    let vocab = model.config.vocab_size as u32;
+    let prompts = [repetitive(vocab, 24, 1), repetitive(vocab, 30, 2)];
+    let n = 24;
+    for fail_at in [0, 1, 3] {
+        let pool = KvPool::new(&model.config, model.config.n_layers, 64);
+        let mut s = Scheduler::new(&model, None, pool.clone(), SchedConfig::default()).unwrap();
+        s.set_device(Arc::new(FailingCommit {
+            inner: DeviceModel::on_host(&model, 64).unwrap(),
+            calls: Default::default(),
+            fail_at,
+        }));
+        let params = GenerateParams {
+            max_tokens: n,
+            sampling: SamplingParams::greedy(),
+            ..GenerateParams::default()
+        };
+        for p in &prompts {
+            s.submit_spec(
+                p.clone(),
+                params.clone(),
+                Some(ngram_spec(SpecPolicy::Fixed, 8)),
+            )
+            .unwrap();
+        }
+        let done = s.run_to_completion(&CpuBackend::new(1).unwrap()).unwrap();
+        assert_eq!(done.len(), 2, "fail_at {fail_at}");
+        let mut failed = 0;
+        for (id, f) in &done {
+            match f {
+                Finish::Failed(e) => {
+                    assert!(e.to_string().contains("(test)"), "{e}");
+                    failed += 1;
+                }
+                Finish::Done { tokens, .. } => {
+                    let want = reference
+                        .greedy(&prompts[*id as usize], n, None, 0)
+                        .unwrap();
+                    assert_eq!(
+                        tokens[..],
+                        want.tokens[..],
+                        "fail_at {fail_at}, request {id}"
+                    );
+                }
+            }
+        }
+        assert_eq!(failed, 1, "fail_at {fail_at}");
+        assert_eq!(pool.stats().used, 0, "fail_at {fail_at}");
+    }
+}
