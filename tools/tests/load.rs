@@ -817,6 +817,81 @@ fn requests_the_server_ends_at_deadline_or_shutdown_are_failures() {
     );
 }
 
+/// A fake Arbor server whose connection `k` closes as idle when its first request line arrives
+/// (the line crossed the server's `idle_timeout`) where `closes(k)`, and answers otherwise;
+/// returns its address and the count of connections it accepted.
+fn idle_closing_server(
+    closes: fn(usize) -> bool,
+) -> (std::net::SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
+    use std::io::{BufRead, BufReader, Write};
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = Arc::clone(&accepted);
+    std::thread::spawn(move || {
+        for (k, s) in l.incoming().flatten().enumerate() {
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let mut w = s.try_clone().unwrap();
+            for line in BufReader::new(s).lines() {
+                let Ok(line) = line else { break };
+                let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
+                let Some(id) = v.get("id").cloned() else {
+                    continue;
+                };
+                if closes(k) {
+                    let _ = writeln!(
+                        w,
+                        "{}",
+                        serde_json::json!({"id": null, "error": {"code": "idle_timeout", "message": "no request and no line for 0.1 s: connection closed"}})
+                    );
+                    break;
+                }
+                let _ = writeln!(
+                    w,
+                    "{}",
+                    serde_json::json!({"id": id, "text": "a", "tokens": [1]})
+                );
+                let _ = writeln!(
+                    w,
+                    "{}",
+                    serde_json::json!({"id": id, "done": true, "finish_reason": "length", "usage": {"prompt_tokens": 1, "completion_tokens": 1}})
+                );
+            }
+        }
+    });
+    (addr, accepted)
+}
+
+/// A request line that crosses the server's idle close of its pooled connection is sent again
+/// on a new connection (once), and the close is not a stray error.
+#[test]
+fn a_request_that_crosses_an_idle_close_is_sent_again_once() {
+    let run_on = |addr: std::net::SocketAddr| {
+        let mut o = LoadOptions::new(&format!("arbor://{addr}"));
+        o.arrivals = Arrivals::Closed { concurrency: 1 };
+        o.requests = Some(2);
+        let r = rt().block_on(run(&o, None)).expect("run");
+        check_accounting(&r);
+        assert_eq!(r.counts.stray_lines, 0, "{:?}", r.counts);
+        r
+    };
+    // Connection 0 closes: the first request goes again on connection 1, which serves both.
+    let (addr, accepted) = idle_closing_server(|k| k == 0);
+    let r = run_on(addr);
+    assert_eq!(r.counts.completed, 2, "{:?}", r.counts);
+    assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 2);
+    // Every connection closes: each request tries two connections, then fails.
+    let (addr, accepted) = idle_closing_server(|_| true);
+    let r = run_on(addr);
+    assert_eq!(
+        r.counts.failed_by_code.get("connection_closed"),
+        Some(&2),
+        "{:?}",
+        r.counts
+    );
+    assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 4);
+}
+
 #[test]
 fn compare_into_a_closed_pipe_ends_quietly() {
     let server = InstantServer::start(1).expect("instant server");

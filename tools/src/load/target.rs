@@ -256,6 +256,9 @@ struct ArborConn {
     tx: mpsc::UnboundedSender<String>,
     pending: Mutex<HashMap<u64, mpsc::UnboundedSender<Line>>>,
     alive: AtomicBool,
+    /// The server closed the connection as idle (an `idle_timeout` line): a request sent as
+    /// it closed never started there and is sent again on a new connection.
+    idle_closed: AtomicBool,
     in_flight: AtomicUsize,
 }
 
@@ -306,6 +309,7 @@ impl ArborClient {
             tx,
             pending: Mutex::new(HashMap::new()),
             alive: AtomicBool::new(true),
+            idle_closed: AtomicBool::new(false),
             in_flight: AtomicUsize::new(0),
         });
         if let Some(t) = &self.auth_token {
@@ -339,7 +343,23 @@ impl ArborClient {
         Ok(conn)
     }
 
-    async fn send(&self, req: &Outgoing, mut stop: watch::Receiver<bool>) -> Reply {
+    async fn send(&self, req: &Outgoing, stop: watch::Receiver<bool>) -> Reply {
+        let mut retried = false;
+        loop {
+            let (reply, idle_closed) = self.send_once(req, stop.clone()).await;
+            let unsent = reply.events.is_empty()
+                && matches!(&reply.outcome, Outcome::Failed { code, .. } if code == "connection_closed");
+            if idle_closed && unsent && !retried && !*stop.borrow() {
+                retried = true;
+                continue;
+            }
+            return reply;
+        }
+    }
+
+    /// Send a request on a pooled connection; the reply, and whether the server had closed that
+    /// connection as idle.
+    async fn send_once(&self, req: &Outgoing, mut stop: watch::Receiver<bool>) -> (Reply, bool) {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let mut body = json!({
             "id": id,
@@ -364,7 +384,7 @@ impl ArborClient {
         if line.len() > self.max_line_bytes {
             // The server would drop the line with an error that names no request, and the
             // request would wait for a final line that never comes.
-            return Reply::failed(
+            let reply = Reply::failed(
                 "line_too_long",
                 format!(
                     "the request line is {} bytes, over --max-line-bytes {} (not sent)",
@@ -372,10 +392,11 @@ impl ArborClient {
                     self.max_line_bytes
                 ),
             );
+            return (reply, false);
         }
         let conn = match self.conn().await {
             Ok(c) => c,
-            Err(e) => return Reply::failed("connect_failed", e),
+            Err(e) => return (Reply::failed("connect_failed", e), false),
         };
         let (tx, mut rx) = mpsc::unbounded_channel();
         conn.pending.lock().insert(id, tx);
@@ -384,10 +405,11 @@ impl ArborClient {
         if conn.tx.send(line).is_err() || !conn.alive.load(Ordering::Acquire) {
             conn.pending.lock().remove(&id);
             conn.in_flight.fetch_sub(1, Ordering::AcqRel);
-            return Reply::failed(
+            let reply = Reply::failed(
                 "connection_closed",
                 "the connection was closed before sending",
             );
+            return (reply, conn.idle_closed.load(Ordering::Acquire));
         }
         let mut cancelled_at: Option<Instant> = None;
         loop {
@@ -434,7 +456,7 @@ impl ArborClient {
         }
         conn.pending.lock().remove(&id);
         conn.in_flight.fetch_sub(1, Ordering::AcqRel);
-        reply
+        (reply, conn.idle_closed.load(Ordering::Acquire))
     }
 }
 
@@ -448,6 +470,12 @@ fn route(conn: &ArborConn, line: &str, stray: &Stray) {
         stray.line();
         return;
     };
+    if v["error"]["code"].as_str() == Some("idle_timeout") {
+        // Pooled connections idle between requests; the server closes them after a while.
+        conn.idle_closed.store(true, Ordering::Release);
+        conn.alive.store(false, Ordering::Release);
+        return;
+    }
     let Some(id) = v.get("id").and_then(Value::as_u64) else {
         // auth / health answers carry no id; an error about an unreadable line (or one too
         // long, `line_too_long`) has `id: null` and is counted by code. A cancel that crossed
