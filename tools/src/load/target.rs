@@ -632,6 +632,8 @@ impl OpenAiClient {
         let mut buf: Vec<u8> = Vec::new();
         let mut finish: Option<String> = None;
         let mut done = false;
+        // Text bytes per token event (a chunk may carry several tokens: see `spread_tokens`).
+        let mut chunk_bytes: Vec<usize> = Vec::new();
         while let Some(frame) = resp.body_mut().frame().await {
             let frame = frame.map_err(|e| ("connection_closed", format!("HTTP body: {e}")))?;
             let at = Instant::now();
@@ -665,8 +667,9 @@ impl OpenAiClient {
                 } else {
                     choice["text"].as_str()
                 };
-                if text.is_some_and(|t| !t.is_empty()) {
+                if let Some(t) = text.filter(|t| !t.is_empty()) {
                     reply.events.push((at, 1));
+                    chunk_bytes.push(t.len());
                 }
                 if let Some(f) = choice["finish_reason"].as_str() {
                     finish = Some(f.to_string());
@@ -695,6 +698,11 @@ impl OpenAiClient {
                 .unwrap_or_else(|| String::from_utf8_lossy(&buf).into_owned());
             return Ok(Reply::ended(Outcome::Failed { code, message }));
         }
+        if let Some(n) = reply.usage_completion_tokens {
+            for (e, k) in reply.events.iter_mut().zip(spread_tokens(&chunk_bytes, n)) {
+                e.1 = k;
+            }
+        }
         if done || finish.is_some() {
             if !done {
                 reply.end = Instant::now();
@@ -705,6 +713,36 @@ impl OpenAiClient {
         }
         Ok(reply)
     }
+}
+
+/// Tokens per SSE chunk when the server's `usage` counts `n` tokens over chunks of `bytes`
+/// text bytes: OpenAI streams do not say how many tokens a chunk carries, and a speculating
+/// server sends several per chunk. One each when `n` is at most the chunk count (the usual
+/// case, exact); else every chunk one, and the surplus shared in proportion to the chunks'
+/// bytes (largest remainders first): an estimate, so per-token ITL is not overstated by the
+/// tokens per chunk.
+pub fn spread_tokens(bytes: &[usize], n: u64) -> Vec<u32> {
+    let chunks = bytes.len() as u64;
+    let mut out = vec![1u32; bytes.len()];
+    if chunks == 0 || n <= chunks {
+        return out;
+    }
+    let surplus = n - chunks;
+    let total: u64 = bytes.iter().map(|&b| b as u64).sum::<u64>().max(1);
+    let mut given = 0u64;
+    let mut rest: Vec<(u64, usize)> = Vec::with_capacity(bytes.len());
+    for (i, &b) in bytes.iter().enumerate() {
+        let share = surplus * b as u64;
+        let k = share / total;
+        out[i] += u32::try_from(k).unwrap_or(u32::MAX);
+        given += k;
+        rest.push((share % total, i));
+    }
+    rest.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+    for &(_, i) in rest.iter().take((surplus - given) as usize) {
+        out[i] += 1;
+    }
+    out
 }
 
 /// A spawned task that is aborted when this handle goes (the HTTP connection driver, the
@@ -755,5 +793,22 @@ mod tests {
         );
         assert!(Target::parse("ftp://x:1").is_err());
         assert!(Target::parse("arbor://").is_err());
+    }
+
+    #[test]
+    fn chunk_tokens_follow_usage_and_bytes() {
+        // As many tokens as chunks (or fewer: a token split over chunks): one each.
+        assert_eq!(spread_tokens(&[3, 5, 1], 3), vec![1, 1, 1]);
+        assert_eq!(spread_tokens(&[3, 5, 1], 2), vec![1, 1, 1]);
+        assert!(spread_tokens(&[], 9).is_empty());
+        // 9 tokens over 3 chunks of 4, 8 and 0 bytes: 6 extra, 2 and 4 by bytes.
+        assert_eq!(spread_tokens(&[4, 8, 0], 9), vec![3, 5, 1]);
+        // Remainders: 2 extra over equal chunks go to the first ones.
+        assert_eq!(spread_tokens(&[2, 2, 2], 5), vec![2, 2, 1]);
+        // The sum is always the usage count.
+        for n in 4..40u64 {
+            let k = spread_tokens(&[7, 1, 13, 2], n);
+            assert_eq!(k.iter().map(|&x| u64::from(x)).sum::<u64>(), n);
+        }
     }
 }
