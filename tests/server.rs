@@ -613,6 +613,154 @@ impl Drafter for FailingDrafter {
     }
 }
 
+/// A drafter that answers every proposal after `delay` with a chain of the root repeated.
+struct SlowDrafter {
+    delay: Duration,
+}
+
+impl Drafter for SlowDrafter {
+    fn name(&self) -> &str {
+        "slow"
+    }
+
+    fn propose(&mut self, req: &DraftRequest<'_>) -> arbor_engine::Result<TokenTree> {
+        std::thread::sleep(self.delay);
+        Ok(TokenTree::chain(req.root(), &[req.root()], req.drafter))
+    }
+}
+
+/// A drafter that does not answer a step in time is dropped for that step's requests (which go
+/// on with their other drafters, output unchanged) and is not asked again while its late reply
+/// is pending: one failure, not one two-second wait per step.
+#[test]
+fn a_drafter_too_slow_for_a_step_is_dropped_for_its_requests() {
+    let slow = DrafterFactory::new("slow", |_: &DraftContext| {
+        Ok(Box::new(SlowDrafter {
+            delay: Duration::from_millis(2500),
+        }) as Box<dyn Drafter>)
+    });
+    let server = TestServer::start(
+        engine_config(vec![slow, DrafterFactory::ngram(3).expect("ngram")]),
+        ServerConfig::default(),
+    );
+    let mut c = server.client();
+    let p = params(12, 0.0, 0);
+    let mut req = request(json!("a"), PROMPTS[2], &p);
+    req["speculation"] = json!({"adaptive": false, "draft": ["slow", "ngram"]});
+    let t0 = std::time::Instant::now();
+    let (events, fin) = c.run(&req);
+    let took = t0.elapsed();
+    assert_eq!(fin["done"], true, "{fin}");
+    let (text, toks) = streamed(&events);
+    let (want_text, want_toks) = reference(PROMPTS[2], &p, None);
+    assert_eq!(toks, want_toks);
+    assert_eq!(text, want_text);
+    assert!(took < Duration::from_secs(8), "took {took:?}");
+    let s = c.stats();
+    assert_eq!(s["drafter_failures"], 1, "{s}");
+}
+
+/// Durations too long for `Instant` (a shutdown grace of `Duration::MAX`, a deadline limit of
+/// `Duration::MAX`) mean no limit: the request completes and the shutdown returns (the
+/// additions panicked on the engine thread and the shutdown waited forever).
+#[test]
+fn unbounded_grace_and_deadline_mean_no_limit() {
+    let mut config = engine_config(vec![]);
+    config.limits.max_deadline = Duration::MAX;
+    let engine = std::sync::Arc::new(arbor_actors::Engine::start(config).expect("engine starts"));
+    let mut req = arbor_actors::Request::prompt(PROMPTS[1]);
+    req.max_tokens = 4;
+    let done = engine
+        .submit(req)
+        .expect("submit")
+        .wait()
+        .expect("completes");
+    assert_eq!(done.usage.completion_tokens, 4);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let e = std::sync::Arc::clone(&engine);
+    std::thread::spawn(move || {
+        e.shutdown(Duration::MAX);
+        let _ = tx.send(());
+    });
+    rx.recv_timeout(Duration::from_secs(60))
+        .expect("shutdown(Duration::MAX) returns");
+}
+
+/// Sets its flag when dropped, a while after being asked to.
+struct SlowDrop(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for SlowDrop {
+    fn drop(&mut self) {
+        std::thread::sleep(Duration::from_millis(300));
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// `Engine::shutdown` returns once the compute threads have dropped their actors (here a
+/// drafter's factory, whose drop takes 300 ms), not while they are still being torn down.
+#[test]
+fn shutdown_returns_after_the_compute_threads_dropped_their_state() {
+    let dropped = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let held = SlowDrop(std::sync::Arc::clone(&dropped));
+    let factory = DrafterFactory::new("slow-drop", move |_: &DraftContext| {
+        let _held = &held;
+        Ok(Box::new(NgramDrafter::new(3, 1, 8, 4).expect("ngram")) as Box<dyn Drafter>)
+    });
+    let engine = arbor_actors::Engine::start(engine_config(vec![factory])).expect("starts");
+    let mut req = arbor_actors::Request::prompt(PROMPTS[0]);
+    req.max_tokens = 4;
+    engine
+        .submit(req)
+        .expect("submit")
+        .wait()
+        .expect("completes");
+    assert!(!dropped.load(std::sync::atomic::Ordering::SeqCst));
+    engine.shutdown(Duration::from_secs(1));
+    assert!(
+        dropped.load(std::sync::atomic::Ordering::SeqCst),
+        "shutdown returned before the drafter thread dropped its factory"
+    );
+}
+
+/// Dropping a request's handle before its final event cancels the request: a waiting one no
+/// longer holds a place in the `max_waiting` queue.
+#[test]
+fn dropping_a_request_handle_cancels_the_request() {
+    let mut config = engine_config(vec![]);
+    config.sched.max_running = 1;
+    config.limits.max_waiting = 1;
+    let engine = arbor_actors::Engine::start(config).expect("engine starts");
+    let mut long = arbor_actors::Request::prompt(PROMPTS[3]);
+    long.max_tokens = 4000;
+    long.ignore_eos = true;
+    let long = engine.submit(long).expect("submit");
+    assert!(matches!(
+        long.recv(),
+        Some(arbor_actors::Event::Tokens { .. })
+    ));
+    // Waits behind `long` (one running request at most), then is dropped.
+    drop(
+        engine
+            .submit(arbor_actors::Request::prompt("a"))
+            .expect("submit"),
+    );
+    let mut b = arbor_actors::Request::prompt("b");
+    b.max_tokens = 2;
+    let b = engine.submit(b).expect("submit");
+    engine.cancel(long.id);
+    let done = b.wait().expect("b is not refused as overloaded");
+    assert_eq!(done.usage.completion_tokens, 2);
+    // `a` and `long` end cancelled (`a` without a place in the queue, as `b` showed).
+    let t0 = std::time::Instant::now();
+    while engine.stats().expect("stats").cancelled < 2 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "a and long not cancelled"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 #[test]
 fn a_failing_drafter_does_not_change_greedy_output() {
     let factory = |panic: bool| {

@@ -40,6 +40,12 @@ pub struct Engine {
     spec: SpecLimits,
     info: EngineInfo,
     thread: Mutex<Option<JoinHandle<()>>>,
+    /// Disconnected once every compute thread (verifier, drafters, merger, tokenizer) has
+    /// dropped its actor: a shutdown returns after that, its memory freed.
+    threads_alive: Mutex<Option<crossbeam_channel::Receiver<()>>>,
+    /// The engine thread's actix system: stopped directly where the Intake cannot stop it
+    /// (it has died), so a shutdown never waits forever on the thread.
+    system: actix::System,
     stopped: Arc<AtomicBool>,
 }
 
@@ -65,6 +71,7 @@ impl Engine {
         };
         let limits = config.limits.clone();
         let (tx, rx) = crossbeam_channel::bounded(1);
+        let (alive_tx, alive_rx) = crossbeam_channel::bounded::<()>(0);
         let stopped = Arc::new(AtomicBool::new(false));
         let stopped_in = Arc::clone(&stopped);
         let intake_limits = limits.clone();
@@ -72,7 +79,12 @@ impl Engine {
             .name("arbor-engine".into())
             .spawn(move || {
                 let sys = actix::System::new();
+                let system = actix::System::current();
                 let started = sys.block_on(async move {
+                    // Each compute thread's factory holds a sender (`held_alive`): all of them
+                    // gone means every thread has dropped its actor (the pool, the drafters'
+                    // models) and its factory.
+                    let alive = || alive_tx.clone();
                     // The block metadata on a thread of its own (bookkeeping only, answered in
                     // microseconds); the Verifier's pool asks it for every block it writes.
                     let kv = KvAllocator::start_in_arbiter(&Arbiter::new().handle(), {
@@ -87,11 +99,14 @@ impl Engine {
                         .as_mut()
                         .map(Verifier::state)
                         .unwrap_or_default();
-                    let verifier = SyncArbiter::start(1, move || {
-                        slot.lock()
-                            .take()
-                            .expect("the verifier is built once (SyncArbiter with one thread)")
-                    });
+                    let verifier = SyncArbiter::start(
+                        1,
+                        held_alive(alive(), move || {
+                            slot.lock()
+                                .take()
+                                .expect("the verifier is built once (SyncArbiter with one thread)")
+                        }),
+                    );
                     let vocab = config.model.config.vocab_size;
                     // One thread per drafter, one for the merger.
                     let drafters = config
@@ -100,13 +115,20 @@ impl Engine {
                         .enumerate()
                         .map(|(i, f)| {
                             let f = f.clone();
-                            SyncArbiter::start(1, move || DrafterActor::new(i, f.clone(), vocab))
+                            SyncArbiter::start(
+                                1,
+                                held_alive(alive(), move || DrafterActor::new(i, f.clone(), vocab)),
+                            )
                         })
                         .collect();
-                    let merger = SyncArbiter::start(1, TreeMerger::default);
+                    let merger = SyncArbiter::start(1, held_alive(alive(), TreeMerger::default));
                     let tokenizer = Arc::clone(&config.tokenizer);
-                    let prompts =
-                        SyncArbiter::start(1, move || PromptTokenizer::new(Arc::clone(&tokenizer)));
+                    let prompts = SyncArbiter::start(
+                        1,
+                        held_alive(alive(), move || {
+                            PromptTokenizer::new(Arc::clone(&tokenizer))
+                        }),
+                    );
                     Ok(Intake::new(
                         verifier,
                         prompts,
@@ -119,7 +141,7 @@ impl Engine {
                     .start())
                 });
                 let failed = started.is_err();
-                let _ = tx.send(started);
+                let _ = tx.send(started.map(|intake| (intake, system)));
                 if failed {
                     actix::System::current().stop();
                 }
@@ -133,8 +155,8 @@ impl Engine {
             .recv()
             .map_err(|_| ServeError::internal("the engine thread stopped at start"))
             .and_then(|started| started);
-        let intake = match intake {
-            Ok(intake) => intake,
+        let (intake, system) = match intake {
+            Ok(started) => started,
             Err(e) => {
                 let _ = thread.join();
                 return Err(e);
@@ -147,6 +169,8 @@ impl Engine {
             spec,
             info,
             thread: Mutex::new(Some(thread)),
+            threads_alive: Mutex::new(Some(alive_rx)),
+            system,
             stopped,
         })
     }
@@ -170,14 +194,22 @@ impl Engine {
     pub fn submit(&self, req: Request) -> Result<RequestHandle> {
         let (tx, rx) = crossbeam_channel::unbounded();
         let id = self.submit_to(self.validate(req)?, EventSink::Blocking(tx))?;
-        Ok(RequestHandle { id, events: rx })
+        Ok(RequestHandle {
+            id,
+            events: rx,
+            owner: self.owner(id),
+        })
     }
 
     /// Submit `req`; its events arrive as an async [`EventStream`].
     pub fn submit_stream(&self, req: Request) -> Result<EventStream> {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let id = self.submit_to(self.validate(req)?, EventSink::Async(tx))?;
-        Ok(EventStream { id, rx })
+        Ok(EventStream {
+            id,
+            rx,
+            owner: self.owner(id),
+        })
     }
 
     /// Submit a validated request to any sink (the TCP server shares one bounded sink per
@@ -192,6 +224,14 @@ impl Engine {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         self.intake.do_send(Submit { id, req, sink });
         Ok(id)
+    }
+
+    fn owner(&self, id: RequestId) -> RequestOwner {
+        RequestOwner {
+            intake: self.intake.clone(),
+            id,
+            ended: AtomicBool::new(false),
+        }
     }
 
     /// End a request: its stream gets a final `Done` with `cancelled` once its KV blocks are
@@ -240,9 +280,26 @@ impl Engine {
                 let _ = tx.send(());
             }),
         });
-        let _ = rx.recv();
+        if rx.recv().is_err() {
+            // The Intake dropped the shutdown without running it: it has stopped (or died) and
+            // will not stop the system.
+            self.system.stop();
+        }
+        self.join_threads();
+    }
+
+    /// Wait for the engine thread, then for the compute threads to drop their actors (at most
+    /// a minute: a drafter stuck in a proposal must not hang the caller).
+    fn join_threads(&self) {
         if let Some(t) = self.thread.lock().take() {
             let _ = t.join();
+        }
+        if let Some(alive) = self.threads_alive.lock().take() {
+            if let Err(crossbeam_channel::RecvTimeoutError::Timeout) =
+                alive.recv_timeout(Duration::from_secs(60))
+            {
+                tracing::warn!("a compute thread did not stop within 60 s of the shutdown");
+            }
         }
     }
 
@@ -255,14 +312,11 @@ impl Engine {
                 let _ = tx.send(());
             }),
         });
-        let _ = rx.await;
+        if rx.await.is_err() {
+            self.system.stop();
+        }
         let me = Arc::clone(&self);
-        let _ = tokio::task::spawn_blocking(move || {
-            if let Some(t) = me.thread.lock().take() {
-                let _ = t.join();
-            }
-        })
-        .await;
+        let _ = tokio::task::spawn_blocking(move || me.join_threads()).await;
     }
 }
 
@@ -274,16 +328,65 @@ impl Drop for Engine {
     }
 }
 
-/// A submitted request's events, for callers without an async runtime.
+/// `factory`, holding `alive` until the factory (and what it captured) has been dropped: a
+/// SyncArbiter thread drops its actor, then its factory, as it ends.
+fn held_alive<A>(
+    alive: crossbeam_channel::Sender<()>,
+    factory: impl Fn() -> A + Send + Sync + 'static,
+) -> impl Fn() -> A + Send + Sync + 'static {
+    // Tuple fields drop in order: the factory first, then the sender. (`&both` captures the
+    // whole tuple; naming its fields would capture them one by one, in no set drop order.)
+    let both = (factory, alive);
+    move || {
+        let (factory, _alive) = &both;
+        factory()
+    }
+}
+
+/// What ties a request to its handle: dropping the handle before the request's final event
+/// cancels it (a waiting request no longer counts toward `max_waiting` nor gets prefilled; a
+/// running one frees its KV blocks).
+struct RequestOwner {
+    intake: Addr<Intake>,
+    id: RequestId,
+    ended: AtomicBool,
+}
+
+impl RequestOwner {
+    fn saw(&self, ev: Option<&Event>) {
+        if matches!(ev, Some(Event::Done(_) | Event::Error { .. }) | None) {
+            self.ended.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for RequestOwner {
+    fn drop(&mut self) {
+        // Unknown and finished ids are ignored (events read from `events` directly are not
+        // seen here).
+        if !self.ended.load(Ordering::Relaxed) {
+            self.intake.do_send(CancelRequest {
+                id: self.id,
+                reason: crate::events::FinishReason::Cancelled,
+            });
+        }
+    }
+}
+
+/// A submitted request's events, for callers without an async runtime. Dropping it before the
+/// final event cancels the request.
 pub struct RequestHandle {
     pub id: RequestId,
     pub events: crossbeam_channel::Receiver<Event>,
+    owner: RequestOwner,
 }
 
 impl RequestHandle {
     /// The next event (`None` after the final one, or if the engine stopped).
     pub fn recv(&self) -> Option<Event> {
-        self.events.recv().ok()
+        let ev = self.events.recv().ok();
+        self.owner.saw(ev.as_ref());
+        ev
     }
 
     /// Read events until the final one: the completion, or the request's error.
@@ -299,15 +402,19 @@ impl RequestHandle {
     }
 }
 
-/// A submitted request's events as an async `Stream`.
+/// A submitted request's events as an async `Stream`. Dropping it before the final event
+/// cancels the request.
 pub struct EventStream {
     pub id: RequestId,
     rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
+    owner: RequestOwner,
 }
 
 impl EventStream {
     pub async fn recv(&mut self) -> Option<Event> {
-        self.rx.recv().await
+        let ev = self.rx.recv().await;
+        self.owner.saw(ev.as_ref());
+        ev
     }
 }
 
@@ -315,6 +422,10 @@ impl futures_core::Stream for EventStream {
     type Item = Event;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Option<Event>> {
-        self.rx.poll_recv(cx)
+        let polled = self.rx.poll_recv(cx);
+        if let Poll::Ready(ev) = &polled {
+            self.owner.saw(ev.as_ref());
+        }
+        polled
     }
 }

@@ -64,7 +64,8 @@ impl Entry {
 }
 
 struct ShutdownState {
-    deadline: Instant,
+    /// `None`: a grace too long to represent, i.e. none (requests run to their end).
+    deadline: Option<Instant>,
     done: Option<Box<dyn FnOnce() + Send>>,
 }
 
@@ -75,6 +76,8 @@ pub struct Intake {
     /// Raised before a message to the Verifier, so it stops running steps back to back.
     interrupt: Arc<AtomicBool>,
     drafters: Vec<Addr<DrafterActor>>,
+    /// Per drafter: a `Draft` it has not answered yet (set while one is in flight).
+    drafter_busy: Vec<Arc<AtomicBool>>,
     merger: Addr<TreeMerger>,
     limits: Limits,
     entries: HashMap<RequestId, Entry>,
@@ -115,6 +118,7 @@ impl Intake {
             verifier,
             tokenizer,
             interrupt,
+            drafter_busy: drafters.iter().map(|_| Arc::default()).collect(),
             drafters,
             merger,
             limits,
@@ -155,6 +159,7 @@ impl Intake {
         // Plan → (drafters → merger →) verify: one chain of messages per step.
         let verifier = self.verifier.clone();
         let drafters = self.drafters.clone();
+        let busy = self.drafter_busy.clone();
         let merger = self.merger.clone();
         let report_to = ctx.address().recipient::<StepDone>();
         let chain = async move {
@@ -171,32 +176,50 @@ impl Intake {
             // The Verifier idles from here until `Verify`: this is what overlapping the next
             // step's drafting with verification could win at most.
             let t_draft = Instant::now();
-            let asks = drafters.iter().map(|d| {
-                tokio::time::timeout(
-                    DRAFT_TIMEOUT,
-                    d.send(Draft {
+            // Only drafters some request of this step uses, and none still busy with an
+            // earlier step it did not answer in time (its reply would be stale; the send
+            // would queue behind it).
+            let asks = (0..drafters.len())
+                .filter(|&i| work.iter().any(|w| w.drafters.contains(&i)))
+                .filter(|&i| !busy[i].swap(true, Ordering::AcqRel))
+                .map(|i| {
+                    let sent = drafters[i].send(Draft {
                         step,
                         work: Arc::clone(&work),
-                    }),
-                )
-            });
+                    });
+                    let busy = Arc::clone(&busy[i]);
+                    // Spawned, so the reply is still awaited (and the drafter marked free)
+                    // after the step stops waiting for it.
+                    let reply = actix::spawn(async move {
+                        let r = sent.await;
+                        busy.store(false, Ordering::Release);
+                        r
+                    });
+                    async move { (i, tokio::time::timeout(DRAFT_TIMEOUT, reply).await) }
+                });
             let mut drafted: Vec<Drafted> = Vec::new();
             let mut lost = Vec::new();
-            for (i, r) in futures_util::future::join_all(asks)
-                .await
-                .into_iter()
-                .enumerate()
-            {
+            let mut dropped = Vec::new();
+            for (i, r) in futures_util::future::join_all(asks).await {
                 match r {
-                    Ok(Ok(mut d)) if d.step == step => {
+                    Ok(Ok(Ok(mut d))) if d.step == step => {
                         for (id, why) in std::mem::take(&mut d.failures) {
                             lost.push((i, format!("request {id}: {why}")));
                         }
                         drafted.push(d)
                     }
-                    Ok(Ok(_)) => lost.push((i, "stale reply".to_string())),
-                    Ok(Err(e)) => lost.push((i, e.to_string())),
-                    Err(_) => lost.push((i, format!("no reply within {DRAFT_TIMEOUT:?}"))),
+                    Ok(Ok(Ok(_))) => lost.push((i, "stale reply".to_string())),
+                    Ok(Ok(Err(e))) => lost.push((i, e.to_string())),
+                    Ok(Err(e)) => lost.push((i, format!("the reply task failed: {e}"))),
+                    Err(_) => {
+                        // Too slow for this step: the step's requests drop it.
+                        dropped.extend(
+                            work.iter()
+                                .filter(|w| w.drafters.contains(&i))
+                                .map(|w| (w.id, i)),
+                        );
+                        lost.push((i, format!("no reply within {DRAFT_TIMEOUT:?}")))
+                    }
                 }
             }
             let merged = merger
@@ -212,6 +235,7 @@ impl Intake {
                 .send(Verify {
                     step,
                     trees: merged.trees,
+                    dropped,
                     report_to,
                 })
                 .await?;
@@ -494,7 +518,10 @@ impl Intake {
 
     fn check_deadlines(&mut self, ctx: &mut Context<Self>) {
         let now = Instant::now();
-        let shutdown_due = self.shutdown.as_ref().is_some_and(|s| now >= s.deadline);
+        let shutdown_due = self
+            .shutdown
+            .as_ref()
+            .is_some_and(|s| s.deadline.is_some_and(|d| now >= d));
         let due: Vec<(RequestId, FinishReason)> = self
             .entries
             .iter()
@@ -637,7 +664,8 @@ impl Handler<Submit> for Intake {
                 submitted: now,
                 admitted: None,
                 first_token: None,
-                deadline: req.deadline.map(|d| now + d),
+                // A deadline past what `Instant` can represent is none (it panicked here).
+                deadline: req.deadline.and_then(|d| now.checked_add(d)),
                 state: EntryState::Active,
                 enqueued: false,
                 cancel_sent: false,
@@ -737,11 +765,17 @@ impl Handler<Shutdown> for Intake {
                     }
                     second();
                 }));
-                s.deadline = s.deadline.min(Instant::now() + msg.grace);
+                let second_deadline = Instant::now().checked_add(msg.grace);
+                s.deadline = match (s.deadline, second_deadline) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
             }
             None => {
                 self.shutdown = Some(ShutdownState {
-                    deadline: Instant::now() + msg.grace,
+                    // A grace past what `Instant` can represent (`Duration::MAX`) is none; the
+                    // addition panicked, and the engine thread with it.
+                    deadline: Instant::now().checked_add(msg.grace),
                     done: Some(msg.done),
                 })
             }

@@ -258,5 +258,8 @@ pub struct Merged {
 pub struct Verify {
     pub step: u64,
     pub trees: Vec<(RequestId, arbor_engine::tree::MaskedTree)>,
+    /// (request, engine drafter) pairs to drop: the drafter did not answer this step in time,
+    /// so the request speculates on without it.
+    pub dropped: Vec<(RequestId, usize)>,
     pub report_to: actix::Recipient<StepDone>,
 }

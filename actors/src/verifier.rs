@@ -438,6 +438,16 @@ impl Handler<Verify> for Verifier {
     type Result = ();
 
     fn handle(&mut self, msg: Verify, _: &mut SyncContext<Self>) {
+        for (id, drafter) in &msg.dropped {
+            if let Some(t) = self.requests.get_mut(id) {
+                if let Some((drafters, ..)) = t.spec.as_mut() {
+                    drafters.retain(|d| d != drafter);
+                    if drafters.is_empty() {
+                        t.spec = None;
+                    }
+                }
+            }
+        }
         let report_to = msg.report_to.clone();
         let report = match self.planned.take() {
             Some((step, planned, started)) if step == msg.step => {

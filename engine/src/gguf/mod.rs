@@ -301,6 +301,7 @@ impl GgufFile {
                     n_bytes: n_bytes as usize,
                 });
             }
+            reject_overlaps(&tensors)?;
             (version, metadata, tensors)
         };
         let mut by_name = HashMap::with_capacity(tensors.len());
@@ -391,6 +392,25 @@ impl GgufFile {
     pub fn file_len(&self) -> usize {
         self.storage.bytes().len()
     }
+}
+
+/// Two tensors whose data ranges overlap are an error: each weight matrix is rewritten in place
+/// (packed) and read with its own shape, so shared bytes would be read as another layout.
+fn reject_overlaps(tensors: &[TensorInfo]) -> Result<()> {
+    let mut ranges: Vec<(usize, usize, &str)> = tensors
+        .iter()
+        .map(|t| (t.offset, t.offset + t.n_bytes, t.name.as_str()))
+        .collect();
+    ranges.sort_unstable();
+    for w in ranges.windows(2) {
+        let ((_, a_end, a), (b_start, _, b)) = (w[0], w[1]);
+        if b_start < a_end {
+            return Err(EngineError::Gguf(format!(
+                "tensors '{a}' and '{b}' share data bytes"
+            )));
+        }
+    }
+    Ok(())
 }
 
 fn align_up(v: u64, a: u64) -> Option<u64> {

@@ -114,3 +114,29 @@ fn unknown_tensor_type_is_reported() {
     let e = GgufFile::from_bytes(bytes).unwrap_err();
     assert_eq!(e.error_type(), "unsupported_tensor_type");
 }
+
+/// A file whose tensors share data bytes is refused: packing rewrites each matrix in place and
+/// kernels read it with its own shape, so an 8-row matrix aliased onto a 16-row one would be
+/// read (and written) as the wider layout.
+#[test]
+fn overlapping_tensor_data_is_an_error() {
+    let bytes = sample();
+    // Tensor info of "v": name (len 1, "v"), 1 dim, dims [3], type F32 (0), offset 32.
+    let mut info = Vec::new();
+    info.extend_from_slice(&1u64.to_le_bytes());
+    info.extend_from_slice(b"v");
+    info.extend_from_slice(&1u32.to_le_bytes());
+    info.extend_from_slice(&3u64.to_le_bytes());
+    info.extend_from_slice(&0u32.to_le_bytes());
+    let at = bytes
+        .windows(info.len())
+        .position(|w| w == info.as_slice())
+        .expect("tensor info of v")
+        + info.len();
+    assert_eq!(bytes[at..at + 8], 32u64.to_le_bytes());
+    assert!(GgufFile::from_bytes(bytes.clone()).is_ok());
+    let mut aliased = bytes;
+    aliased[at..at + 8].copy_from_slice(&0u64.to_le_bytes());
+    let err = GgufFile::from_bytes(aliased).expect_err("aliased tensors parse");
+    assert!(err.to_string().contains("share data"), "{err}");
+}

@@ -80,9 +80,18 @@ impl ModelConfig {
                 .map(|a| a.len())
                 .ok_or_else(|| EngineError::MissingTensor("vocabulary size".into()))?,
         };
+        // Each layer has at least nine tensors (two norms, four attention and three FFN
+        // matrices): a larger count is corrupt metadata, not a model to allocate for.
+        let n_layers = req("block_count")?;
+        if n_layers == 0 || n_layers > g.tensors().len() / 9 {
+            return Err(EngineError::Gguf(format!(
+                "block_count {n_layers} does not match the file's {} tensors",
+                g.tensors().len()
+            )));
+        }
         Ok(ModelConfig {
             arch,
-            n_layers: req("block_count")?,
+            n_layers,
             n_embd,
             n_ff: req("feed_forward_length")?,
             n_head,

@@ -549,3 +549,30 @@ fn packed_model_bit_identical_to_natural() {
         assert_eq!(run(&packed), run(&natural), "{spec:?}");
     }
 }
+
+/// A `block_count` no file of this size could hold is an error, not an allocation of billions
+/// of layers (which aborted the process).
+#[test]
+fn an_implausible_block_count_is_an_error() {
+    let spec = specs()[0].clone();
+    let bytes = crate::testing::tiny_model_gguf(&spec, 1).unwrap();
+    let mut key = Vec::new();
+    key.extend_from_slice(&("llama.block_count".len() as u64).to_le_bytes());
+    key.extend_from_slice(b"llama.block_count");
+    key.extend_from_slice(&4u32.to_le_bytes()); // U32
+    let at = bytes
+        .windows(key.len())
+        .position(|w| w == key.as_slice())
+        .expect("block_count entry")
+        + key.len();
+    assert_eq!(bytes[at..at + 4], (spec.n_layers as u32).to_le_bytes());
+    assert!(Model::from_gguf(crate::gguf::GgufFile::from_bytes(bytes.clone()).unwrap()).is_ok());
+    for n in [0u32, u32::MAX] {
+        let mut bad = bytes.clone();
+        bad[at..at + 4].copy_from_slice(&n.to_le_bytes());
+        let Err(err) = Model::from_gguf(crate::gguf::GgufFile::from_bytes(bad).unwrap()) else {
+            panic!("block_count {n} loaded");
+        };
+        assert!(err.to_string().contains("block_count"), "{n}: {err}");
+    }
+}

@@ -755,6 +755,12 @@ fn check_shapes_len(w: &QMatrix, x: &[f32], n_tok: usize, y_len: usize) -> Resul
             w.ty, w.n_in
         ))
     })?;
+    if w.packed && !packed::packable(w.ty, w.n_out, w.n_in) {
+        return Err(EngineError::Shape(format!(
+            "{} matrix {}x{} is marked packed but cannot be packed",
+            w.ty, w.n_out, w.n_in
+        )));
+    }
     if rb.checked_mul(w.n_out) != Some(w.data.len()) {
         return Err(EngineError::Shape(format!(
             "{} matrix {}x{}: data is {} bytes",

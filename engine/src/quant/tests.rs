@@ -1353,3 +1353,25 @@ fn natural_rows_timing() {
         }
     }
 }
+
+/// A matrix marked packed that has no whole 16-row slices is refused before any kernel runs
+/// (the packed kernels read and write 16 rows per slice).
+#[test]
+fn a_matrix_marked_packed_without_whole_slices_is_an_error() {
+    let mut rng = StdRng::seed_from_u64(41);
+    let (n_out, n_in) = (8usize, 256usize);
+    let data = random_matrix(&mut rng, GgmlType::Q4_K, n_out, n_in, true);
+    let w = QMatrix {
+        packed: true,
+        ..QMatrix::new(GgmlType::Q4_K, &data, n_out, n_in).unwrap()
+    };
+    let x = activations(&mut rng, 2, n_in);
+    let mut y = vec![0f32; 2 * n_out];
+    for level in levels() {
+        let err = matmul_with(level, &w, &x, 2, &mut y).expect_err("8-row packed matrix ran");
+        assert!(
+            err.to_string().contains("marked packed"),
+            "{level:?}: {err}"
+        );
+    }
+}

@@ -209,9 +209,13 @@ fn unicode_to_bytes_table(map: &[char; 256]) -> [Option<u8>; 324] {
     inv
 }
 
-/// llama.cpp `llama_decode_text`: byte-level text → raw bytes.
+/// llama.cpp `llama_decode_text`: byte-level text → raw bytes. A char outside the byte map
+/// becomes `[UNK_BYTE_0x<hex>` + the token's text + `]` like llama.cpp's, except that the text
+/// is appended for the first such char only (llama.cpp repeats it for each, which makes a long
+/// token of unmapped chars cost memory quadratic in its length).
 fn decode_byte_level(text: &str, inv: &[Option<u8>; 324]) -> Vec<u8> {
     let mut out = Vec::with_capacity(text.len());
+    let mut text_shown = false;
     for c in text.chars() {
         match inv.get(c as usize).copied().flatten() {
             Some(b) => out.push(b),
@@ -221,7 +225,10 @@ fn decode_byte_level(text: &str, inv: &[Option<u8>; 324]) -> Vec<u8> {
                 for b in c.encode_utf8(&mut buf).bytes() {
                     out.extend_from_slice(format!("{b:02x}").as_bytes());
                 }
-                out.extend_from_slice(text.as_bytes());
+                if !text_shown {
+                    out.extend_from_slice(text.as_bytes());
+                    text_shown = true;
+                }
                 out.push(b']');
             }
         }

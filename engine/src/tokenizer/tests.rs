@@ -103,6 +103,13 @@ fn byte_map_round_trip() {
         decode_byte_level("€", &inv),
         b"[UNK_BYTE_0xe282ac\xe2\x82\xac]".to_vec()
     );
+    // ... with the token's text once, not once per unmapped char (quadratic in its length)
+    assert_eq!(
+        decode_byte_level("€a€", &inv),
+        b"[UNK_BYTE_0xe282ac\xe2\x82\xaca\xe2\x82\xac]a[UNK_BYTE_0xe282ac]".to_vec()
+    );
+    let long = "\u{4e2d}".repeat(2000);
+    assert!(decode_byte_level(&long, &inv).len() < 30 * long.len());
 }
 
 #[test]
