@@ -385,6 +385,19 @@ fn hostile_lines() -> Vec<(Vec<u8>, &'static str)> {
         (l(r#"{"cancel": "never-sent"}"#), "unknown_id"),
         (l(r#"{"cancel": {"x": 1}}"#), "invalid_type"),
         (l(r#"{"auth": 5}"#), "invalid_type"),
+        (
+            l(r#"{"id": "e1", "prompt": "hi", "max_tokens": 1.5}"#),
+            "invalid_type",
+        ),
+        (
+            l(r#"{"id": "e2", "prompt": "hi", "seed": -3}"#),
+            "invalid_argument",
+        ),
+        (
+            l(r#"{"id": 18446744073709551616, "prompt": "hi"}"#),
+            "invalid_argument",
+        ),
+        (l(r#"{"id": 1.5, "prompt": "hi"}"#), "invalid_type"),
         (vec![b'a'; 5000], "line_too_long"),
         (
             l(&format!(
@@ -854,6 +867,13 @@ fn auth_is_required_when_configured() {
     assert_eq!(c.recv()["auth"], "ok");
     let (_, fin) = c.run(&json!({"id": 2, "prompt": "hi", "max_tokens": 2}));
     assert_eq!(fin["done"], true, "{fin}");
+    // Once authenticated, a token is still checked, and the connection stays authenticated.
+    c.send(&json!({"auth": "wrong"}));
+    assert_eq!(code(&c.recv()), "unauthorized");
+    c.send(&json!({"auth": "s3cret"}));
+    assert_eq!(c.recv()["auth"], "ok");
+    c.send(&json!({"health": true}));
+    assert_eq!(c.recv()["health"], "ok");
     // Each connection authenticates for itself.
     let mut c2 = server.client();
     c2.send(&json!({"stats": true}));
@@ -863,6 +883,95 @@ fn auth_is_required_when_configured() {
     let mut c3 = open.client();
     let (_, fin) = c3.run(&json!({"id": 3, "prompt": "hi", "max_tokens": 2}));
     assert_eq!(fin["done"], true);
+    c3.send(&json!({"auth": "anything"}));
+    assert_eq!(c3.recv()["auth"], "not_required");
+}
+
+/// An integer field written as a float without a fractional part (`2.0`, as some JSON encoders
+/// write numbers) is that integer.
+#[test]
+fn integral_floats_are_integers() {
+    let server = TestServer::plain();
+    let mut c = server.client();
+    let (events, fin) = c.run(&json!({"id": 1, "prompt": "hi", "max_tokens": 2.0, "seed": 7.0}));
+    assert_eq!(fin["done"], true, "{fin}");
+    assert_eq!(fin["usage"]["completion_tokens"], 2, "{fin}");
+    assert_eq!(streamed(&events).1.len(), 2);
+}
+
+/// A client that pipelines thousands of lines in one go and reads the replies as they come is
+/// answered line by line (its replies wait for room in its outgoing queue), not cut off as a
+/// client that stopped reading.
+#[test]
+fn a_pipelined_burst_of_lines_is_answered_in_full() {
+    let server = TestServer::start(
+        engine_config(vec![]),
+        ServerConfig {
+            out_queue_lines: 64,
+            ..ServerConfig::default()
+        },
+    );
+    let mut c = server.client();
+    let burst: String = (0..3000).map(|_| "{\"health\": true}\n").collect();
+    let mut w = c.w.try_clone().expect("clone");
+    let writer = std::thread::spawn(move || {
+        use std::io::Write;
+        w.write_all(burst.as_bytes()).expect("write the burst");
+    });
+    for i in 0..3000 {
+        let v = c.recv();
+        assert_eq!(v["health"], "ok", "reply {i}: {v}");
+    }
+    writer.join().expect("writer");
+    let (_, fin) = c.run(&json!({"id": 1, "prompt": "hi", "max_tokens": 2}));
+    assert_eq!(fin["done"], true, "{fin}");
+    let s = c.stats();
+    assert_eq!(s["slow_reader_connections"], 0, "{s}");
+}
+
+/// A peer that never reads the lines written to it (a zero receive window) is closed a few
+/// seconds after its session ends, its unsent lines dropped: the connection's writer does not
+/// outlive it holding the socket.
+#[test]
+fn a_peer_that_never_reads_its_last_lines_is_closed() {
+    use std::io::{BufRead, Write};
+    let server = TestServer::start(
+        engine_config(vec![]),
+        ServerConfig {
+            auth_token: Some("t".into()),
+            auth_timeout: Duration::from_millis(300),
+            send_buffer_bytes: Some(4096),
+            ..ServerConfig::default()
+        },
+    );
+    let sock =
+        socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
+    sock.set_recv_buffer_size(4096).expect("rcvbuf");
+    sock.connect(&server.addr.into()).expect("connect");
+    let mut tcp: std::net::TcpStream = sock.into();
+    // 2000 lines, each answered `unauthorized` in ~360 bytes: ~700 kB the peer never reads.
+    let line = format!("{{\"cancel\": \"{}\"}}\n", "x".repeat(250));
+    for _ in 0..2000 {
+        tcp.write_all(line.as_bytes()).expect("write");
+    }
+    // The auth timeout ends the session; its writer gets 5 s to finish, then is aborted.
+    std::thread::sleep(Duration::from_secs(7));
+    tcp.set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("timeout");
+    let mut r = std::io::BufReader::new(tcp);
+    let (mut n, mut buf) = (0usize, String::new());
+    loop {
+        buf.clear();
+        match r.read_line(&mut buf) {
+            Ok(0) => break,
+            Ok(_) => n += 1,
+            Err(e) => panic!("no end of stream after {n} lines: {e}"),
+        }
+    }
+    assert!(
+        n < 1000,
+        "{n} lines arrived: the writer outlived its session"
+    );
 }
 
 #[test]

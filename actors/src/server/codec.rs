@@ -58,8 +58,13 @@ impl Decoder for LineCodec {
                     }
                 }
             }
+            // A trailing `\r` is not part of the line: `max` bytes and `\r\n` fit.
+            let max = self.max;
+            let over = |len: usize, last: Option<&u8>| {
+                len > max && !(len == max + 1 && last == Some(&b'\r'))
+            };
             match nl {
-                Some(i) if i > self.max => {
+                Some(i) if over(i, i.checked_sub(1).and_then(|j| buf.get(j))) => {
                     // Over the limit even though its end is here: drop it.
                     buf.advance(i + 1);
                     self.scanned = 0;
@@ -74,7 +79,7 @@ impl Decoder for LineCodec {
                     self.scanned = 0;
                     return Ok(Some(Frame::Line(line)));
                 }
-                None if buf.len() > self.max => {
+                None if over(buf.len(), buf.last()) => {
                     self.discarding = Some(0);
                     continue;
                 }
@@ -152,6 +157,22 @@ mod tests {
         // A line of exactly the limit passes.
         let mut c = LineCodec::new(4);
         assert_eq!(frames(&mut c, &[b"1234\n"]), vec![line("1234")]);
+    }
+
+    /// `max` bytes followed by `\r\n` is a line of `max` bytes, whole or split before the `\n`.
+    #[test]
+    fn a_line_of_the_limit_with_crlf_fits() {
+        let mut c = LineCodec::new(4);
+        let f = frames(&mut c, &[b"abcd\r\nabcd\r", b"\nabcde\r\nok\n"]);
+        assert_eq!(
+            f,
+            vec![
+                Frame::Line(BytesMut::from(&b"abcd"[..])),
+                Frame::Line(BytesMut::from(&b"abcd"[..])),
+                Frame::TooLong { bytes: 6 },
+                Frame::Line(BytesMut::from(&b"ok"[..])),
+            ]
+        );
     }
 
     #[test]

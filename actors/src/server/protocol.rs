@@ -135,6 +135,16 @@ fn check_id(v: &Value) -> Result<Value, ServeError> {
             format!("an id has at most {MAX_ID_BYTES} bytes"),
         )),
         Value::Number(n) if n.is_i64() || n.is_u64() => Ok(v.clone()),
+        // An integer JSON cannot hold in 64 bits (read as a float): the right type, too large.
+        Value::Number(n)
+            if n.as_f64()
+                .is_some_and(|f| f.is_finite() && f.fract() == 0.0) =>
+        {
+            Err(err(
+                codes::INVALID_ARGUMENT,
+                "an integer id must fit in 64 bits",
+            ))
+        }
         _ => Err(err(
             codes::INVALID_TYPE,
             "'id' must be a string or an integer",
@@ -160,14 +170,28 @@ fn wrong_type(field: &str, want: &str, v: &Value) -> ServeError {
     )
 }
 
+/// An integer field: a number with a fractional part is the wrong type (`invalid_type`), one
+/// written as a float without one (`100.0`, as some encoders write integers) is that integer,
+/// and one outside 0..=`max` is out of range (`invalid_argument`).
 fn uint(field: &str, v: &Value, max: u64) -> Result<u64, ServeError> {
+    let out_of_range = |n: &serde_json::Number| {
+        err(
+            codes::INVALID_ARGUMENT,
+            format!("'{field}' must be an integer from 0 to {max}, got {n}"),
+        )
+    };
     match v {
-        Value::Number(n) => match n.as_u64() {
-            Some(x) if x <= max => Ok(x),
-            _ => Err(err(
-                codes::INVALID_ARGUMENT,
-                format!("'{field}' must be an integer from 0 to {max}, got {n}"),
-            )),
+        Value::Number(n) => match (n.as_u64(), n.as_f64()) {
+            (Some(x), _) if x <= max => Ok(x),
+            (Some(_), _) => Err(out_of_range(n)),
+            (None, Some(f)) if n.is_f64() && f.fract() != 0.0 => {
+                Err(wrong_type(field, "an integer", v))
+            }
+            // Integral floats are exact up to 2^53; `as` saturates beyond.
+            (None, Some(f)) if n.is_f64() && f >= 0.0 && f <= max as f64 && f < 9.0e15 => {
+                Ok(f as u64)
+            }
+            _ => Err(out_of_range(n)),
         },
         _ => Err(wrong_type(field, "an integer", v)),
     }

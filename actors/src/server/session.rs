@@ -53,6 +53,10 @@ enum End {
 /// non-streaming request runs is found out and its request cancelled well before its deadline.
 const KEEPALIVE: Duration = Duration::from_secs(60);
 
+/// How long a reply to a client's line waits for room in a full outgoing queue before the
+/// client counts as not reading.
+const REPLY_WAIT: Duration = Duration::from_secs(10);
+
 impl Session {
     pub(super) fn new(
         engine: Arc<Engine>,
@@ -88,7 +92,7 @@ impl Session {
         let (rd, wr) = stream.into_split();
         let (out_tx, out_rx) = mpsc::channel::<String>(self.config.out_queue_lines.max(1));
         let write_failed = Arc::new(AtomicBool::new(false));
-        let writer = tokio::spawn(write_lines(wr, out_rx, Arc::clone(&write_failed)));
+        let mut writer = tokio::spawn(write_lines(wr, out_rx, Arc::clone(&write_failed)));
         let (ev_tx, mut ev_rx) = mpsc::channel::<Event>(self.config.event_queue.max(1));
         let overflowed = Arc::new(AtomicBool::new(false));
         let sink = EventSink::Bounded {
@@ -121,9 +125,14 @@ impl Session {
                     Some(Ok(frame)) => {
                         last_line = tokio::time::Instant::now();
                         let reply = self.on_frame(frame, &sink).await;
+                        // Replies to the client's own lines wait for room in the queue (a
+                        // burst of pipelined lines is read as fast as the client takes the
+                        // answers); only a client that takes none for `REPLY_WAIT` is slow.
                         for line in reply {
-                            if out_tx.try_send(line).is_err() {
+                            let sent = tokio::time::timeout(REPLY_WAIT, out_tx.send(line)).await;
+                            if !matches!(sent, Ok(Ok(()))) {
                                 overflowed.store(true, Ordering::Relaxed);
+                                break;
                             }
                         }
                     }
@@ -164,8 +173,13 @@ impl Session {
         drop(out_tx);
         if end == End::SlowReader || end == End::WriteFailed {
             writer.abort();
-        } else {
-            let _ = tokio::time::timeout(Duration::from_secs(5), writer).await;
+        } else if tokio::time::timeout(Duration::from_secs(5), &mut writer)
+            .await
+            .is_err()
+        {
+            // A peer that does not read its last lines: dropping the handle would leave the
+            // task (and the socket) behind.
+            writer.abort();
         }
         self.counters.connections.fetch_sub(1, Ordering::Relaxed);
         tracing::debug!(?end, "disconnected");
@@ -268,7 +282,18 @@ impl Session {
             };
         }
         match line {
-            ClientLine::Auth(_) => vec![r#"{"auth":"ok"}"#.to_string()],
+            // Already authenticated: the token is still checked (a client asking whether its
+            // token is good is not told so when it is not); a server without a token says so.
+            ClientLine::Auth(t) => match self.config.auth_token.as_deref() {
+                None => vec![r#"{"auth":"not_required"}"#.to_string()],
+                Some(want) if bool::from(t.as_bytes().ct_eq(want.as_bytes())) => {
+                    vec![r#"{"auth":"ok"}"#.to_string()]
+                }
+                Some(_) => vec![protocol::error_line(
+                    None,
+                    &ServeError::new(codes::UNAUTHORIZED, "wrong auth token"),
+                )],
+            },
             ClientLine::Health => vec![protocol::health_line(self.engine.info())],
             ClientLine::Stats => {
                 let conns = self.counters.connections.load(Ordering::Relaxed);

@@ -11,6 +11,11 @@ const DEFAULT_ALIGNMENT: u64 = 32;
 /// Arrays nested deeper than this are rejected (the format allows nesting; real files use depth 1).
 const MAX_ARRAY_DEPTH: usize = 4;
 const MAX_DIMS: usize = 4;
+/// Most metadata values (array elements included) a file may hold: a vocabulary of 150 k
+/// tokens with its merges and types is under 0.5 M. Each value takes 32 bytes parsed against as
+/// little as one in the file, so a count bound by the file's size alone could ask for 32 times
+/// the file in memory.
+const MAX_META_VALUES: usize = 1 << 24;
 
 /// One metadata value.
 #[derive(Debug, Clone, PartialEq)]
@@ -202,6 +207,7 @@ impl GgufFile {
             let mut r = Reader {
                 buf: storage.bytes(),
                 pos: 0,
+                values: 0,
             };
             let magic = r.take(4)?;
             if magic != GGUF_MAGIC {
@@ -420,6 +426,8 @@ fn align_up(v: u64, a: u64) -> Option<u64> {
 struct Reader<'a> {
     buf: &'a [u8],
     pos: usize,
+    /// Metadata values parsed so far (at most [`MAX_META_VALUES`]).
+    values: usize,
 }
 
 impl<'a> Reader<'a> {
@@ -468,6 +476,12 @@ impl<'a> Reader<'a> {
     }
 
     fn value(&mut self, ty: u32, depth: usize) -> Result<MetaValue> {
+        self.values += 1;
+        if self.values > MAX_META_VALUES {
+            return Err(EngineError::Gguf(format!(
+                "more than {MAX_META_VALUES} metadata values"
+            )));
+        }
         Ok(match ty {
             0 => MetaValue::U8(self.arr::<1>()?[0]),
             1 => MetaValue::I8(self.arr::<1>()?[0] as i8),

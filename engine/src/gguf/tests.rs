@@ -140,3 +140,30 @@ fn overlapping_tensor_data_is_an_error() {
     let err = GgufFile::from_bytes(aliased).expect_err("aliased tensors parse");
     assert!(err.to_string().contains("share data"), "{err}");
 }
+
+/// A metadata array of more values than any model has is refused before it is parsed into
+/// 32-byte values (a 17 MB array of bytes would take ~0.5 GB).
+#[test]
+fn too_many_metadata_values_is_an_error() {
+    let image = |n: u64| {
+        let mut b = Vec::new();
+        b.extend_from_slice(b"GGUF");
+        b.extend_from_slice(&3u32.to_le_bytes());
+        b.extend_from_slice(&0u64.to_le_bytes()); // tensors
+        b.extend_from_slice(&1u64.to_le_bytes()); // metadata entries
+        b.extend_from_slice(&3u64.to_le_bytes());
+        b.extend_from_slice(b"big");
+        b.extend_from_slice(&9u32.to_le_bytes()); // array
+        b.extend_from_slice(&0u32.to_le_bytes()); // of u8
+        b.extend_from_slice(&n.to_le_bytes());
+        b.resize(b.len() + n as usize, 7);
+        b
+    };
+    let ok = GgufFile::from_bytes(image(1000)).expect("a small array parses");
+    assert_eq!(
+        ok.get("big").and_then(|v| v.as_array()).map(|a| a.len()),
+        Some(1000)
+    );
+    let err = GgufFile::from_bytes(image((1 << 24) + 1)).expect_err("17 M values parsed");
+    assert!(err.to_string().contains("metadata values"), "{err}");
+}
