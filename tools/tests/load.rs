@@ -535,6 +535,38 @@ fn out_of_range_numbers_are_refused_naming_the_flag_not_a_panic() {
     assert_eq!(e.error_type(), "invalid_argument");
 }
 
+/// `--slo auto` calibrates with requests of its own: a bad number elsewhere is refused before
+/// any of them is sent.
+#[test]
+fn bad_numbers_are_refused_before_an_slo_calibration_sends_anything() {
+    let server = InstantServer::start(1).expect("instant server");
+    let target = format!("arbor://{}", server.addr);
+    let cases: &[(&[&str], &str)] = &[
+        (&["--rate", "0", "--requests", "2"], "--rate"),
+        (&["--concurrency", "0"], "--concurrency"),
+        (&["--duration", "NaN"], "--duration"),
+        (&["sweep", "--rates", "1,0", "--requests", "2"], "--rates"),
+        (
+            &["sweep", "--rates", "1", "--cooldown", "NaN"],
+            "--cooldown",
+        ),
+    ];
+    for (args, flag) in cases {
+        let mut all = vec!["load"];
+        all.extend_from_slice(args);
+        all.extend_from_slice(&["--slo", "auto", "--target", &target, "--quiet"]);
+        let out = common::arbor(&all);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} ran");
+        assert!(stderr.contains(flag), "{args:?}: {stderr}");
+        assert_eq!(
+            server.connections(),
+            0,
+            "{args:?}: calibration requests were sent"
+        );
+    }
+}
+
 #[test]
 fn a_plot_that_cannot_be_drawn_is_a_warning_after_the_results_are_written() {
     let server = InstantServer::start(1).expect("instant server");
@@ -968,4 +1000,72 @@ fn ctrl_c_ends_a_sweep_and_keeps_what_ran() {
     assert_eq!(s.runs.len(), 1, "{stderr}");
     assert!(s.runs[0].counts.completed > 0);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A closed loop against a server that accepts and never answers: the duration ends sending
+/// and the drain cancels the requests, although none ever finishes (the run waited for a
+/// completion before it looked at the clock).
+#[test]
+fn a_closed_loop_ends_at_its_duration_against_a_silent_server() {
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = silent.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for s in silent.incoming().flatten() {
+            held.push(s); // read nothing, write nothing
+        }
+    });
+    let mut o = LoadOptions::new(&format!("arbor://{addr}"));
+    o.arrivals = Arrivals::Closed { concurrency: 2 };
+    o.requests = None;
+    o.duration_s = Some(1.0);
+    o.drain_s = 0.0;
+    o.max_tokens = 4;
+    let t0 = Instant::now();
+    let r = rt()
+        .block_on(async { tokio::time::timeout(Duration::from_secs(30), run(&o, None)).await })
+        .expect("the run ends")
+        .expect("run");
+    assert!(t0.elapsed() < Duration::from_secs(15), "{:?}", t0.elapsed());
+    check_accounting(&r);
+    assert_eq!(r.counts.sent, 2, "{:?}", r.counts);
+    assert_eq!(r.counts.cancelled, 2, "{:?}", r.counts);
+}
+
+/// A target whose accept queue is full (connection attempts go unanswered): the run's end
+/// cancels the requests waiting to connect instead of waiting out the kernel's retries.
+#[test]
+fn a_target_that_never_accepts_does_not_outlast_the_run() {
+    let full = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = full.local_addr().unwrap();
+    // Fill the accept queue (never accepted) until a connection attempt goes unanswered.
+    let mut queued = Vec::new();
+    let filled = (0..2000).any(|_| {
+        match std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(300)) {
+            Ok(s) => {
+                queued.push(s);
+                false
+            }
+            Err(_) => true,
+        }
+    });
+    if !filled {
+        eprintln!("SKIP: this kernel answered 2000 connections to a listener that never accepts");
+        return;
+    }
+    let mut o = LoadOptions::new(&format!("arbor://{addr}"));
+    o.arrivals = Arrivals::Closed { concurrency: 2 };
+    o.requests = None;
+    o.duration_s = Some(1.0);
+    o.drain_s = 0.5;
+    o.max_tokens = 4;
+    let t0 = Instant::now();
+    let r = rt()
+        .block_on(async { tokio::time::timeout(Duration::from_secs(60), run(&o, None)).await })
+        .expect("the run ends")
+        .expect("run");
+    assert!(t0.elapsed() < Duration::from_secs(8), "{:?}", t0.elapsed());
+    check_accounting(&r);
+    assert_eq!(r.counts.cancelled, r.counts.sent, "{:?}", r.counts);
+    drop((full, queued));
 }

@@ -756,6 +756,9 @@ fn cmd_serve(a: ServeArgs) -> Result<()> {
         serve::at_least_one("max-requests-per-connection", a.max_requests_per_connection)?;
     let max_line_bytes = serve::at_least_one("max-line-bytes", a.max_line_bytes)?;
     let max_connections = serve::at_least_one("max-connections", a.max_connections)?;
+    let kv_memory = parse_bytes(&a.kv_memory).context("--kv-memory")?;
+    let max_waiting = serve::at_least_one("max-waiting", a.max_waiting)?;
+    let max_tokens = serve::at_least_one("max-tokens", a.max_tokens)?;
     let auth_token = a
         .auth_token
         .clone()
@@ -767,12 +770,12 @@ fn cmd_serve(a: ServeArgs) -> Result<()> {
         device: a.model.device,
         drafters: a.draft.clone(),
         listen: a.listen.clone(),
-        kv_memory: parse_bytes(&a.kv_memory)?,
+        kv_memory,
         auth_token,
         limits: arbor_actors::Limits {
-            max_waiting: a.max_waiting,
+            max_waiting,
             max_prompt_tokens: a.max_prompt_tokens,
-            max_tokens: a.max_tokens,
+            max_tokens,
             max_deadline,
             ..Default::default()
         },

@@ -305,6 +305,8 @@ fn plots(dir: &Path, draw: impl FnOnce() -> Result<Vec<PathBuf>, super::LoadErro
 fn one_run(args: &LoadArgs) -> Result<()> {
     let opts = args.options()?;
     let spec = SloSpec::parse(args.slo.as_deref())?;
+    // Before `--slo auto` sends its calibration requests.
+    opts.check()?;
     let rt = runtime()?;
     let result = rt.block_on(async {
         super::interrupt::watch();
@@ -340,6 +342,8 @@ fn one_sweep(args: &LoadArgs, rates: &[f64], cooldown: f64) -> Result<()> {
     }
     let opts = args.options()?;
     let spec = SloSpec::parse(args.slo.as_deref())?;
+    // Before `--slo auto` sends its calibration requests.
+    super::sweep_plan(&opts, rates, cooldown)?;
     let rt = runtime()?;
     let mut runs: Vec<RunResult> = Vec::new();
     let mut slo = None;

@@ -11,6 +11,7 @@ use tokio::sync::oneshot;
 /// A background instant server on its own thread; stops on drop.
 pub struct InstantServer {
     pub addr: SocketAddr,
+    accepted: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     stop: Option<oneshot::Sender<()>>,
     thread: Option<JoinHandle<()>>,
 }
@@ -32,6 +33,8 @@ impl InstantServer {
         std_listener.set_nonblocking(true)?;
         let addr = std_listener.local_addr()?;
         let (tx, mut rx) = oneshot::channel::<()>();
+        let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = std::sync::Arc::clone(&accepted);
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
@@ -47,6 +50,7 @@ impl InstantServer {
                             _ = &mut rx => break,
                             c = listener.accept() => {
                                 if let Ok((sock, _)) = c {
+                                    counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                                     if openai {
                                         tokio::spawn(http_connection(sock));
                                     } else {
@@ -60,9 +64,17 @@ impl InstantServer {
             })?;
         Ok(InstantServer {
             addr,
+            accepted,
             stop: Some(tx),
             thread: Some(thread),
         })
+    }
+}
+
+impl InstantServer {
+    /// Connections accepted so far.
+    pub fn connections(&self) -> usize {
+        self.accepted.load(std::sync::atomic::Ordering::Relaxed)
     }
 }
 

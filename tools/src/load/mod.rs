@@ -201,16 +201,13 @@ pub async fn sweep(
     Ok(SweepResult::new(opts, slo, runs))
 }
 
-/// `sweep`, pushing each run onto `runs` as it ends: when a later rate fails, the runs done
-/// are still there (`SweepResult::new` makes a partial sweep of them).
-pub async fn sweep_into(
+/// The runs of a sweep over `rates`, each checked, and the cooldown between them: every number
+/// is checked before anything is sent (an SLO calibration included).
+pub fn sweep_plan(
     opts: &LoadOptions,
     rates: &[f64],
-    slo: Option<Slo>,
     cooldown_s: f64,
-    runs: &mut Vec<RunResult>,
-    mut on_run: impl FnMut(&RunResult),
-) -> Result<(), LoadError> {
+) -> Result<(Vec<LoadOptions>, std::time::Duration), LoadError> {
     if rates.is_empty() {
         return Err(LoadError::Invalid("--rates needs at least one rate".into()));
     }
@@ -229,6 +226,20 @@ pub async fn sweep_into(
     }
     let cooldown = std::time::Duration::try_from_secs_f64(cooldown_s)
         .map_err(|e| LoadError::Invalid(format!("--cooldown: {e}")))?;
+    Ok((each, cooldown))
+}
+
+/// `sweep`, pushing each run onto `runs` as it ends: when a later rate fails, the runs done
+/// are still there (`SweepResult::new` makes a partial sweep of them).
+pub async fn sweep_into(
+    opts: &LoadOptions,
+    rates: &[f64],
+    slo: Option<Slo>,
+    cooldown_s: f64,
+    runs: &mut Vec<RunResult>,
+    mut on_run: impl FnMut(&RunResult),
+) -> Result<(), LoadError> {
+    let (each, cooldown) = sweep_plan(opts, rates, cooldown_s)?;
     // Ctrl-C ends the rate that runs (it drains as a single run does) and the sweep with it.
     let presses = interrupt::presses();
     for (k, o) in each.iter().enumerate() {

@@ -136,9 +136,13 @@ fn document(i: usize, tokens: usize) -> String {
     let want_words = (tokens as f64 * WORDS_PER_TOKEN).max(1.0) as usize;
     let mut out = String::new();
     let mut k = i;
-    while words(&out) < want_words {
+    // A running count (recounting the whole text per paragraph was quadratic in its length).
+    let mut n_words = 0;
+    while n_words < want_words {
         let para = PARAGRAPHS[k % PARAGRAPHS.len()];
-        out.push_str(&format!("Section {}. {para}\n", k - i + 1));
+        let section = format!("Section {}. {para}\n", k - i + 1);
+        n_words += words(&section);
+        out.push_str(&section);
         k += 1 + i % 3;
     }
     out

@@ -515,6 +515,9 @@ pub async fn run(opts: &LoadOptions, slo: Option<Slo>) -> Result<RunResult, Load
                         sending = launch(&mut tasks, &mut started, &mut running);
                     }
                     _ = &mut ctrl_c, if !interrupted => { interrupted = true; sending = false; }
+                    // The duration ends sending (and starts the drain) even while no request
+                    // finishes: a stalled server or slow requests must not hold the run.
+                    _ = sleep_until_opt(deadline) => { sending = false; }
                 }
             }
         }

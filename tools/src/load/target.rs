@@ -140,6 +140,29 @@ impl Reply {
         })
     }
 
+    /// Forgets usage and speculation counts no request could have (more completion tokens than
+    /// it allowed, more speculation steps than tokens): a buggy or hostile server's numbers
+    /// would otherwise overflow the sums or spread billions of tokens over a stream's chunks.
+    pub fn drop_implausible_usage(&mut self, max_tokens: usize) {
+        let max = max_tokens as u64;
+        if self.usage_completion_tokens.is_some_and(|n| n > max) {
+            self.usage_completion_tokens = None;
+        }
+        if self
+            .usage_prompt_tokens
+            .is_some_and(|n| n > u64::from(u32::MAX))
+        {
+            self.usage_prompt_tokens = None;
+        }
+        let bound = max.max(1).saturating_mul(1 << 16);
+        if self
+            .spec
+            .is_some_and(|s| s.steps > max || s.drafted > bound || s.accepted > max)
+        {
+            self.spec = None;
+        }
+    }
+
     /// A reply with no tokens that ended now.
     fn ended(outcome: Outcome) -> Reply {
         Reply {
@@ -199,10 +222,12 @@ impl Client {
 
     /// Send one request and wait for its end; when `stop` turns true the request is cancelled.
     pub async fn send(&self, req: &Outgoing, stop: watch::Receiver<bool>) -> Reply {
-        match self {
+        let mut reply = match self {
             Client::Arbor(c) => c.send(req, stop).await,
             Client::OpenAi(c) => c.send(req, stop).await,
-        }
+        };
+        reply.drop_implausible_usage(req.max_tokens);
+        reply
     }
 
     /// Lines the server sent that named no request in flight.
@@ -262,6 +287,10 @@ struct ArborConn {
     in_flight: AtomicUsize,
 }
 
+/// How long a new connection may take to open (a server dropping connection attempts
+/// otherwise holds every request queued behind the pool's lock for the kernel's ~2 minutes).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Arbor protocol client: a pool of connections, each carrying up to `per_connection` requests.
 pub struct ArborClient {
     addr: String,
@@ -299,8 +328,14 @@ impl ArborClient {
         {
             return Ok(Arc::clone(c));
         }
-        let stream = TcpStream::connect(&self.addr)
+        let stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&self.addr))
             .await
+            .map_err(|_| {
+                format!(
+                    "cannot connect to {}: no answer within {CONNECT_TIMEOUT:?}",
+                    self.addr
+                )
+            })?
             .map_err(|e| format!("cannot connect to {}: {e}", self.addr))?;
         let _ = stream.set_nodelay(true);
         let (r, mut w) = stream.into_split();
@@ -394,9 +429,14 @@ impl ArborClient {
             );
             return (reply, false);
         }
-        let conn = match self.conn().await {
-            Ok(c) => c,
-            Err(e) => return (Reply::failed("connect_failed", e), false),
+        // A connection attempt the server never answers (a dropped SYN) must not outlast the
+        // run: the stop ends the wait, and the connect itself times out.
+        let conn = tokio::select! {
+            c = self.conn() => match c {
+                Ok(c) => c,
+                Err(e) => return (Reply::failed("connect_failed", e), false),
+            },
+            _ = wait_stop(&mut stop) => return (Reply::ended(Outcome::Cancelled), false),
         };
         let (tx, mut rx) = mpsc::unbounded_channel();
         conn.pending.lock().insert(id, tx);
@@ -584,7 +624,7 @@ impl OpenAiClient {
         }
         let chat = path.ends_with("chat/completions");
         tokio::select! {
-            r = self.stream(path, body, chat) => r.unwrap_or_else(|(code, msg)| Reply::failed(code, msg)),
+            r = self.stream(path, body, chat, req.max_tokens) => r.unwrap_or_else(|(code, msg)| Reply::failed(code, msg)),
             _ = wait_stop(&mut stop) => {
                 // Dropping the stream closes the connection, which cancels the request.
                 Reply::ended(Outcome::Cancelled)
@@ -597,13 +637,25 @@ impl OpenAiClient {
         path: &str,
         body: Value,
         chat: bool,
+        max_tokens: usize,
     ) -> Result<Reply, (&'static str, String)> {
-        let stream = TcpStream::connect(&self.addr).await.map_err(|e| {
-            (
-                "connect_failed",
-                format!("cannot connect to {}: {e}", self.addr),
-            )
-        })?;
+        let stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&self.addr))
+            .await
+            .map_err(|_| {
+                (
+                    "connect_failed",
+                    format!(
+                        "cannot connect to {}: no answer within {CONNECT_TIMEOUT:?}",
+                        self.addr
+                    ),
+                )
+            })?
+            .map_err(|e| {
+                (
+                    "connect_failed",
+                    format!("cannot connect to {}: {e}", self.addr),
+                )
+            })?;
         let _ = stream.set_nodelay(true);
         let io = hyper_util::rt::TokioIo::new(stream);
         let (mut sender, conn) = hyper::client::conn::http1::handshake(io)
@@ -698,7 +750,11 @@ impl OpenAiClient {
                 .unwrap_or_else(|| String::from_utf8_lossy(&buf).into_owned());
             return Ok(Reply::ended(Outcome::Failed { code, message }));
         }
-        if let Some(n) = reply.usage_completion_tokens {
+        // More tokens than the request allowed is not believed (nor spread over the chunks).
+        if let Some(n) = reply
+            .usage_completion_tokens
+            .filter(|&n| n <= max_tokens as u64)
+        {
             for (e, k) in reply.events.iter_mut().zip(spread_tokens(&chunk_bytes, n)) {
                 e.1 = k;
             }
@@ -732,15 +788,16 @@ pub fn spread_tokens(bytes: &[usize], n: u64) -> Vec<u32> {
     let mut given = 0u64;
     let mut rest: Vec<(u64, usize)> = Vec::with_capacity(bytes.len());
     for (i, &b) in bytes.iter().enumerate() {
-        let share = surplus * b as u64;
-        let k = share / total;
-        out[i] += u32::try_from(k).unwrap_or(u32::MAX);
+        // u128: `surplus * b` can pass u64 for an absurd `n`.
+        let share = u128::from(surplus) * b as u128;
+        let k = (share / u128::from(total)) as u64;
+        out[i] = out[i].saturating_add(u32::try_from(k).unwrap_or(u32::MAX));
         given += k;
-        rest.push((share % total, i));
+        rest.push(((share % u128::from(total)) as u64, i));
     }
     rest.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
     for &(_, i) in rest.iter().take((surplus - given) as usize) {
-        out[i] += 1;
+        out[i] = out[i].saturating_add(1);
     }
     out
 }
@@ -810,5 +867,42 @@ mod tests {
             let k = spread_tokens(&[7, 1, 13, 2], n);
             assert_eq!(k.iter().map(|&x| u64::from(x)).sum::<u64>(), n);
         }
+        // An absurd count saturates instead of overflowing.
+        assert_eq!(spread_tokens(&[1, 1], u64::MAX), vec![u32::MAX, u32::MAX]);
+    }
+
+    /// A server's usage beyond what the request allowed, or speculation counts beyond it, are
+    /// forgotten; plausible ones are kept.
+    #[test]
+    fn implausible_usage_is_dropped() {
+        let mut r = Reply::ended(Outcome::Completed {
+            finish_reason: "length".into(),
+        });
+        r.usage_completion_tokens = Some(16);
+        r.usage_prompt_tokens = Some(5);
+        r.spec = Some(SpecRecord {
+            steps: 10,
+            drafted: 40,
+            accepted: 6,
+        });
+        let kept = {
+            let mut k = r.clone();
+            k.drop_implausible_usage(16);
+            k
+        };
+        assert_eq!(kept.usage_completion_tokens, Some(16));
+        assert_eq!(kept.usage_prompt_tokens, Some(5));
+        assert!(kept.spec.is_some());
+        r.usage_completion_tokens = Some(4_294_967_295);
+        r.usage_prompt_tokens = Some(u64::MAX);
+        r.spec = Some(SpecRecord {
+            steps: u64::MAX,
+            drafted: 1,
+            accepted: 1,
+        });
+        r.drop_implausible_usage(16);
+        assert_eq!(r.usage_completion_tokens, None);
+        assert_eq!(r.usage_prompt_tokens, None);
+        assert_eq!(r.spec, None);
     }
 }
