@@ -152,13 +152,66 @@ pub fn resolve_model(name_or_path: &str) -> Result<PathBuf, FetchError> {
     Err(FetchError::UnknownModel(name_or_path.to_string()))
 }
 
-/// Fetch `m` unless a file of the right size is already in place.
+/// Fetch `m` unless a verified copy is in place ([`installed`]).
 pub fn ensure(m: &KnownModel) -> Result<PathBuf, FetchError> {
     let path = model_path(m);
-    if std::fs::metadata(&path).is_ok_and(|md| md.len() == m.bytes) {
+    if installed(m, &path) {
         return Ok(path);
     }
     fetch(m, |msg| eprintln!("[arbor] {msg}"))
+}
+
+/// The marker written next to an installed model: its sha256, size and modification time.
+fn marker_path(path: &Path) -> PathBuf {
+    let mut p = path.as_os_str().to_owned();
+    p.push(".verified");
+    PathBuf::from(p)
+}
+
+/// What the marker of `path` should say for `m`, from the file's metadata (`None`: no file).
+fn marker_text(m: &KnownModel, path: &Path) -> Option<String> {
+    let md = std::fs::metadata(path).ok()?;
+    let mtime = md
+        .modified()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos());
+    Some(format!("{} {} {mtime}\n", m.sha256, md.len()))
+}
+
+/// Whether `path` holds `m` as registered: the right size and a marker naming its sha256, size
+/// and modification time. A file of the right size without a current marker (an install from
+/// before markers, or one changed since) is hashed once; when it matches, the marker is written.
+/// So a registry update of the checksum, or a file rewritten in place, is fetched again.
+pub fn installed(m: &KnownModel, path: &Path) -> bool {
+    let Some(want) = marker_text(m, path) else {
+        return false;
+    };
+    if !std::fs::metadata(path).is_ok_and(|md| md.len() == m.bytes) {
+        return false;
+    }
+    let marker = marker_path(path);
+    if std::fs::read_to_string(&marker).is_ok_and(|t| t == want) {
+        return true;
+    }
+    let matches = sha256_file(path).is_ok_and(|h| h == m.sha256);
+    if matches {
+        let _ = std::fs::write(&marker, want);
+    }
+    matches
+}
+
+fn sha256_file(path: &Path) -> std::io::Result<String> {
+    let mut f = File::open(path)?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            return Ok(hex(&hasher.finalize()));
+        }
+        hasher.update(&buf[..n]);
+    }
 }
 
 /// Download, extract, verify and install `m` under `$ARBOR_HOME`, with a progress bar (bytes,
@@ -293,6 +346,10 @@ pub fn fetch_into(
         });
     }
     std::fs::rename(&partial, &dest).map_err(io_err(&dest))?;
+    if let Some(text) = marker_text(m, &dest) {
+        let marker = marker_path(&dest);
+        std::fs::write(&marker, text).map_err(io_err(&marker))?;
+    }
     log(&format!(
         "{} verified (sha256 {}) at {}",
         m.name,
@@ -574,6 +631,28 @@ mod tests {
         let ok = ok.expect("matching checksum installs");
         assert_eq!(ok, dest);
         assert_eq!(std::fs::read_to_string(&ok).unwrap(), payload);
+        // Installed and marked; a file rewritten in place (same size, other bytes) is not
+        // trusted, nor a marker from another checksum; an unmarked good file is hashed and marked.
+        let m = mk(good_sha);
+        assert!(installed(&m, &dest));
+        let marker = marker_path(&dest);
+        std::fs::write(&dest, "jello model").unwrap();
+        // Whatever the file system's time granularity: the rewrite has another mtime.
+        File::options()
+            .write(true)
+            .open(&dest)
+            .unwrap()
+            .set_modified(std::time::UNIX_EPOCH + std::time::Duration::from_secs(1000))
+            .unwrap();
+        assert!(!installed(&m, &dest), "a corrupted file was trusted");
+        std::fs::write(&dest, payload).unwrap();
+        std::fs::remove_file(&marker).unwrap();
+        assert!(installed(&m, &dest), "a good unmarked file was refused");
+        assert!(marker.exists(), "no marker after hashing a good file");
+        assert!(
+            !installed(&mk("00ff"), &dest),
+            "another checksum's marker was trusted"
+        );
         let _ = std::fs::remove_dir_all(&home);
     }
 

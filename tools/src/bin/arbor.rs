@@ -1147,8 +1147,7 @@ fn cmd_models(cmd: ModelsCmd) -> Result<()> {
                 "name", "bytes", "present"
             );
             for m in fetch::known_models() {
-                let present =
-                    std::fs::metadata(fetch::model_path(&m)).is_ok_and(|md| md.len() == m.bytes);
+                let present = fetch::installed(&m, &fetch::model_path(&m));
                 println!(
                     "{:<22} {:>14}  {:<8} {}",
                     m.name,
