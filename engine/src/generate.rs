@@ -267,7 +267,10 @@ pub fn generate<B: Backend>(
     mut on_text: impl FnMut(&str),
 ) -> Result<GenerateOutput> {
     check_prompt(model, prompt)?;
-    let cap = (prompt.len() + params.max_tokens).min(model.config.context_length);
+    let cap = prompt
+        .len()
+        .saturating_add(params.max_tokens)
+        .min(model.config.context_length);
     let pool = KvPool::elastic(
         &model.config,
         model.config.n_layers,

@@ -640,7 +640,9 @@ impl<'a> Scheduler<'a> {
         }
         // The whole pool bounds a request as the model's context does: one that outgrows it
         // ends with `Length` (keeping its tokens) instead of failing part way.
-        let cap = (prompt.len() + params.max_tokens)
+        let cap = prompt
+            .len()
+            .saturating_add(params.max_tokens)
             .min(self.model.config.context_length)
             .min(self.pool.max_blocks().saturating_mul(BLOCK_SLOTS));
         let spec = match spec {
@@ -658,9 +660,17 @@ impl<'a> Scheduler<'a> {
                             .into(),
                     ));
                 }
+                // A sampled fixed tree runs whole or waits (its size must not depend on the
+                // batch): it must fit a step with its root, alone.
+                let whole = rs.policy == SpecPolicy::Fixed && !params.sampling.is_greedy();
+                let budget = if whole {
+                    rs.budget.min(self.config.max_step_tokens.saturating_sub(1))
+                } else {
+                    rs.budget
+                };
                 Some(SpecState {
                     drafters: rs.drafters,
-                    budget: rs.budget,
+                    budget,
                     policy: rs.policy,
                     verifier: Verifier::new(mode, params.sampling.clone())?,
                     acceptance: Acceptance::new(),
@@ -677,7 +687,7 @@ impl<'a> Scheduler<'a> {
             None => None,
         };
         // Tree passes need `budget + 1` scratch slots past the tokens.
-        let capacity = cap + spec.as_ref().map_or(0, |sp| sp.budget + 1);
+        let capacity = cap.saturating_add(spec.as_ref().map_or(0, |sp| sp.budget + 1));
         let id = self.next_id;
         self.next_id += 1;
         let noop: fn(&str) = |_| {};
@@ -1155,34 +1165,28 @@ impl<'a> Scheduler<'a> {
         order.sort_by_key(|&i| self.running[i].admitted);
         let mut budget = self.config.max_step_tokens;
         let mut plan = Vec::new();
+        // Decoding requests in admission order: each one's root, and a sampled fixed tree
+        // whole or not at all (its size, and so the request's random stream, must not depend on
+        // the other requests of the step; greedy trees are sized last and may shrink, which
+        // changes no token). A whole tree that does not fit waits a step with its root; newer
+        // requests' roots come after it, so it waits only for older requests, and the oldest
+        // decoding request always fits (its tree was capped to a step at submission).
         for &i in &order {
-            if self.running[i].phase() == Phase::Decode {
-                budget = budget.saturating_sub(1);
-                plan.push(Slot::decode(i, self.running[i].id));
-            }
-        }
-        // Sampled fixed trees next, whole or not at all: their size (and so the request's
-        // random stream) must not depend on the other requests of the step. One that does not
-        // fit waits a step (older requests' trees come first; finishing requests free the
-        // budget), unless it could never fit a step's budget. (Greedy trees may shrink: that
-        // changes no token.)
-        let mut waiting = Vec::new();
-        for (k, sl) in plan.iter_mut().enumerate() {
-            let r = &self.running[sl.idx];
-            if !r.whole_tree() {
+            let r = &self.running[i];
+            if r.phase() != Phase::Decode {
                 continue;
             }
-            let cap = r.tree_cap();
-            if cap <= budget || cap >= self.config.max_step_tokens {
-                sl.tree_cap = cap.min(budget);
-                budget -= sl.tree_cap;
-            } else {
-                waiting.push(k);
+            let mut sl = Slot::decode(i, r.id);
+            if r.whole_tree() {
+                let cap = r.tree_cap();
+                if cap + 1 > budget {
+                    continue;
+                }
+                sl.tree_cap = cap;
+                budget -= cap;
             }
-        }
-        for k in waiting.into_iter().rev() {
-            plan.remove(k);
-            budget += 1;
+            budget = budget.saturating_sub(1);
+            plan.push(sl);
         }
         for &i in &order {
             let r = &self.running[i];

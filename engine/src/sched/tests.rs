@@ -256,7 +256,7 @@ fn bad_requests_fail_alone_and_cancel_frees_blocks() {
             other => panic!("request {id}: {other:?}"),
         }
     }
-    let id = s.submit(vec![5; 40], params).unwrap();
+    let id = s.submit(vec![5; 40], params.clone()).unwrap();
     s.step(&be).unwrap();
     assert!(pool.stats().used >= 3);
     let stats = s.cancel(id).expect("known request");
@@ -265,6 +265,26 @@ fn bad_requests_fail_alone_and_cancel_frees_blocks() {
     assert!(s.cancel(id).is_none());
     assert_eq!(pool.stats().used, 0);
     assert!(s.is_idle());
+    // A max_tokens of usize::MAX is bounded by the pool like any other (the length overflowed).
+    let endless = GenerateParams {
+        max_tokens: usize::MAX,
+        ..params.clone()
+    };
+    let id = s
+        .submit_spec(
+            vec![1, 2, 3],
+            endless,
+            Some(ngram_spec(SpecPolicy::Fixed, 4)),
+        )
+        .unwrap();
+    let done = s.run_to_completion(&be).unwrap();
+    match &done[..] {
+        [(d, Finish::Done { reason, .. })] if *d == id => {
+            assert_eq!(*reason, FinishReason::Length)
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(pool.stats().used, 0);
 }
 
 /// A pool that holds a request's tokens but not its draft tree on top: the tree shrinks instead
@@ -518,9 +538,64 @@ fn speculating_requests_in_a_batch_keep_their_outputs() {
         max_step_tokens: 16,
         ..SchedConfig::default()
     };
-    assert_eq!(run_in(&[0, 1, 2, 3, 4], 0, tight), batched);
+    assert_eq!(run_in(&[0, 1, 2, 3, 4], 0, tight.clone()), batched);
     // Another seed, another output.
     assert_ne!(run(&[0], 1)[0], batched[0]);
+
+    // Trees that fill a step with their roots: a step of 16 rows, two requests with 15-node
+    // trees (and 24-node ones, capped to a step at submission). The oldest decoding request
+    // always runs (two waiting whole trees stalled the scheduler forever), and each request's
+    // tokens are its own alone, whatever the others of its steps.
+    for budget in [15usize, 24] {
+        let run_tight = |which: &[usize]| -> Vec<Vec<u32>> {
+            let pool = KvPool::new(&model.config, model.config.n_layers, 128);
+            let mut s = Scheduler::new(&model, None, pool, tight.clone()).unwrap();
+            for &i in which {
+                // Short prompts: both requests are prefilled in one step and decode together.
+                s.submit_spec(
+                    prompts[i][..4].to_vec(),
+                    sampled(i),
+                    Some(ngram_spec(SpecPolicy::Fixed, budget)),
+                )
+                .unwrap();
+            }
+            let mut done = Vec::new();
+            let mut steps = 0;
+            while !s.is_idle() {
+                steps += 1;
+                assert!(steps < 500, "budget {budget}: no progress in 500 steps");
+                for ev in s.step(&be).unwrap() {
+                    if let Some(f) = ev.finish {
+                        done.push((ev.id, done_tokens(&f).0.to_vec()));
+                    }
+                }
+            }
+            done.sort_by_key(|(id, _)| *id);
+            done.into_iter().map(|(_, t)| t).collect()
+        };
+        let together = run_tight(&[0, 1]);
+        assert_eq!(together.len(), 2);
+        assert_eq!(run_tight(&[0])[0], together[0], "budget {budget}");
+        assert_eq!(run_tight(&[1])[0], together[1], "budget {budget}");
+        // ... next to plain decoders, too (their roots do not change a whole tree's size).
+        let pool = KvPool::new(&model.config, model.config.n_layers, 128);
+        let mut s = Scheduler::new(&model, None, pool, tight.clone()).unwrap();
+        s.submit_spec(
+            prompts[0][..4].to_vec(),
+            sampled(0),
+            Some(ngram_spec(SpecPolicy::Fixed, budget)),
+        )
+        .unwrap();
+        for (i, p) in prompts.iter().enumerate().take(4).skip(1) {
+            s.submit_spec(p[..4].to_vec(), sampled(i), None).unwrap();
+        }
+        let done = s.run_to_completion(&be).unwrap();
+        assert_eq!(
+            done_tokens(&done[0].1).0,
+            &together[0][..],
+            "budget {budget}"
+        );
+    }
 }
 
 /// Token Recycling drafters in the scheduler (fixed and adaptive, batched with plain requests,
