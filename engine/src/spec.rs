@@ -393,9 +393,15 @@ fn share_leftover(
             continue;
         }
         let share = |k: usize| shares[k];
+        // A tree with sampled draws counts as its whole share: its distinct nodes depend on
+        // which tokens the draws hit, and extra room for the others must not (MSS).
         let used: usize = mine
             .iter()
-            .map(|&k| proposed[k].as_ref().map_or(0, TokenTree::n_draft))
+            .map(|&k| match &proposed[k] {
+                Ok(t) if t.has_sampled() => t.n_draft().max(share(k)),
+                Ok(t) => t.n_draft(),
+                Err(_) => 0,
+            })
             .sum();
         let left = budget.saturating_sub(used);
         let full: Vec<usize> = mine
@@ -1036,6 +1042,33 @@ pub fn generate<B: Backend>(
         if let Some(c) = cost.as_ref() {
             cheap_drafting = draft_secs < CHEAP_DRAFT * c.secs(1);
         }
+        // A proposal with sampled draws is verified whole: its node counts depend on which
+        // tokens the draws hit (equal draws merge), so cutting it by them (the first tree's rows,
+        // an explored size, the depth choice) would make a candidate's presence depend on its
+        // siblings' values, which MSS cannot allow.
+        if proposal.has_sampled() {
+            let one = match (cost.as_ref(), median(&plain_secs)) {
+                (Some(_), _) => 0.0,
+                (None, Some(s)) => s,
+                (None, None) => session.measure_cost(&[1])?.secs(1),
+            };
+            let t0 = Instant::now();
+            let o = session.verify(&proposal, drafters)?;
+            let secs = t0.elapsed().as_secs_f64();
+            match cost.as_mut() {
+                Some(c) => c.add_point(proposal.len(), secs),
+                None => {
+                    *cost = Some(StepCost::from_points(vec![
+                        (1, one),
+                        (proposal.len(), secs),
+                    ]))
+                }
+            }
+            *last_depth = proposal.max_depth();
+            pending = o.emitted();
+            acceptance.record(&proposal, &pending);
+            continue;
+        }
         let Some(cost) = cost.as_mut() else {
             // No cost curve yet. Nothing proposed: a plain step, timed. The first proposal: verify
             // its largest prefix of at most `FIRST_TREE_ROWS` rows and take that pass's time as
@@ -1158,6 +1191,48 @@ mod tests {
         let mut ds: [&mut dyn Drafter; 2] = [&mut recycle, &mut ngram];
         let t = draft_tree(&mut ds, &seq, 4, 8, 100).unwrap();
         assert_eq!(t.tokens(), vec![7, 9, 6]);
+    }
+
+    /// A sampling drafter whose draws all hit one token: its two draws merge into one node.
+    struct Colliding;
+
+    impl Drafter for Colliding {
+        fn name(&self) -> &str {
+            "colliding"
+        }
+
+        fn propose(&mut self, req: &crate::draft::DraftRequest<'_>) -> Result<TokenTree> {
+            let cfg: ExpansionConfig = "2".parse()?;
+            let mut rng = crate::sample::Rng::new(1);
+            crate::tree::expand(
+                &cfg,
+                req.root(),
+                req.drafter,
+                crate::tree::ExpandMode::Sample,
+                req.budget,
+                req.max_depth,
+                &mut rng,
+                |_| Ok(vec![(9, 1.0)]),
+            )
+        }
+    }
+
+    /// A sampling drafter's share counts as used whole, whatever its draws hit: how much room a
+    /// cheap reproposer gets must not depend on sampled values (MSS would be biased). Here the
+    /// two draws collide into one node, and recycle still gets no more than its share.
+    #[test]
+    fn sampled_draws_that_collide_leave_no_budget_to_the_others() {
+        use crate::draft::RecycleDrafter;
+        let seq = [5, 6, 7, 5];
+        let mut recycle = RecycleDrafter::new(100, 8).unwrap();
+        let mut sampled = Colliding;
+        let mut ds: [&mut dyn Drafter; 2] = [&mut sampled, &mut recycle];
+        let t = draft_tree(&mut ds, &seq, 4, 8, 100).unwrap();
+        t.validate(100).unwrap();
+        assert!(t.has_sampled());
+        // One sampled node (9) and recycle's share of 2 (6 -> 7), not its share plus the slot
+        // the collision freed (6 -> 7 -> 5).
+        assert_eq!(t.n_draft(), 3, "{:?}", t.tokens());
     }
 
     /// Greedy incremental decoding: the cache after `prompt` and `n` generated tokens (all fed),

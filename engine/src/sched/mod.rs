@@ -1344,7 +1344,11 @@ impl<'a> Scheduler<'a> {
             let r = &self.running[sl.idx];
             base_rows += if sl.prefill > 0 { sl.prefill } else { 1 };
             match (&r.spec, &sl.proposal) {
-                (Some(sp), Some(_)) if sp.policy == SpecPolicy::Adaptive => adaptive.push(k),
+                // A proposal with sampled draws is verified whole, as a fixed one: its node
+                // counts depend on the drawn values, and a depth chosen from them would bias MSS.
+                (Some(sp), Some(p)) if sp.policy == SpecPolicy::Adaptive && !p.has_sampled() => {
+                    adaptive.push(k)
+                }
                 (Some(_), Some(p)) => base_rows += p.n_draft(),
                 _ => {}
             }

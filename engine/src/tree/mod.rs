@@ -139,6 +139,14 @@ impl TokenTree {
         self.nodes.len() - 1
     }
 
+    /// Whether some node was proposed by a random draw ([`DrawKind::Sampled`]): then how many
+    /// distinct nodes the tree has depends on the drawn values.
+    pub fn has_sampled(&self) -> bool {
+        self.nodes
+            .iter()
+            .any(|n| n.proposals.iter().any(|p| p.kind == DrawKind::Sampled))
+    }
+
     pub fn root_token(&self) -> u32 {
         self.nodes[0].token
     }
