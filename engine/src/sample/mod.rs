@@ -145,6 +145,12 @@ impl Sampler {
             cand.sort_by(by_prob);
         }
         let max = cand.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
+        if !max.is_finite() {
+            // A +inf logit (the softmax would be `inf - inf` = NaN everywhere) or no finite one:
+            // greedy's choice, the first +inf (or 0), as a point mass, so plain sampling and
+            // tree verification agree.
+            return vec![(argmax(logits), 1.0)];
+        }
         let mut sum = 0.0f64;
         for c in cand.iter_mut() {
             c.1 = (c.1 - max).exp();
@@ -154,19 +160,21 @@ impl Sampler {
             c.1 = (c.1 as f64 / sum) as f32;
         }
         if p.top_p < 1.0 {
-            let mut acc = 0.0f32;
+            // In f64: over a vocabulary of 150 k, an f32 running sum drops tail tokens below
+            // half its ulp and the cut lands early or late.
+            let mut acc = 0.0f64;
             let mut keep = cand.len();
             for (i, c) in cand.iter().enumerate() {
-                acc += c.1;
-                if acc >= p.top_p {
+                acc += f64::from(c.1);
+                if acc >= f64::from(p.top_p) {
                     keep = i + 1;
                     break;
                 }
             }
             cand.truncate(keep);
-            let s: f32 = cand.iter().map(|c| c.1).sum();
+            let s: f64 = cand.iter().map(|c| f64::from(c.1)).sum();
             for c in cand.iter_mut() {
-                c.1 /= s;
+                c.1 = (f64::from(c.1) / s) as f32;
             }
         }
         cand
@@ -204,6 +212,48 @@ mod tests {
         assert_eq!(argmax(&[0.0, 3.0, 3.0, -1.0]), 1);
         let mut s = Sampler::new(SamplingParams::greedy()).unwrap();
         assert_eq!(s.sample(&[1.0, 2.0, 0.5]), 1);
+    }
+
+    /// A +inf logit is a point mass on it (the first, as greedy picks); no finite logit is
+    /// greedy's token 0. Both came out NaN distributions (the last token, or token 0, by path).
+    #[test]
+    fn non_finite_logits_give_greedys_token() {
+        for top_p in [1.0, 0.9] {
+            let mut s = Sampler::new(SamplingParams {
+                temperature: 1.0,
+                top_k: 0,
+                top_p,
+                seed: 1,
+            })
+            .unwrap();
+            let inf = [1.0, f32::INFINITY, 0.0, f32::INFINITY];
+            assert_eq!(s.distribution(&inf), vec![(1, 1.0)]);
+            assert_eq!(s.sample(&inf), 1);
+            let none = [f32::NEG_INFINITY, f32::NEG_INFINITY, f32::NAN];
+            assert_eq!(s.distribution(&none), vec![(0, 1.0)]);
+            assert_eq!(s.sample(&none), 0);
+        }
+    }
+
+    /// top_p over a long flat tail: the running sum keeps every tail token's mass (an f32 sum
+    /// stalls once the tokens fall below half its ulp).
+    #[test]
+    fn top_p_counts_a_long_tail() {
+        // One token of mass 1/2, then 150 000 tokens sharing the other half.
+        let n = 150_000usize;
+        let mut logits = vec![0.0f32; n + 1];
+        logits[0] = (n as f32).ln();
+        let s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 0.75,
+            seed: 1,
+        })
+        .unwrap();
+        let kept = s.distribution(&logits).len();
+        // 1/2 + k / 300 000 >= 3/4: k = 75 000 tail tokens (an f32 sum kept ~74 900).
+        let want = 1 + n / 2;
+        assert!(kept.abs_diff(want) <= 2, "kept {kept}, want {want}");
     }
 
     #[test]
