@@ -660,6 +660,25 @@ fn check_proposal(d: &dyn Drafter, t: TokenTree, req: &DraftRequest<'_>) -> Resu
             req.budget
         )));
     }
+    // Its proposals carry its own id (verification checks sampled draws against the
+    // distribution recorded under that id) and at most its budget in draws each (verification
+    // makes one candidate per draw).
+    for n in &t.nodes()[1..] {
+        for p in &n.proposals {
+            if p.drafter != req.drafter || p.draws == 0 || p.draws as usize > req.budget.max(1) {
+                return Err(EngineError::InvalidArgument(format!(
+                    "drafter '{}' proposed token {} as drafter {} with {} draws (it is drafter {} \
+                     with a budget of {})",
+                    d.name(),
+                    n.token,
+                    p.drafter,
+                    p.draws,
+                    req.drafter,
+                    req.budget
+                )));
+            }
+        }
+    }
     Ok(t.truncate_depth(req.max_depth))
 }
 
@@ -1233,6 +1252,54 @@ mod tests {
         // One sampled node (9) and recycle's share of 2 (6 -> 7), not its share plus the slot
         // the collision freed (6 -> 7 -> 5).
         assert_eq!(t.n_draft(), 3, "{:?}", t.tokens());
+    }
+
+    /// A drafter that labels its proposals with another drafter's id, or claims more draws
+    /// than its budget, is left out of the tree (a mislabelled draw would be checked against
+    /// another drafter's distribution; four billion draws made as many candidates).
+    #[test]
+    fn proposals_under_another_id_or_with_absurd_draws_are_refused() {
+        struct Liar {
+            id_shift: u16,
+            draws: u32,
+        }
+        impl Drafter for Liar {
+            fn name(&self) -> &str {
+                "liar"
+            }
+            fn propose(&mut self, req: &crate::draft::DraftRequest<'_>) -> Result<TokenTree> {
+                let mut b = crate::tree::TreeBuilder::new(req.root());
+                let id = req.drafter.wrapping_add(self.id_shift);
+                b.add_child(
+                    crate::tree::TreeBuilder::ROOT,
+                    3,
+                    Some(crate::tree::Proposal {
+                        drafter: id,
+                        prob: 1.0,
+                        kind: crate::tree::DrawKind::Picked,
+                        draws: self.draws,
+                    }),
+                );
+                Ok(b.build())
+            }
+        }
+        for (id_shift, draws, ok) in [
+            (0, 1, true),
+            (1, 1, false),
+            (0, u32::MAX, false),
+            (0, 0, false),
+        ] {
+            let mut liar = Liar { id_shift, draws };
+            let mut ds: [&mut dyn Drafter; 1] = [&mut liar];
+            let mut failures = Vec::new();
+            let t = draft_tree_tolerant(&mut ds, &[5, 6], 4, 4, 100, &mut failures).unwrap();
+            assert_eq!(
+                failures.is_empty(),
+                ok,
+                "shift {id_shift} draws {draws}: {failures:?}"
+            );
+            assert_eq!(t.n_draft(), usize::from(ok));
+        }
     }
 
     /// Greedy incremental decoding: the cache after `prompt` and `n` generated tokens (all fed),
