@@ -864,6 +864,8 @@ fn cuda_generate(a: &GenerateArgs, params: &GenerateParams, ordinal: usize) -> R
         if let Some(cut) = params
             .stop
             .iter()
+            // Empty stop strings are ignored, as on the CPU path (one matched at 0).
+            .filter(|st| !st.is_empty())
             .filter_map(|st| text.find(st.as_str()))
             .min()
         {
