@@ -714,14 +714,10 @@ impl OpenAiClient {
                     return Err(("server_error", e.to_string()));
                 }
                 let choice = &v["choices"][0];
-                let text = if chat {
-                    choice["delta"]["content"].as_str()
-                } else {
-                    choice["text"].as_str()
-                };
-                if let Some(t) = text.filter(|t| !t.is_empty()) {
+                let bytes = chunk_text_bytes(choice, chat);
+                if bytes > 0 {
                     reply.events.push((at, 1));
-                    chunk_bytes.push(t.len());
+                    chunk_bytes.push(bytes);
                 }
                 if let Some(f) = choice["finish_reason"].as_str() {
                     finish = Some(f.to_string());
@@ -768,6 +764,19 @@ impl OpenAiClient {
             };
         }
         Ok(reply)
+    }
+}
+
+/// Text bytes one SSE chunk's choice carries: `text` (completions) or the delta's `content`
+/// plus its reasoning text (`reasoning_content`, or `reasoning`: a reasoning model's first tokens,
+/// which count toward TTFT and usage like the answer's).
+pub fn chunk_text_bytes(choice: &Value, chat: bool) -> usize {
+    let len = |v: &Value| v.as_str().map_or(0, str::len);
+    if chat {
+        let d = &choice["delta"];
+        len(&d["content"]) + len(&d["reasoning_content"]) + len(&d["reasoning"])
+    } else {
+        len(&choice["text"])
     }
 }
 
@@ -869,6 +878,33 @@ mod tests {
         }
         // An absurd count saturates instead of overflowing.
         assert_eq!(spread_tokens(&[1, 1], u64::MAX), vec![u32::MAX, u32::MAX]);
+    }
+
+    /// A chunk's text: a completion's `text`, a chat delta's answer and reasoning text.
+    #[test]
+    fn chunk_text_counts_answer_and_reasoning() {
+        let c = |v: Value| v;
+        assert_eq!(chunk_text_bytes(&c(json!({"text": "abc"})), false), 3);
+        assert_eq!(
+            chunk_text_bytes(&c(json!({"delta": {"content": "ab"}})), true),
+            2
+        );
+        assert_eq!(
+            chunk_text_bytes(&c(json!({"delta": {"reasoning_content": "think"}})), true),
+            5
+        );
+        assert_eq!(
+            chunk_text_bytes(&c(json!({"delta": {"reasoning": "hm"}})), true),
+            2
+        );
+        assert_eq!(
+            chunk_text_bytes(&c(json!({"delta": {"role": "assistant"}})), true),
+            0
+        );
+        assert_eq!(
+            chunk_text_bytes(&c(json!({"finish_reason": "stop"})), false),
+            0
+        );
     }
 
     /// A server's usage beyond what the request allowed, or speculation counts beyond it, are
