@@ -1321,3 +1321,61 @@ fn one_requests_verification_error_fails_it_alone() {
         assert_eq!(pool.stats().used, 0, "fail_at {fail_at}");
     }
 }
+
+/// An adaptive request whose drafter samples its tree is verified on what it drafted, even
+/// where the step cost says deeper drafts do not pay: a depth chosen from the proposal's node
+/// counts (which depend on which tokens the draws hit) would bias MSS.
+#[test]
+fn adaptive_sampled_proposals_are_verified_whole() {
+    use crate::tree::{expand, ExpandMode, ExpansionConfig, TokenTree};
+
+    /// Two draws at the root, one below each, from a flat distribution over four tokens.
+    struct Sampling(crate::sample::Rng);
+    impl Drafter for Sampling {
+        fn name(&self) -> &str {
+            "sampling"
+        }
+        fn propose(&mut self, req: &crate::draft::DraftRequest<'_>) -> Result<TokenTree> {
+            let cfg: ExpansionConfig = "2,1".parse()?;
+            expand(
+                &cfg,
+                req.root(),
+                req.drafter,
+                ExpandMode::Sample,
+                req.budget,
+                req.max_depth,
+                &mut self.0,
+                |_| Ok(vec![(1, 0.25), (2, 0.25), (3, 0.25), (4, 0.25)]),
+            )
+        }
+    }
+
+    let be = CpuBackend::new(2).unwrap();
+    let model = tiny_model(&spec("llama", GgmlType::Q8_0), 9).unwrap();
+    let pool = KvPool::new(&model.config, model.config.n_layers, 64);
+    let mut s = Scheduler::new(&model, None, pool, SchedConfig::default()).unwrap();
+    // Every extra row costs as much as a whole pass: no depth pays.
+    s.set_step_cost(StepCost::from_points(vec![(1, 0.010), (8, 0.080)]));
+    let params = GenerateParams {
+        max_tokens: 12,
+        sampling: SamplingParams {
+            temperature: 1.0,
+            seed: 3,
+            ..SamplingParams::default()
+        },
+        ..GenerateParams::default()
+    };
+    let sp = in_process_spec(
+        vec![Box::new(Sampling(crate::sample::Rng::new(5)))],
+        SpecPolicy::Adaptive,
+        8,
+    );
+    s.submit_spec(vec![1, 2, 3, 4], params, Some(sp)).unwrap();
+    let done = s.run_to_completion(&be).unwrap();
+    let m = spec_metrics(&done[0].1);
+    assert!(m.steps > 0);
+    // The tree's size still follows the cost (drafting budgets are chosen before any draw),
+    // but what was drafted is verified: a depth chosen from the proposal cut every tree to its
+    // root here (0 nodes verified).
+    assert!(m.drafted > 0, "{m:?}");
+}
