@@ -184,11 +184,9 @@ fn uint(field: &str, v: &Value, max: u64) -> Result<u64, ServeError> {
         Value::Number(n) => match (n.as_u64(), n.as_f64()) {
             (Some(x), _) if x <= max => Ok(x),
             (Some(_), _) => Err(out_of_range(n)),
-            (None, Some(f)) if n.is_f64() && f.fract() != 0.0 => {
-                Err(wrong_type(field, "an integer", v))
-            }
-            // Integral floats are exact up to 2^53; `as` saturates beyond.
-            (None, Some(f)) if n.is_f64() && f >= 0.0 && f <= max as f64 && f < 9.0e15 => {
+            (None, Some(f)) if f.fract() != 0.0 => Err(wrong_type(field, "an integer", v)),
+            // Integral floats are exact up to 2^53 (negative integers fall through).
+            (None, Some(f)) if f >= 0.0 && f <= max as f64 && f <= (1u64 << 53) as f64 => {
                 Ok(f as u64)
             }
             _ => Err(out_of_range(n)),

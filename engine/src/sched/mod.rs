@@ -423,8 +423,7 @@ impl Request<'_> {
     fn whole_tree(&self) -> bool {
         self.spec
             .as_ref()
-            .is_some_and(|sp| sp.policy == SpecPolicy::Fixed)
-            && !self.params.sampling.is_greedy()
+            .is_some_and(|sp| whole_tree(sp.policy, &self.params.sampling))
     }
 
     /// Deepest draft this step may verify: no token past `max_tokens` or the position cap.
@@ -662,8 +661,7 @@ impl<'a> Scheduler<'a> {
                 }
                 // A sampled fixed tree runs whole or waits (its size must not depend on the
                 // batch): it must fit a step with its root, alone.
-                let whole = rs.policy == SpecPolicy::Fixed && !params.sampling.is_greedy();
-                let budget = if whole {
+                let budget = if whole_tree(rs.policy, &params.sampling) {
                     rs.budget.min(self.config.max_step_tokens.saturating_sub(1))
                 } else {
                     rs.budget
@@ -1505,6 +1503,12 @@ impl<'a> Scheduler<'a> {
         done.sort_by_key(|(id, _)| *id);
         Ok(done)
     }
+}
+
+/// Whether a request speculating with `policy` under `sampling` has its tree verified whole or
+/// not at all: fixed trees of a sampling request, whose size is part of its random stream.
+fn whole_tree(policy: SpecPolicy, sampling: &crate::sample::SamplingParams) -> bool {
+    policy == SpecPolicy::Fixed && !sampling.is_greedy()
 }
 
 #[cfg(test)]

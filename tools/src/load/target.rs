@@ -222,12 +222,10 @@ impl Client {
 
     /// Send one request and wait for its end; when `stop` turns true the request is cancelled.
     pub async fn send(&self, req: &Outgoing, stop: watch::Receiver<bool>) -> Reply {
-        let mut reply = match self {
+        match self {
             Client::Arbor(c) => c.send(req, stop).await,
             Client::OpenAi(c) => c.send(req, stop).await,
-        };
-        reply.drop_implausible_usage(req.max_tokens);
-        reply
+        }
     }
 
     /// Lines the server sent that named no request in flight.
@@ -291,6 +289,17 @@ struct ArborConn {
 /// otherwise holds every request queued behind the pool's lock for the kernel's ~2 minutes).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// A TCP connection to `addr` within [`CONNECT_TIMEOUT`], or why not.
+async fn connect(addr: &str) -> Result<TcpStream, String> {
+    match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)).await {
+        Ok(Ok(s)) => Ok(s),
+        Ok(Err(e)) => Err(format!("cannot connect to {addr}: {e}")),
+        Err(_) => Err(format!(
+            "cannot connect to {addr}: no answer within {CONNECT_TIMEOUT:?}"
+        )),
+    }
+}
+
 /// Arbor protocol client: a pool of connections, each carrying up to `per_connection` requests.
 pub struct ArborClient {
     addr: String,
@@ -328,15 +337,7 @@ impl ArborClient {
         {
             return Ok(Arc::clone(c));
         }
-        let stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&self.addr))
-            .await
-            .map_err(|_| {
-                format!(
-                    "cannot connect to {}: no answer within {CONNECT_TIMEOUT:?}",
-                    self.addr
-                )
-            })?
-            .map_err(|e| format!("cannot connect to {}: {e}", self.addr))?;
+        let stream = connect(&self.addr).await?;
         let _ = stream.set_nodelay(true);
         let (r, mut w) = stream.into_split();
         let (tx, mut rx) = mpsc::unbounded_channel::<String>();
@@ -381,7 +382,8 @@ impl ArborClient {
     async fn send(&self, req: &Outgoing, stop: watch::Receiver<bool>) -> Reply {
         let mut retried = false;
         loop {
-            let (reply, idle_closed) = self.send_once(req, stop.clone()).await;
+            let (mut reply, idle_closed) = self.send_once(req, stop.clone()).await;
+            reply.drop_implausible_usage(req.max_tokens);
             let unsent = reply.events.is_empty()
                 && matches!(&reply.outcome, Outcome::Failed { code, .. } if code == "connection_closed");
             if idle_closed && unsent && !retried && !*stop.borrow() {
@@ -639,23 +641,9 @@ impl OpenAiClient {
         chat: bool,
         max_tokens: usize,
     ) -> Result<Reply, (&'static str, String)> {
-        let stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&self.addr))
+        let stream = connect(&self.addr)
             .await
-            .map_err(|_| {
-                (
-                    "connect_failed",
-                    format!(
-                        "cannot connect to {}: no answer within {CONNECT_TIMEOUT:?}",
-                        self.addr
-                    ),
-                )
-            })?
-            .map_err(|e| {
-                (
-                    "connect_failed",
-                    format!("cannot connect to {}: {e}", self.addr),
-                )
-            })?;
+            .map_err(|e| ("connect_failed", e))?;
         let _ = stream.set_nodelay(true);
         let io = hyper_util::rt::TokioIo::new(stream);
         let (mut sender, conn) = hyper::client::conn::http1::handshake(io)
@@ -746,11 +734,9 @@ impl OpenAiClient {
                 .unwrap_or_else(|| String::from_utf8_lossy(&buf).into_owned());
             return Ok(Reply::ended(Outcome::Failed { code, message }));
         }
-        // More tokens than the request allowed is not believed (nor spread over the chunks).
-        if let Some(n) = reply
-            .usage_completion_tokens
-            .filter(|&n| n <= max_tokens as u64)
-        {
+        // Usage no request could have is not believed (nor spread over the chunks).
+        reply.drop_implausible_usage(max_tokens);
+        if let Some(n) = reply.usage_completion_tokens {
             for (e, k) in reply.events.iter_mut().zip(spread_tokens(&chunk_bytes, n)) {
                 e.1 = k;
             }
