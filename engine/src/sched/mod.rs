@@ -1156,34 +1156,62 @@ impl<'a> Scheduler<'a> {
         Ok(events)
     }
 
+    /// Most prompt rows of `r` one step prefills. Drafters that learn from every row's
+    /// candidates see the prompt's rows too, in chunks that bound the logits buffer.
+    fn prefill_chunk(&self, r: &Request<'_>) -> usize {
+        if r.prompt_candidates() > 0 {
+            self.config.prefill_chunk.min(CANDIDATE_PREFILL_ROWS)
+        } else {
+            self.config.prefill_chunk
+        }
+    }
+
     /// This step's rows per running request: every decoding request's root, then prefill
-    /// chunks in admission order within the token budget, then room for draft trees.
+    /// chunks in admission order within the token budget, then room for draft trees. The budget
+    /// (`max_step_tokens`) is a hard cap.
     fn plan(&self) -> Vec<Slot> {
         let mut order: Vec<usize> = (0..self.running.len()).collect();
         order.sort_by_key(|&i| self.running[i].admitted);
         let mut budget = self.config.max_step_tokens;
         let mut plan = Vec::new();
+        // Rows the prompts waiting for prefill take this step (each its chunk), up to half the
+        // step: whole trees but the oldest leave them that room.
+        let prefill_rows: usize = order
+            .iter()
+            .filter_map(|&i| match self.running[i].phase() {
+                Phase::Prefill { left, .. } => Some(left.min(self.prefill_chunk(&self.running[i]))),
+                Phase::Decode => None,
+            })
+            .fold(0, usize::saturating_add);
+        let reserve = prefill_rows.min(self.config.max_step_tokens / 2);
         // Decoding requests in admission order: each one's root, and a sampled fixed tree
         // whole or not at all (its size, and so the request's random stream, must not depend on
         // the other requests of the step; greedy trees are sized last and may shrink, which
         // changes no token). A whole tree that does not fit waits a step with its root; newer
-        // requests' roots come after it, so it waits only for older requests, and the oldest
-        // decoding request always fits (its tree was capped to a step at submission).
+        // requests' roots come after it, so it waits only for older requests and for prompts
+        // being prefilled, and the oldest decoding request always fits (its tree was capped to
+        // a step at submission).
+        let mut oldest = true;
         for &i in &order {
             let r = &self.running[i];
             if r.phase() != Phase::Decode {
                 continue;
             }
+            let first = std::mem::replace(&mut oldest, false);
+            if budget == 0 {
+                break;
+            }
             let mut sl = Slot::decode(i, r.id);
             if r.whole_tree() {
                 let cap = r.tree_cap();
-                if cap + 1 > budget {
+                let keep = if first { 0 } else { reserve };
+                if cap + 1 + keep > budget {
                     continue;
                 }
                 sl.tree_cap = cap;
                 budget -= cap;
             }
-            budget = budget.saturating_sub(1);
+            budget -= 1;
             plan.push(sl);
         }
         for &i in &order {
@@ -1193,15 +1221,7 @@ impl<'a> Scheduler<'a> {
                 logits_at_end,
             } = r.phase()
             {
-                // Drafters that learn from every row's candidates see the prompt's rows too,
-                // in chunks that bound the logits buffer.
-                let candidates = r.prompt_candidates();
-                let chunk = if candidates > 0 {
-                    self.config.prefill_chunk.min(CANDIDATE_PREFILL_ROWS)
-                } else {
-                    self.config.prefill_chunk
-                };
-                let n = left.min(chunk).min(budget);
+                let n = left.min(self.prefill_chunk(r)).min(budget);
                 if n == 0 {
                     continue;
                 }
@@ -1216,7 +1236,7 @@ impl<'a> Scheduler<'a> {
                     tree_mask: None,
                     proposal: None,
                     proposal_mask: None,
-                    candidates,
+                    candidates: r.prompt_candidates(),
                 });
             }
         }

@@ -371,6 +371,113 @@ fn admission_does_not_admit_what_the_step_must_preempt() {
     assert_eq!(pool.stats().used, 0);
 }
 
+/// `max_step_tokens` caps every step's rows where more requests run than it holds (prompts wait
+/// for room beside the decoding roots), and every request still gets its own tokens.
+#[test]
+fn the_step_budget_is_a_hard_cap_on_rows() {
+    let be = CpuBackend::new(2).unwrap();
+    let (model, _, params, _) = greedy_case(&be, 12, 5, 1, 6);
+    let vocab = model.config.vocab_size as u32;
+    let pool = KvPool::new(&model.config, model.config.n_layers, 64);
+    let config = SchedConfig {
+        max_step_tokens: 4,
+        max_running: 8,
+        ..SchedConfig::default()
+    };
+    let mut s = Scheduler::new(&model, None, pool.clone(), config).unwrap();
+    let prompts: Vec<Vec<u32>> = (0..8).map(|i| repetitive(vocab, 3, i)).collect();
+    for p in &prompts {
+        s.submit(p.clone(), params.clone()).unwrap();
+    }
+    let mut done = Vec::new();
+    let mut steps = 0;
+    while !s.is_idle() {
+        steps += 1;
+        assert!(steps < 200, "no progress in 200 steps");
+        let rows = s.stats().rows;
+        for ev in s.step(&be).unwrap() {
+            if let Some(f) = ev.finish {
+                done.push((ev.id, done_tokens(&f).0.to_vec()));
+            }
+        }
+        let step_rows = s.stats().rows - rows;
+        assert!(step_rows <= 4, "step {steps}: {step_rows} rows");
+    }
+    done.sort_by_key(|(id, _)| *id);
+    assert_eq!(done.len(), 8);
+    for ((_, got), p) in done.iter().zip(&prompts) {
+        assert_eq!(got, &alone(&model, &be, p, &params));
+    }
+    assert_eq!(pool.stats().used, 0);
+}
+
+/// Sampled fixed trees (verified whole) that would fill every step leave room for a prompt
+/// being prefilled: a newly arrived request gets its first token in its first step instead of
+/// waiting for the speculating requests to finish; their tokens stay their own alone.
+#[test]
+fn whole_trees_leave_room_for_prefill() {
+    let be = CpuBackend::new(2).unwrap();
+    let model = tiny_model(&spec("llama", GgmlType::Q8_0), 9).unwrap();
+    let vocab = model.config.vocab_size as u32;
+    let sampled = |i: u64| GenerateParams {
+        max_tokens: 24,
+        sampling: SamplingParams {
+            temperature: 0.8,
+            seed: 100 + i,
+            ..SamplingParams::default()
+        },
+        ..GenerateParams::default()
+    };
+    let config = SchedConfig {
+        max_step_tokens: 16,
+        ..SchedConfig::default()
+    };
+    let prompts: Vec<Vec<u32>> = (0..2).map(|i| repetitive(vocab, 4, i)).collect();
+    let run = |late: Option<&[u32]>| -> Vec<Vec<u32>> {
+        let pool = KvPool::new(&model.config, model.config.n_layers, 128);
+        let mut s = Scheduler::new(&model, None, pool, config.clone()).unwrap();
+        for (i, p) in prompts.iter().enumerate() {
+            // Two roots with 7-node trees: 16 rows, the whole step.
+            let spec = ngram_spec(SpecPolicy::Fixed, 7);
+            s.submit_spec(p.clone(), sampled(i as u64), Some(spec))
+                .unwrap();
+        }
+        let mut done = Vec::new();
+        let collect = |evs: Vec<StepEvent>, done: &mut Vec<(u64, Vec<u32>)>| {
+            for ev in evs {
+                if let Some(f) = ev.finish {
+                    done.push((ev.id, done_tokens(&f).0.to_vec()));
+                }
+            }
+        };
+        // Both prompts in one step, then one decoding step.
+        for _ in 0..2 {
+            let evs = s.step(&be).unwrap();
+            collect(evs, &mut done);
+        }
+        if let Some(p) = late {
+            let id = s.submit(p.to_vec(), sampled(7)).unwrap();
+            let evs = s.step(&be).unwrap();
+            assert!(
+                evs.iter().any(|ev| ev.id == id && !ev.tokens.is_empty()),
+                "the new request got no token in its first step"
+            );
+            collect(evs, &mut done);
+        }
+        while !s.is_idle() {
+            let evs = s.step(&be).unwrap();
+            collect(evs, &mut done);
+        }
+        done.sort_by_key(|(id, _)| *id);
+        done.into_iter().map(|(_, t)| t).collect()
+    };
+    let alone = run(None);
+    let late = repetitive(vocab, 6, 5);
+    let with_late = run(Some(&late));
+    assert_eq!(with_late.len(), 3);
+    assert_eq!(&with_late[..2], &alone[..]);
+}
+
 /// A prompt that repeats itself, so prompt lookup finds matches.
 fn repetitive(vocab: u32, n: usize, salt: u32) -> Vec<u32> {
     (0..n as u32)
