@@ -363,6 +363,9 @@ struct Request<'a> {
     cache: Option<KvCache>,
     /// Admission order (preemption takes the newest).
     admitted: u64,
+    /// The last plan (`Scheduler::plans`) that gave the request rows: decoding requests are
+    /// planned least recently served first, so trees verified whole take turns.
+    served: u64,
     cached_prompt_tokens: Option<usize>,
     preemptions: usize,
     /// Slots of the request's cache (its tokens plus tree scratch).
@@ -477,6 +480,8 @@ pub struct Scheduler<'a> {
     running: Vec<Request<'a>>,
     next_id: u64,
     admissions: u64,
+    /// Plans made (`begin_step`).
+    plans: u64,
     stats: SchedStats,
     /// Forward-pass cost by row count (adaptive speculation; kept current by every step).
     cost: Option<StepCost>,
@@ -540,6 +545,7 @@ impl<'a> Scheduler<'a> {
             running: Vec::new(),
             next_id: 0,
             admissions: 0,
+            plans: 0,
             stats: SchedStats::default(),
             cost: None,
             freeze_step_cost: false,
@@ -701,6 +707,7 @@ impl<'a> Scheduler<'a> {
             params,
             cache: None,
             admitted: 0,
+            served: 0,
             cached_prompt_tokens: None,
             preemptions: 0,
             capacity,
@@ -884,6 +891,10 @@ impl<'a> Scheduler<'a> {
                 break Vec::new();
             }
         };
+        self.plans += 1;
+        for sl in &plan {
+            self.running[sl.idx].served = self.plans;
+        }
         let jobs = plan
             .iter()
             .filter(|sl| sl.tree_cap > 0)
@@ -1175,7 +1186,7 @@ impl<'a> Scheduler<'a> {
         let mut budget = self.config.max_step_tokens;
         let mut plan = Vec::new();
         // Rows the prompts waiting for prefill take this step (each its chunk), up to half the
-        // step: whole trees but the oldest leave them that room.
+        // step: whole trees but the first one's leave them that room.
         let prefill_rows: usize = order
             .iter()
             .filter_map(|&i| match self.running[i].phase() {
@@ -1184,20 +1195,22 @@ impl<'a> Scheduler<'a> {
             })
             .fold(0, usize::saturating_add);
         let reserve = prefill_rows.min(self.config.max_step_tokens / 2);
-        // Decoding requests in admission order: each one's root, and a sampled fixed tree
-        // whole or not at all (its size, and so the request's random stream, must not depend on
-        // the other requests of the step; greedy trees are sized last and may shrink, which
-        // changes no token). A whole tree that does not fit waits a step with its root; newer
-        // requests' roots come after it, so it waits only for older requests and for prompts
-        // being prefilled, and the oldest decoding request always fits (its tree was capped to
-        // a step at submission).
-        let mut oldest = true;
-        for &i in &order {
+        // Decoding requests, least recently served first (then in admission order): each one's
+        // root, and a sampled fixed tree whole or not at all (its size, and so the request's
+        // random stream, must not depend on the other requests of the step; greedy trees are
+        // sized last and may shrink, which changes no token). A whole tree that does not fit
+        // waits a step (not even its root runs); the next step serves it before those that ran,
+        // so such trees take turns, and the first request always fits (its tree was capped to a
+        // step at submission), so every step makes progress.
+        let mut by_turn = order.clone();
+        by_turn.sort_by_key(|&i| (self.running[i].served, self.running[i].admitted));
+        let mut first_turn = true;
+        for &i in &by_turn {
             let r = &self.running[i];
             if r.phase() != Phase::Decode {
                 continue;
             }
-            let first = std::mem::replace(&mut oldest, false);
+            let first = std::mem::replace(&mut first_turn, false);
             if budget == 0 {
                 break;
             }

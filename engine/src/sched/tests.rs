@@ -478,6 +478,63 @@ fn whole_trees_leave_room_for_prefill() {
     assert_eq!(&with_late[..2], &alone[..]);
 }
 
+/// Sampled fixed trees (verified whole) that do not all fit a step take turns: no request waits
+/// more than a step for the others (the newest used to wait until the older ones finished), and
+/// each one's tokens are its own alone.
+#[test]
+fn whole_trees_take_turns() {
+    let be = CpuBackend::new(2).unwrap();
+    let model = tiny_model(&spec("llama", GgmlType::Q8_0), 9).unwrap();
+    let vocab = model.config.vocab_size as u32;
+    let sampled = |i: u64| GenerateParams {
+        max_tokens: 20,
+        sampling: SamplingParams {
+            temperature: 0.8,
+            seed: 200 + i,
+            ..SamplingParams::default()
+        },
+        ..GenerateParams::default()
+    };
+    // Three roots with 7-node trees (8 rows each) in steps of 16 rows: two fit a step.
+    let config = SchedConfig {
+        max_step_tokens: 16,
+        ..SchedConfig::default()
+    };
+    let run = |which: &[u64]| -> Vec<(Vec<u32>, usize)> {
+        let pool = KvPool::new(&model.config, model.config.n_layers, 128);
+        let mut s = Scheduler::new(&model, None, pool, config.clone()).unwrap();
+        for &i in which {
+            let p = repetitive(vocab, 4, i as u32);
+            s.submit_spec(p, sampled(i), Some(ngram_spec(SpecPolicy::Fixed, 7)))
+                .unwrap();
+        }
+        // Per request: its tokens and the most steps between two of its events.
+        let mut out = vec![(Vec::new(), 0usize, None::<usize>); which.len()];
+        let mut step = 0;
+        while !s.is_idle() {
+            step += 1;
+            assert!(step < 500, "no progress in 500 steps");
+            for ev in s.step(&be).unwrap() {
+                let o = &mut out[ev.id as usize];
+                if let Some(last) = o.2 {
+                    o.1 = o.1.max(step - last);
+                }
+                o.2 = Some(step);
+                if let Some(f) = ev.finish {
+                    o.0 = done_tokens(&f).0.to_vec();
+                }
+            }
+        }
+        out.into_iter().map(|(t, gap, _)| (t, gap)).collect()
+    };
+    let together = run(&[0, 1, 2]);
+    for (i, (tokens, gap)) in together.iter().enumerate() {
+        assert_eq!(tokens.len(), 20);
+        assert!(*gap <= 2, "request {i} waited {gap} steps between events");
+        assert_eq!(&run(&[i as u64])[0].0, tokens, "request {i}");
+    }
+}
+
 /// A prompt that repeats itself, so prompt lookup finds matches.
 fn repetitive(vocab: u32, n: usize, salt: u32) -> Vec<u32> {
     (0..n as u32)
