@@ -40,6 +40,7 @@ fn speculate(
         budget,
         mode: None,
         adaptive,
+        step_cost: None,
     };
     spec::generate(
         &m.model,

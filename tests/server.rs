@@ -52,6 +52,7 @@ fn reference(prompt: &str, p: &GenerateParams, spec: Option<bool>) -> (String, V
                 budget: 64,
                 mode: None,
                 adaptive,
+                step_cost: None,
             };
             let o = spec::generate(&m.model, be, &m.tok, &ids, p, &sp, &mut ds, |_| {})
                 .expect("spec generate");

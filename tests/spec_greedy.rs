@@ -2,11 +2,12 @@
 
 mod common;
 
-use arbor_engine::draft::{Drafter, OracleDrafter, RandomDrafter};
+use arbor_engine::draft::{DistDrafter, Drafter, OracleDrafter, RandomDrafter};
 use arbor_engine::generate::{generate, GenerateParams};
 use arbor_engine::sample::verify::VerifyMode;
+use arbor_engine::sched::StepCost;
 use arbor_engine::spec::{self, SpecParams};
-use arbor_engine::tree::ExpansionConfig;
+use arbor_engine::tree::{ExpandMode, ExpansionConfig};
 
 const PROMPTS: [&str; 8] = [
     "The capital of France is",
@@ -72,6 +73,7 @@ fn greedy_speculation_equals_incremental() {
                 budget,
                 mode: None,
                 adaptive: false,
+                step_cost: None,
             };
             let out = spec::generate(
                 &m.model,
@@ -230,6 +232,7 @@ fn greedy_verification_needs_greedy_sampling() {
         budget: 8,
         mode: Some(VerifyMode::Greedy),
         adaptive: false,
+        step_cost: None,
     };
     let mut r = RandomDrafter::new(ExpansionConfig::chain(2), 1);
     let e = spec::generate(
@@ -289,4 +292,56 @@ fn greedy_verification_needs_greedy_sampling() {
             "{mode}: temperature 0.01 samples the argmax"
         );
     }
+}
+
+/// An adaptive request whose drafter samples its tree is verified on what it drafted, even where
+/// the pass cost says that no depth pays: a depth chosen from the proposal's node counts (which
+/// depend on which tokens the draws hit) would bias MSS. The drafter samples two children of the
+/// root and one below each from a flat distribution over four tokens.
+#[test]
+fn adaptive_sampled_proposals_are_verified_whole() {
+    use arbor_engine::sample::SamplingParams;
+    let m = common::smollm2();
+    let be = common::backend();
+    let prompt = m.tok.encode_prompt("Hello").unwrap();
+    let p = GenerateParams {
+        sampling: SamplingParams {
+            temperature: 1.0,
+            seed: 3,
+            ..SamplingParams::default()
+        },
+        ..params(12)
+    };
+    let sp = SpecParams {
+        budget: 8,
+        mode: None,
+        adaptive: true,
+        // Every extra row costs as much as a whole pass.
+        step_cost: Some(StepCost::from_points(vec![(1, 0.010), (8, 0.080)])),
+    };
+    let mut d = DistDrafter::new(
+        "sampling",
+        "2,1".parse().unwrap(),
+        ExpandMode::Sample,
+        5,
+        Box::new(|_: &[u32]| Ok(vec![(1, 0.25), (2, 0.25), (3, 0.25), (4, 0.25)])),
+    );
+    let o = spec::generate(
+        &m.model,
+        be,
+        &m.tok,
+        &prompt,
+        &p,
+        &sp,
+        &mut [&mut d],
+        |_| {},
+    )
+    .unwrap();
+    assert_eq!(o.output.tokens.len(), 12);
+    // The tree's size still follows the cost (drafting budgets are chosen before any draw: one
+    // node here), but every step but the last (its depth capped by the tokens left) verifies
+    // what was drafted; a depth chosen from the proposal cut every tree to its root.
+    let m = &o.metrics;
+    assert!(m.steps >= 3, "{m:?}");
+    assert!(m.drafted + 1 >= m.steps, "{m:?}");
 }

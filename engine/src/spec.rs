@@ -40,6 +40,9 @@ pub struct SpecParams {
     /// [`crate::sched::adaptive`]): where drafts are rarely accepted, steps fall back to plain
     /// decoding. `false`: verify the whole drafted tree every step.
     pub adaptive: bool,
+    /// The pass cost by row count the adaptive policy starts from (e.g. a calibration); `None`:
+    /// learnt from the request's first passes. Its shape is kept; its scale follows the passes.
+    pub step_cost: Option<StepCost>,
 }
 
 impl Default for SpecParams {
@@ -48,6 +51,7 @@ impl Default for SpecParams {
             budget: 64,
             mode: None,
             adaptive: false,
+            step_cost: None,
         }
     }
 }
@@ -968,11 +972,11 @@ pub fn generate<B: Backend>(
     };
     let mut seq = prompt.to_vec();
     seq.extend(first);
-    // Adaptive depth: the cost of a pass by row count, learnt from the passes themselves (see
-    // `first_cost`), then following every measured pass.
+    // Adaptive depth: the cost of a pass by row count, given or learnt from the passes
+    // themselves (the first proposal's pass below), then following every measured pass.
     let mut policy = (spec.adaptive && first.is_some()).then(|| {
         (
-            None::<StepCost>,
+            spec.step_cost.clone(),
             Acceptance::new(),
             usize::MAX,
             DraftBackoff::default(),
@@ -980,11 +984,11 @@ pub fn generate<B: Backend>(
     });
     // Seconds of the plain steps before the first proposal (the curve's one-row point).
     let mut plain_secs: Vec<f64> = Vec::new();
-    // Sizes the first tree does not cover and the budget allows.
+    // Sizes the first tree does not cover and the budget allows (none for a given curve).
     let mut explore: Vec<usize> = EXPLORE_ROWS
         .iter()
         .copied()
-        .filter(|&r| r < FIRST_TREE_ROWS && r - 1 <= spec.budget)
+        .filter(|&r| spec.step_cost.is_none() && r < FIRST_TREE_ROWS && r - 1 <= spec.budget)
         .collect();
     let mut explore_tries = 0usize;
     // Whether the last drafting cost next to nothing against a pass (prompt lookup): then the

@@ -65,6 +65,7 @@ pub fn serve_bench(
                 budget: 64,
                 mode: None,
                 adaptive: true,
+                step_cost: None,
             };
             spec::generate(&model, &backend, &tok, &ids, &params, &sp, &mut ds, |_| {})?.output
         } else {

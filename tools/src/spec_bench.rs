@@ -752,6 +752,7 @@ pub fn suite_bench(
                     budget: cfg.budget,
                     mode: None,
                     adaptive: cfg.adaptive,
+                    step_cost: None,
                 };
                 let o = spec::generate(llm, backend, tok, p, &params, &sp, &mut refs, |_| {})?;
                 per_prompt.push(Sums {

@@ -21,7 +21,7 @@ use crate::tree::TokenTree;
 /// policy's choices depend on the shape only (the factor cancels in its comparisons), so a
 /// noisy measurement never bends the curve it decides on; the factor keeps the seconds
 /// themselves current.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct StepCost {
     /// `(rows, secs)` of passes over one sequence's new rows.
     points: Vec<(usize, f64)>,

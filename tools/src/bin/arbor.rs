@@ -1062,6 +1062,7 @@ fn speculate(
             "auto" => params.sampling.is_greedy(),
             p => p == "adaptive",
         },
+        step_cost: None,
     };
     let mut refs: Vec<&mut dyn Drafter> = drafters
         .iter_mut()
