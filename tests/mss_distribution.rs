@@ -578,6 +578,7 @@ fn batched_adaptive_speculation_keeps_the_llm_distribution() {
             external: false,
             candidates: 0,
             prompt_candidates: 0,
+            max_nodes_by_depth: Vec::new(),
         };
         s.submit_spec(PROMPT.to_vec(), params, Some(spec)).unwrap();
     }

@@ -846,6 +846,85 @@ fn served_token_recycling_keeps_greedy_output() {
     }
 }
 
+/// A request's `speculation.tree` caps the depth every drafter is asked for (only prompt lookup
+/// was built to the request's depth; Token Recycling's template and model drafters' shapes
+/// have their own).
+#[test]
+fn served_tree_depth_caps_every_drafter() {
+    use std::sync::{Arc, Mutex};
+    /// Records the depth it is asked for; proposes the root alone.
+    struct Probe(Arc<Mutex<Vec<usize>>>);
+    impl Drafter for Probe {
+        fn name(&self) -> &str {
+            "probe"
+        }
+        fn propose(&mut self, req: &DraftRequest<'_>) -> arbor_engine::Result<TokenTree> {
+            self.0.lock().unwrap().push(req.max_depth);
+            Ok(TokenTree::root_only(req.root()))
+        }
+    }
+    let asked = Arc::new(Mutex::new(Vec::new()));
+    let factory = {
+        let asked = Arc::clone(&asked);
+        DrafterFactory::new("probe", move |_: &DraftContext| {
+            Ok(Box::new(Probe(Arc::clone(&asked))) as Box<dyn Drafter>)
+        })
+    };
+    let server = TestServer::start(engine_config(vec![factory]), ServerConfig::default());
+    let mut c = server.client();
+    for (tree, adaptive) in [(2, false), (3, true)] {
+        asked.lock().unwrap().clear();
+        let p = params(16, 0.0, 0);
+        let mut req = request(json!(tree), PROMPTS[0], &p);
+        req["speculation"] = json!({"draft": ["probe"], "adaptive": adaptive, "tree": tree});
+        let (_, fin) = c.run(&req);
+        assert_eq!(fin["done"], true, "{fin}");
+        let asked = asked.lock().unwrap().clone();
+        assert!(!asked.is_empty());
+        assert!(
+            asked.iter().all(|&d| d <= tree),
+            "tree {tree}: asked {asked:?}"
+        );
+    }
+}
+
+/// A drafter factory's `max_nodes` reaches the scheduler, which reserves a step's rows by it
+/// and cuts a tree that exceeds it: a drafter that says one node but proposes four gets one
+/// verified a step, and greedy output is unchanged.
+#[test]
+fn served_trees_stay_within_their_drafters_bound() {
+    use arbor_engine::tree::{Proposal, TreeBuilder};
+    /// A chain of four guesses (the root's token again and again).
+    struct Chain;
+    impl Drafter for Chain {
+        fn name(&self) -> &str {
+            "chain"
+        }
+        fn propose(&mut self, req: &DraftRequest<'_>) -> arbor_engine::Result<TokenTree> {
+            let mut b = TreeBuilder::new(req.root());
+            let mut at = TreeBuilder::ROOT;
+            for _ in 0..4.min(req.max_depth).min(req.budget) {
+                at = b.add_child(at, req.root(), Some(Proposal::picked(req.drafter, 1.0)));
+            }
+            Ok(b.build())
+        }
+    }
+    let factory = DrafterFactory::new("chain", |_: &DraftContext| {
+        Ok(Box::new(Chain) as Box<dyn Drafter>)
+    })
+    .with_max_nodes(|_, _| 1);
+    let server = TestServer::start(engine_config(vec![factory]), ServerConfig::default());
+    let mut c = server.client();
+    let p = params(16, 0.0, 0);
+    let mut req = request(json!(1), PROMPTS[0], &p);
+    req["speculation"] = json!({"draft": ["chain"], "adaptive": false});
+    let (events, fin) = c.run(&req);
+    assert_eq!(fin["done"], true, "{fin}");
+    let n = |k: &str| fin["spec"][k].as_u64().expect("spec counter");
+    assert!(n("steps") > 0 && n("drafted") <= n("steps"), "{fin}");
+    assert_eq!(streamed(&events).1, reference(PROMPTS[0], &p, None).1);
+}
+
 #[test]
 fn auth_is_required_when_configured() {
     let server = TestServer::start(

@@ -26,6 +26,9 @@ pub struct DraftContext {
 
 type BuildFn = dyn Fn(&DraftContext) -> arbor_engine::Result<Box<dyn Drafter>> + Send + Sync;
 
+/// [`Drafter::max_nodes`] of the drafter a factory builds for a request, at a draft depth.
+type MaxNodesFn = dyn Fn(&DraftContext, usize) -> usize + Send + Sync;
+
 /// Builds one request's instance of a drafter (drafters keep per-sequence state).
 #[derive(Clone)]
 pub struct DrafterFactory {
@@ -36,6 +39,7 @@ pub struct DrafterFactory {
     /// Top candidates per prompt row its drafters want from the prefill (0: none).
     pub prompt_candidates: usize,
     build: Arc<BuildFn>,
+    max_nodes: Arc<MaxNodesFn>,
 }
 
 impl std::fmt::Debug for DrafterFactory {
@@ -56,7 +60,23 @@ impl DrafterFactory {
             candidates: 0,
             prompt_candidates: 0,
             build: Arc::new(build),
+            max_nodes: Arc::new(|_: &DraftContext, _| usize::MAX),
         }
+    }
+
+    /// Say how many draft nodes the built drafters' trees hold at most, by request and draft
+    /// depth ([`Drafter::max_nodes`]; without it, as many as the budget).
+    pub fn with_max_nodes(
+        mut self,
+        f: impl Fn(&DraftContext, usize) -> usize + Send + Sync + 'static,
+    ) -> DrafterFactory {
+        self.max_nodes = Arc::new(f);
+        self
+    }
+
+    /// Most draft nodes the drafter built for `cx` proposes at most `max_depth` deep.
+    pub fn max_nodes(&self, cx: &DraftContext, max_depth: usize) -> usize {
+        (self.max_nodes)(cx, max_depth)
     }
 
     /// Token Recycling (`recycle[:K]`): every request drafts from an adjacency matrix of `k`
@@ -75,6 +95,7 @@ impl DrafterFactory {
         let matrix = Arc::new(std::sync::Mutex::new(
             RecycleMatrix::new(vocab, k).map_err(ServeError::from)?,
         ));
+        let bound = Arc::clone(&template);
         let mut f = DrafterFactory::new("recycle", move |_: &DraftContext| {
             let matrix = if shared {
                 Arc::clone(&matrix)
@@ -85,7 +106,8 @@ impl DrafterFactory {
                 RecycleDrafter::shared(matrix, Arc::clone(&template))?
                     .with_prompt_logits(prompt_logits),
             ) as Box<dyn Drafter>)
-        });
+        })
+        .with_max_nodes(move |_, depth| bound.nodes_within(depth));
         f.candidates = k;
         f.prompt_candidates = if prompt_logits { k } else { 0 };
         Ok(f)
@@ -96,12 +118,12 @@ impl DrafterFactory {
     pub fn ngram(max_n: usize) -> Result<DrafterFactory> {
         let d = NgramDrafter::default();
         NgramDrafter::new(max_n, 1, 1, d.max_matches).map_err(ServeError::from)?;
+        let drafter =
+            move |cx: &DraftContext| NgramDrafter::new(max_n, 1, cx.depth.max(1), d.max_matches);
         Ok(DrafterFactory::new("ngram", move |cx: &DraftContext| {
-            Ok(
-                Box::new(NgramDrafter::new(max_n, 1, cx.depth.max(1), d.max_matches)?)
-                    as Box<dyn Drafter>,
-            )
-        }))
+            Ok(Box::new(drafter(cx)?) as Box<dyn Drafter>)
+        })
+        .with_max_nodes(move |cx, depth| drafter(cx).map_or(usize::MAX, |d| d.max_nodes(depth))))
     }
 
     /// A model drafter for every request: the first `layers` layers of `model` (all of them for
@@ -123,6 +145,7 @@ impl DrafterFactory {
         let block = KvPool::block_bytes(model.config.kv_dim(), layers).max(1);
         let pool = KvPool::elastic(&model.config, layers, (kv_bytes / block).max(4));
         let label = name.clone();
+        let bound = shape.clone();
         let build = move |seed: u64| -> arbor_engine::Result<Box<dyn Drafter>> {
             let d = ModelDrafter::new(
                 name.clone(),
@@ -138,9 +161,10 @@ impl DrafterFactory {
         };
         // Built once here (layers, shape, pool checked), so a bad configuration fails at start-up.
         build(0).map_err(ServeError::from)?;
-        Ok(DrafterFactory::new(label, move |cx: &DraftContext| {
-            build(cx.seed)
-        }))
+        Ok(
+            DrafterFactory::new(label, move |cx: &DraftContext| build(cx.seed))
+                .with_max_nodes(move |_, depth| bound.max_nodes_within(depth)),
+        )
     }
 
     /// Early-exit self-speculation (`early-exit:L`): the LLM's own first `layers` layers.

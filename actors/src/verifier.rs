@@ -11,7 +11,7 @@ use arbor_engine::backend::cuda::open_device;
 use arbor_engine::sched::{PlannedStep, RequestSpec, Scheduler, SpecPolicy, StepCost};
 use arbor_engine::{CpuBackend, KvPool};
 
-use crate::config::EngineConfig;
+use crate::config::{DraftContext, DrafterFactory, EngineConfig};
 use crate::error::{codes, Result, ServeError};
 use crate::events::RequestId;
 use crate::kv_allocator::{LedgerClient, LedgerTraffic};
@@ -23,10 +23,9 @@ use crate::messages::{
 pub struct Verifier {
     sched: Scheduler<'static>,
     backend: CpuBackend,
-    n_drafters: usize,
-    /// Per drafter, the candidates per verified row and per prompt row it wants (Token
-    /// Recycling).
-    drafter_candidates: Vec<(usize, usize)>,
+    /// The engine's drafters (what each wants from a pass, what its trees hold at most).
+    drafters: Vec<DrafterFactory>,
+    vocab: usize,
     max_prompt_tokens: usize,
     /// Request id → its scheduler id and speculation; scheduler id → request id.
     requests: HashMap<RequestId, Tracked>,
@@ -100,12 +99,8 @@ impl Verifier {
         Ok(Verifier {
             sched,
             backend,
-            n_drafters: config.drafters.len(),
-            drafter_candidates: config
-                .drafters
-                .iter()
-                .map(|d| (d.candidates, d.prompt_candidates))
-                .collect(),
+            drafters: config.drafters.clone(),
+            vocab: config.model.config.vocab_size,
             max_prompt_tokens,
             requests: HashMap::new(),
             to_req: HashMap::new(),
@@ -121,6 +116,27 @@ impl Verifier {
     }
 
     /// The flag the Intake raises before it sends a message.
+    /// The most draft nodes a request's merged tree holds when at most `d` deep, for `d` up to
+    /// its depth cap (each drafter built for it as the Drafter actors build it).
+    fn max_nodes_by_depth(&self, drafters: &[usize], seed: u64, depth: usize) -> Vec<usize> {
+        (0..=depth)
+            .map(|d| {
+                drafters
+                    .iter()
+                    .enumerate()
+                    .map(|(pos, &i)| {
+                        let cx = DraftContext {
+                            seed: seed.wrapping_add(1 + pos as u64),
+                            depth,
+                            vocab: self.vocab,
+                        };
+                        self.drafters[i].max_nodes(&cx, d)
+                    })
+                    .fold(0, usize::saturating_add)
+            })
+            .collect()
+    }
+
     pub fn interrupt_flag(&self) -> Arc<AtomicBool> {
         Arc::clone(&self.interrupt)
     }
@@ -158,10 +174,11 @@ impl Verifier {
                 ),
             ));
         }
+        let seed = req.params.sampling.seed;
         // Trees are drafted by the Drafter actors (`PlanStep` lists the work).
         let spec = match &req.speculation {
             Some(sp) => {
-                if let Some(&bad) = sp.drafters.iter().find(|&&i| i >= self.n_drafters) {
+                if let Some(&bad) = sp.drafters.iter().find(|&&i| i >= self.drafters.len()) {
                     return Err(ServeError::internal(format!("no drafter {bad}")));
                 }
                 Some(RequestSpec {
@@ -177,21 +194,21 @@ impl Verifier {
                     candidates: sp
                         .drafters
                         .iter()
-                        .map(|&i| self.drafter_candidates[i].0)
+                        .map(|&i| self.drafters[i].candidates)
                         .max()
                         .unwrap_or(0),
                     prompt_candidates: sp
                         .drafters
                         .iter()
-                        .map(|&i| self.drafter_candidates[i].1)
+                        .map(|&i| self.drafters[i].prompt_candidates)
                         .max()
                         .unwrap_or(0),
+                    max_nodes_by_depth: self.max_nodes_by_depth(&sp.drafters, seed, sp.depth),
                 })
             }
             None => None,
         };
         let n = prompt.len();
-        let seed = req.params.sampling.seed;
         let tracked_spec = req.speculation.map(|sp| (sp.drafters, seed, sp.depth));
         let sid = self.sched.submit_spec(prompt, req.params, spec)?;
         self.to_req.insert(sid, msg.id);
@@ -396,7 +413,8 @@ impl Verifier {
                     id,
                     tokens: j.tokens,
                     budget: j.budget,
-                    max_depth: j.max_depth,
+                    // The request's own depth cap (a drafter built for it may not know it).
+                    max_depth: j.max_depth.min(depth),
                     drafters,
                     seed,
                     depth,

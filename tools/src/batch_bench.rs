@@ -444,6 +444,7 @@ fn run_mode(
                 external: false,
                 candidates: 0,
                 prompt_candidates: 0,
+                max_nodes_by_depth: Vec::new(),
             }),
         };
         s.submit_spec(set[i % set.len()].clone(), params, spec)?;

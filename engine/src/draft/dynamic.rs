@@ -77,9 +77,20 @@ impl DraftShape {
 
     /// Most draft nodes a tree of this shape has.
     pub fn max_nodes(&self) -> usize {
+        self.max_nodes_within(self.depth())
+    }
+
+    /// Most draft nodes a tree of this shape has in its first `depth` depths.
+    pub fn max_nodes_within(&self, depth: usize) -> usize {
         match self {
-            DraftShape::Expand(c) => c.max_nodes(),
-            DraftShape::Dynamic { budget, .. } => *budget,
+            DraftShape::Expand(c) => c.max_nodes_within(depth),
+            DraftShape::Dynamic { budget, beam, .. } => match depth {
+                0 => 0,
+                d => (d - 1)
+                    .saturating_mul(beam.saturating_mul(*beam))
+                    .saturating_add(*beam)
+                    .min(*budget),
+            },
         }
     }
 

@@ -49,6 +49,12 @@ impl Drafter for FallbackDrafter<'_> {
         &self.name
     }
 
+    fn max_nodes(&self, max_depth: usize) -> usize {
+        self.first
+            .max_nodes(max_depth)
+            .max(self.second.max_nodes(max_depth))
+    }
+
     fn propose(&mut self, req: &DraftRequest<'_>) -> Result<TokenTree> {
         let tree = self.first.propose(req)?;
         self.second_drafted = tree.len() <= 1;

@@ -90,6 +90,14 @@ pub trait Drafter: Send {
         0
     }
 
+    /// Most draft nodes a proposal at most `max_depth` deep ever holds, whatever the budget
+    /// (the default, `usize::MAX`: as many as the budget). The scheduler reserves a step's rows
+    /// for a tree verified whole by this bound rather than the budget, so more requests share
+    /// the step; a tree over it is cut to it.
+    fn max_nodes(&self, _max_depth: usize) -> usize {
+        usize::MAX
+    }
+
     /// After each verification pass, before [`Drafter::accept`]: the logits of this drafter's
     /// placeholder group anchored at the last accepted node (the root when nothing was accepted),
     /// or `None` when it had no group there (or its groups did not fit in the pass).
@@ -409,6 +417,10 @@ impl Drafter for OracleDrafter {
         "oracle"
     }
 
+    fn max_nodes(&self, max_depth: usize) -> usize {
+        self.config.max_nodes_within(max_depth)
+    }
+
     fn propose(&mut self, req: &DraftRequest<'_>) -> Result<TokenTree> {
         let n = req.tokens.len();
         let on_track = self.truth.len() >= n && self.truth[..n] == *req.tokens;
@@ -469,6 +481,10 @@ impl Drafter for RandomDrafter {
         "random"
     }
 
+    fn max_nodes(&self, max_depth: usize) -> usize {
+        self.config.max_nodes_within(max_depth)
+    }
+
     fn propose(&mut self, req: &DraftRequest<'_>) -> Result<TokenTree> {
         let width = self.config.branches().iter().copied().max().unwrap_or(1);
         let vocab = req.vocab.max(1) as u64;
@@ -524,6 +540,10 @@ impl DistDrafter {
 impl Drafter for DistDrafter {
     fn name(&self) -> &str {
         &self.name
+    }
+
+    fn max_nodes(&self, max_depth: usize) -> usize {
+        self.config.max_nodes_within(max_depth)
     }
 
     fn propose(&mut self, req: &DraftRequest<'_>) -> Result<TokenTree> {
@@ -594,5 +614,91 @@ mod tests {
             .unwrap();
         assert_eq!(t.n_draft(), 4 + 16 + 64 + 256);
         assert_eq!(t.max_depth(), 4);
+    }
+
+    /// `Drafter::max_nodes` bounds every proposal at its depth whatever the budget (the
+    /// scheduler reserves a step's rows by it), and the bounds are reached: sequences over a
+    /// small vocabulary give prompt lookup its every match, Token Recycling a full matrix.
+    #[test]
+    fn max_nodes_bounds_every_proposal() {
+        let mut rng = crate::sample::Rng::new(7);
+        let mut reached = std::collections::HashMap::<String, usize>::new();
+        for round in 0..40 {
+            let vocab = 3 + round % 6;
+            let seq: Vec<u32> = (0..60 + round)
+                .map(|_| (rng.next_u64() % vocab as u64) as u32)
+                .collect();
+            let uniform: Vec<(u32, f32)> =
+                (0..vocab as u32).map(|t| (t, 1.0 / vocab as f32)).collect();
+            let mut drafters: Vec<Box<dyn Drafter>> = vec![
+                Box::new(ngram::NgramDrafter::default()),
+                Box::new(ngram::NgramDrafter::new(4, 1, 5, 4).unwrap()),
+                Box::new(RecycleDrafter::new(vocab, 8).unwrap()),
+                Box::new(RandomDrafter::new("3,2,2".parse().unwrap(), round as u64)),
+                Box::new(DistDrafter::new(
+                    "sampled",
+                    "4,2".parse().unwrap(),
+                    ExpandMode::Sample,
+                    round as u64,
+                    Box::new(move |_: &[u32]| Ok(uniform.clone())),
+                )),
+                Box::new(FallbackDrafter::new(
+                    Box::new(ngram::NgramDrafter::default()),
+                    Box::new(RandomDrafter::new("2,2".parse().unwrap(), 1)),
+                )),
+            ];
+            for d in drafters.iter_mut() {
+                for max_depth in 0..10 {
+                    let t = d
+                        .propose(&DraftRequest {
+                            tokens: &seq,
+                            budget: 10_000,
+                            max_depth,
+                            drafter: 0,
+                            vocab,
+                        })
+                        .unwrap();
+                    let bound = d.max_nodes(max_depth);
+                    assert!(
+                        t.n_draft() <= bound,
+                        "{}: {} nodes at depth {max_depth}, bound {bound}",
+                        d.name(),
+                        t.n_draft()
+                    );
+                    if t.n_draft() == bound && max_depth > 0 {
+                        *reached.entry(d.name().to_string()).or_default() += 1;
+                    }
+                }
+            }
+        }
+        // Every drafter's bound is its largest proposal somewhere (not a loose guess).
+        for name in ["ngram", "random", "sampled", "ngram else random"] {
+            assert!(
+                reached.get(name).is_some_and(|&n| n > 0),
+                "{name}: {reached:?}"
+            );
+        }
+        // Token Recycling over a matrix where every token has eight successors fills the
+        // template at every depth.
+        let matrix = std::sync::Arc::new(std::sync::Mutex::new(RecycleMatrix::new(16, 8).unwrap()));
+        for t in 0..16u32 {
+            let next: Vec<u32> = (1..=8).map(|k| (t + k) % 16).collect();
+            matrix.lock().unwrap().update(t, &next);
+        }
+        let template = std::sync::Arc::new(RecycleTemplate::paper());
+        let mut d = RecycleDrafter::shared(matrix, template).unwrap();
+        for max_depth in 0..10 {
+            let t = d
+                .propose(&DraftRequest {
+                    tokens: &[3, 4, 5],
+                    budget: 10_000,
+                    max_depth,
+                    drafter: 0,
+                    vocab: 16,
+                })
+                .unwrap();
+            assert_eq!(t.n_draft(), d.max_nodes(max_depth), "depth {max_depth}");
+        }
+        assert_eq!(d.max_nodes(6), 80);
     }
 }

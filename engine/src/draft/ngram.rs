@@ -94,6 +94,11 @@ impl Drafter for NgramDrafter {
         true
     }
 
+    /// One branch per match, each at most `max_len` deep.
+    fn max_nodes(&self, max_depth: usize) -> usize {
+        self.max_matches.saturating_mul(self.max_len.min(max_depth))
+    }
+
     fn propose(&mut self, req: &DraftRequest<'_>) -> Result<TokenTree> {
         let root = req.root();
         let mut b = TreeBuilder::new(root);

@@ -321,6 +321,15 @@ impl RecycleTemplate {
         self.nodes.last().map_or(0, |n| n.depth)
     }
 
+    /// Draft nodes at most `depth` deep.
+    pub fn nodes_within(&self, depth: usize) -> usize {
+        self.nodes
+            .iter()
+            .skip(1)
+            .filter(|n| n.depth <= depth)
+            .count()
+    }
+
     /// Widest rank used (the most successors a proposal reads per token).
     pub fn max_rank(&self) -> usize {
         self.nodes
@@ -474,6 +483,11 @@ fn lock(m: &Mutex<RecycleMatrix>) -> MutexGuard<'_, RecycleMatrix> {
 impl Drafter for RecycleDrafter {
     fn name(&self) -> &str {
         "recycle"
+    }
+
+    /// Proposals are subtrees of the template.
+    fn max_nodes(&self, max_depth: usize) -> usize {
+        self.template.nodes_within(max_depth)
     }
 
     fn propose(&mut self, req: &DraftRequest<'_>) -> Result<TokenTree> {

@@ -535,6 +535,10 @@ impl<B: Backend> Drafter for ModelDrafter<'_, B> {
         &self.name
     }
 
+    fn max_nodes(&self, max_depth: usize) -> usize {
+        self.shape.max_nodes_within(max_depth)
+    }
+
     /// The batched proposal with a batch of one: start, then pass and resume until done.
     fn propose(&mut self, req: &DraftRequest<'_>) -> Result<TokenTree> {
         let mut step = self.start(req)?;

@@ -150,6 +150,11 @@ pub struct RequestSpec<'a> {
     pub candidates: usize,
     /// Top candidates per prompt row the outside drafters want (a warm start; 0: none).
     pub prompt_candidates: usize,
+    /// Outside drafters: the most draft nodes their merged tree holds when at most `d` deep, at
+    /// index `d` (the last entry for deeper trees); empty: no bound but the budget. A step
+    /// reserves rows for the tree by it (in-process drafters say so themselves,
+    /// [`Drafter::max_nodes`]).
+    pub max_nodes_by_depth: Vec<usize>,
 }
 
 /// A tree to draft outside the scheduler for one request of a planned step.
@@ -213,6 +218,8 @@ struct SpecState<'a> {
     /// Candidates per row the outside drafters want, of verified rows and of prompt rows.
     candidates: usize,
     prompt_candidates: usize,
+    /// [`RequestSpec::max_nodes_by_depth`].
+    max_nodes_by_depth: Vec<usize>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -232,8 +239,11 @@ struct Slot {
     /// Prefill rows (0: a decode slot).
     prefill: usize,
     logits: bool,
-    /// Most draft nodes this step.
+    /// Most draft nodes this step: the drafters' budget.
     tree_cap: usize,
+    /// Most draft nodes the drafters' tree holds at this step's depth, whatever the budget
+    /// (`usize::MAX`: unbounded): rows are reserved for [`Slot::tree_rows`].
+    tree_bound: usize,
     /// The tree to verify (root first), for speculating requests.
     tree: Option<TokenTree>,
     /// `tree`'s attention mask when the tree merger built it (else built from `tree`).
@@ -255,6 +265,7 @@ impl Slot {
             prefill: 0,
             logits: true,
             tree_cap: 0,
+            tree_bound: usize::MAX,
             tree: None,
             tree_mask: None,
             proposal: None,
@@ -263,12 +274,17 @@ impl Slot {
         }
     }
 
+    /// Most draft nodes this step's tree has.
+    fn tree_rows(&self) -> usize {
+        self.tree_cap.min(self.tree_bound)
+    }
+
     /// Most rows this slot can feed.
     fn rows_upper(&self) -> usize {
         if self.prefill > 0 {
             self.prefill
         } else {
-            1 + self.tree_cap
+            1 + self.tree_rows()
         }
     }
 }
@@ -427,6 +443,26 @@ impl Request<'_> {
         self.spec
             .as_ref()
             .is_some_and(|sp| whole_tree(sp.policy, &self.params.sampling))
+    }
+
+    /// Most draft nodes the drafters' tree holds at this step's draft depth, whatever the
+    /// budget (`usize::MAX`: no bound known).
+    fn tree_bound(&self) -> usize {
+        let Some(sp) = &self.spec else {
+            return 0;
+        };
+        let depth = self.draft_depth();
+        if sp.external {
+            match sp.max_nodes_by_depth.as_slice() {
+                [] => usize::MAX,
+                t => t[depth.min(t.len() - 1)],
+            }
+        } else {
+            sp.drafters
+                .iter()
+                .map(|d| d.max_nodes(depth))
+                .fold(0, usize::saturating_add)
+        }
     }
 
     /// Deepest draft this step may verify: no token past `max_tokens` or the position cap.
@@ -686,6 +722,7 @@ impl<'a> Scheduler<'a> {
                     external: rs.external,
                     candidates: rs.candidates,
                     prompt_candidates: rs.prompt_candidates,
+                    max_nodes_by_depth: rs.max_nodes_by_depth,
                 })
             }
             None => None,
@@ -963,7 +1000,9 @@ impl<'a> Scheduler<'a> {
             if tree.root_token() != r.root() || tree.validate(vocab).is_err() {
                 continue;
             }
-            let (tree, mask) = masked.truncate(r.draft_depth(), sl.tree_cap).into_parts();
+            let (tree, mask) = masked
+                .truncate(r.draft_depth(), sl.tree_rows())
+                .into_parts();
             sl.proposal = Some(tree);
             sl.proposal_mask = Some(mask);
         }
@@ -1216,13 +1255,13 @@ impl<'a> Scheduler<'a> {
             }
             let mut sl = Slot::decode(i, r.id);
             if r.whole_tree() {
-                let cap = r.tree_cap();
+                sl.tree_cap = r.tree_cap();
+                sl.tree_bound = r.tree_bound();
                 let keep = if first { 0 } else { reserve };
-                if cap + 1 + keep > budget {
+                if sl.tree_rows() + 1 + keep > budget {
                     continue;
                 }
-                sl.tree_cap = cap;
-                budget -= cap;
+                budget -= sl.tree_rows();
             }
             budget -= 1;
             plan.push(sl);
@@ -1245,6 +1284,7 @@ impl<'a> Scheduler<'a> {
                     prefill: n,
                     logits: logits_at_end && n == left,
                     tree_cap: 0,
+                    tree_bound: usize::MAX,
                     tree: None,
                     tree_mask: None,
                     proposal: None,
@@ -1265,8 +1305,9 @@ impl<'a> Scheduler<'a> {
                     cap = useful_budget(c, cap, &sp.acceptance);
                 }
             }
-            budget -= cap;
             sl.tree_cap = cap;
+            sl.tree_bound = r.tree_bound();
+            budget -= sl.tree_rows();
         }
         plan
     }
@@ -1360,7 +1401,13 @@ impl<'a> Scheduler<'a> {
                     &mut self.drafter_failures,
                 );
             }
-            plan[k].proposal = Some(tree);
+            // Within the rows reserved for it (a drafter's `max_nodes` that does not hold).
+            let rows = plan[k].tree_rows();
+            plan[k].proposal = Some(if tree.n_draft() > rows {
+                tree.truncate_nodes(rows)
+            } else {
+                tree
+            });
         }
         // Fixed requests verify the whole proposal; adaptive ones what the policy picks.
         let mut base_rows = 0;

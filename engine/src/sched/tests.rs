@@ -535,6 +535,64 @@ fn whole_trees_take_turns() {
     }
 }
 
+/// Rows are reserved for a whole tree by what its drafters can propose (`Drafter::max_nodes`),
+/// not by the budget: four sampled requests whose prompt lookup proposes at most two nodes share
+/// every 16-row step (reserving their budget of 15 nodes, one request ran per step), and each
+/// one's tokens are its own alone.
+#[test]
+fn whole_trees_reserve_what_their_drafters_can_propose() {
+    let be = CpuBackend::new(2).unwrap();
+    let model = tiny_model(&spec("llama", GgmlType::Q8_0), 9).unwrap();
+    let vocab = model.config.vocab_size as u32;
+    let sampled = |i: u64| GenerateParams {
+        max_tokens: 16,
+        sampling: SamplingParams {
+            temperature: 0.8,
+            seed: 300 + i,
+            ..SamplingParams::default()
+        },
+        ..GenerateParams::default()
+    };
+    let config = SchedConfig {
+        max_step_tokens: 16,
+        ..SchedConfig::default()
+    };
+    let run = |which: &[u64]| -> Vec<(Vec<u32>, usize)> {
+        let pool = KvPool::new(&model.config, model.config.n_layers, 128);
+        let mut s = Scheduler::new(&model, None, pool, config.clone()).unwrap();
+        for &i in which {
+            let p = repetitive(vocab, 4, i as u32);
+            // One match, two tokens: at most two draft nodes.
+            let ngram = crate::draft::NgramDrafter::new(3, 1, 2, 1).unwrap();
+            let sp = in_process_spec(vec![Box::new(ngram)], SpecPolicy::Fixed, 15);
+            s.submit_spec(p, sampled(i), Some(sp)).unwrap();
+        }
+        let mut out = vec![(Vec::new(), 0usize, None::<usize>); which.len()];
+        let mut step = 0;
+        while !s.is_idle() {
+            step += 1;
+            assert!(step < 500, "no progress in 500 steps");
+            for ev in s.step(&be).unwrap() {
+                let o = &mut out[ev.id as usize];
+                if let Some(last) = o.2 {
+                    o.1 = o.1.max(step - last);
+                }
+                o.2 = Some(step);
+                if let Some(f) = ev.finish {
+                    o.0 = done_tokens(&f).0.to_vec();
+                }
+            }
+        }
+        out.into_iter().map(|(t, gap, _)| (t, gap)).collect()
+    };
+    let together = run(&[0, 1, 2, 3]);
+    for (i, (tokens, gap)) in together.iter().enumerate() {
+        assert_eq!(tokens.len(), 16);
+        assert_eq!(*gap, 1, "request {i} waited {gap} steps between events");
+        assert_eq!(&run(&[i as u64])[0].0, tokens, "request {i}");
+    }
+}
+
 /// A prompt that repeats itself, so prompt lookup finds matches.
 fn repetitive(vocab: u32, n: usize, salt: u32) -> Vec<u32> {
     (0..n as u32)
@@ -584,6 +642,7 @@ fn in_process_spec<'a>(
         external: false,
         candidates: 0,
         prompt_candidates: 0,
+        max_nodes_by_depth: Vec::new(),
     }
 }
 
@@ -1105,6 +1164,7 @@ fn batched_model_drafters_keep_every_output() {
                 external: false,
                 candidates: 0,
                 prompt_candidates: 0,
+                max_nodes_by_depth: Vec::new(),
             };
             let sp = match i % 4 {
                 0 => None,
@@ -1197,6 +1257,7 @@ fn counted_run(
         external: false,
         candidates: 0,
         prompt_candidates: 0,
+        max_nodes_by_depth: Vec::new(),
     };
     s.submit_spec(prompt.to_vec(), params.clone(), Some(sp))
         .unwrap();
@@ -1542,4 +1603,44 @@ fn adaptive_sampled_proposals_are_verified_whole() {
     // but what was drafted is verified: a depth chosen from the proposal cut every tree to its
     // root here (0 nodes verified).
     assert!(m.drafted > 0, "{m:?}");
+}
+
+/// A drafter whose proposals exceed its own `max_nodes` (the rows a step reserved for its tree)
+/// is cut to it: the step stays within its rows and blocks, and greedy output is unchanged.
+#[test]
+fn trees_over_their_drafters_bound_are_cut_to_it() {
+    struct Understated(crate::draft::NgramDrafter);
+    impl Drafter for Understated {
+        fn name(&self) -> &str {
+            "understated"
+        }
+        fn max_nodes(&self, _max_depth: usize) -> usize {
+            1
+        }
+        fn propose(&mut self, req: &crate::draft::DraftRequest<'_>) -> Result<TokenTree> {
+            self.0.propose(req)
+        }
+    }
+    let be = CpuBackend::new(2).unwrap();
+    let model = tiny_model(&spec("llama", GgmlType::Q8_0), 9).unwrap();
+    let vocab = model.config.vocab_size as u32;
+    let pool = KvPool::new(&model.config, model.config.n_layers, 64);
+    let mut s = Scheduler::new(&model, None, pool, SchedConfig::default()).unwrap();
+    let prompt = repetitive(vocab, 40, 3);
+    let params = GenerateParams {
+        max_tokens: 24,
+        ..GenerateParams::default()
+    };
+    let d = Understated(crate::draft::NgramDrafter::default());
+    let sp = in_process_spec(vec![Box::new(d)], SpecPolicy::Fixed, 16);
+    s.submit_spec(prompt.clone(), params.clone(), Some(sp))
+        .unwrap();
+    let done = s.run_to_completion(&be).unwrap();
+    let m = spec_metrics(&done[0].1);
+    assert!(m.drafted <= m.steps, "{m:?}");
+    assert!(m.accepted > 0, "{m:?}");
+    assert_eq!(
+        done_tokens(&done[0].1).0,
+        alone(&model, &be, &prompt, &params)
+    );
 }

@@ -50,9 +50,14 @@ impl ExpansionConfig {
 
     /// Draft nodes of the full expansion (saturating).
     pub fn max_nodes(&self) -> usize {
+        self.max_nodes_within(self.depth())
+    }
+
+    /// Draft nodes of the expansion's first `depth` levels (saturating).
+    pub fn max_nodes_within(&self, depth: usize) -> usize {
         let mut level = 1usize;
         let mut total = 0usize;
-        for &b in &self.branches {
+        for &b in self.branches.iter().take(depth) {
             level = level.saturating_mul(b);
             total = total.saturating_add(level);
         }

@@ -261,6 +261,7 @@ pub fn scheduler_against_incremental(
             external: false,
             candidates: 0,
             prompt_candidates: 0,
+            max_nodes_by_depth: Vec::new(),
         };
         let sp = match i % 3 {
             0 => None,
