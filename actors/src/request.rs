@@ -27,7 +27,8 @@ pub struct SpeculationRequest {
     pub depth: Option<usize>,
     /// Most draft nodes per step (at most the engine's budget).
     pub budget: Option<usize>,
-    /// Adaptive tree sizes (default: adaptive under greedy sampling, fixed when sampling).
+    /// Adaptive tree sizes (the default); `false`: the whole drafted tree every step, so a
+    /// sampled output depends on its seed and settings only, bit for bit, also with speculation.
     pub adaptive: Option<bool>,
     /// Verification rule (default: greedy for temperature 0, MSS otherwise).
     pub verify: Option<VerifyMode>,
@@ -223,7 +224,7 @@ fn resolve_speculation(
         drafters,
         budget,
         depth,
-        adaptive: s.adaptive.unwrap_or(sampling.is_greedy()),
+        adaptive: s.adaptive.unwrap_or(true),
         verify: s.verify,
     }))
 }
