@@ -245,3 +245,37 @@ pub(crate) fn truncate(s: &str) -> String {
         None => s.to_string(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Speculation is adaptive unless a request asks for fixed trees, sampled or not (fixed
+    /// trees verify every drafted node: under sampling they are what reproduces a seed's tokens,
+    /// at a cost no default should impose).
+    #[test]
+    fn speculation_is_adaptive_unless_asked_fixed() {
+        let spec = SpecLimits {
+            drafter_names: vec!["ngram".into()],
+            budget: 64,
+            depth: 8,
+        };
+        for temperature in [0.0, 0.7] {
+            for asked in [None, Some(true), Some(false)] {
+                let mut req = Request::prompt("hi");
+                req.sampling.temperature = temperature;
+                req.speculation = Some(SpeculationRequest {
+                    adaptive: asked,
+                    ..SpeculationRequest::default()
+                });
+                let v = ValidRequest::new(req, &Limits::default(), &spec).unwrap();
+                let got = v.speculation.expect("speculates").adaptive;
+                assert_eq!(
+                    got,
+                    asked.unwrap_or(true),
+                    "t={temperature} asked {asked:?}"
+                );
+            }
+        }
+    }
+}
