@@ -5,6 +5,7 @@ mod common;
 use arbor_engine::draft::{DistDrafter, Drafter, OracleDrafter, RandomDrafter};
 use arbor_engine::generate::{generate, GenerateParams};
 use arbor_engine::sample::verify::VerifyMode;
+use arbor_engine::sample::SamplingParams;
 use arbor_engine::sched::StepCost;
 use arbor_engine::spec::{self, SpecParams};
 use arbor_engine::tree::{ExpandMode, ExpansionConfig};
@@ -39,6 +40,18 @@ fn params(max_tokens: usize) -> GenerateParams {
         ignore_eos: true,
         min_tokens: 0,
         ..GenerateParams::default()
+    }
+}
+
+/// [`params`] sampling at `temperature` with `seed`.
+fn sampled(max_tokens: usize, temperature: f32, seed: u64) -> GenerateParams {
+    GenerateParams {
+        sampling: SamplingParams {
+            temperature,
+            seed,
+            ..SamplingParams::default()
+        },
+        ..params(max_tokens)
     }
 }
 
@@ -158,7 +171,6 @@ fn stop_rules_match_incremental() {
 #[test]
 fn kv_after_speculative_steps_matches_incremental() {
     use arbor_engine::sample::verify::Verifier;
-    use arbor_engine::sample::SamplingParams;
     use arbor_engine::spec::SpecSession;
     use arbor_engine::{BatchMask, KvCache};
 
@@ -217,17 +229,10 @@ fn kv_after_speculative_steps_matches_incremental() {
 /// Greedy verification under temperature sampling would not be lossless: refused.
 #[test]
 fn greedy_verification_needs_greedy_sampling() {
-    use arbor_engine::sample::SamplingParams;
     let m = common::smollm2();
     let be = common::backend();
     let prompt = m.tok.encode_prompt("Hello").unwrap();
-    let p = GenerateParams {
-        sampling: SamplingParams {
-            temperature: 0.7,
-            ..SamplingParams::default()
-        },
-        ..params(4)
-    };
+    let p = sampled(4, 0.7, 0);
     let sp = SpecParams {
         budget: 8,
         mode: Some(VerifyMode::Greedy),
@@ -258,14 +263,7 @@ fn greedy_verification_needs_greedy_sampling() {
             ..sp.clone()
         };
         let run = |seed: u64, temperature: f32| {
-            let p = GenerateParams {
-                sampling: SamplingParams {
-                    temperature,
-                    seed,
-                    ..SamplingParams::default()
-                },
-                ..params(16)
-            };
+            let p = sampled(16, temperature, seed);
             let mut r = RandomDrafter::new(ExpansionConfig::chain(2), 1);
             spec::generate(
                 &m.model,
@@ -300,18 +298,10 @@ fn greedy_verification_needs_greedy_sampling() {
 /// root and one below each from a flat distribution over four tokens.
 #[test]
 fn adaptive_sampled_proposals_are_verified_whole() {
-    use arbor_engine::sample::SamplingParams;
     let m = common::smollm2();
     let be = common::backend();
     let prompt = m.tok.encode_prompt("Hello").unwrap();
-    let p = GenerateParams {
-        sampling: SamplingParams {
-            temperature: 1.0,
-            seed: 3,
-            ..SamplingParams::default()
-        },
-        ..params(12)
-    };
+    let p = sampled(12, 1.0, 3);
     let sp = SpecParams {
         budget: 8,
         mode: None,

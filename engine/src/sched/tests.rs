@@ -478,6 +478,55 @@ fn whole_trees_leave_room_for_prefill() {
     assert_eq!(&with_late[..2], &alone[..]);
 }
 
+/// Sampled requests `which` in steps of 16 rows, run to idle (request `i`: a 4-token repetitive
+/// prompt, seed `seed + i`, `max_tokens`, speculation from `spec`): per request, its tokens and
+/// the most steps between two of its events.
+fn sampled_in_small_steps<'a>(
+    model: &'a Model,
+    be: &CpuBackend,
+    which: &[u64],
+    (max_tokens, seed): (usize, u64),
+    spec: impl Fn() -> RequestSpec<'a>,
+) -> Vec<(Vec<u32>, usize)> {
+    let vocab = model.config.vocab_size as u32;
+    let config = SchedConfig {
+        max_step_tokens: 16,
+        ..SchedConfig::default()
+    };
+    let pool = KvPool::new(&model.config, model.config.n_layers, 128);
+    let mut s = Scheduler::new(model, None, pool, config).unwrap();
+    for &i in which {
+        let params = GenerateParams {
+            max_tokens,
+            sampling: SamplingParams {
+                temperature: 0.8,
+                seed: seed + i,
+                ..SamplingParams::default()
+            },
+            ..GenerateParams::default()
+        };
+        s.submit_spec(repetitive(vocab, 4, i as u32), params, Some(spec()))
+            .unwrap();
+    }
+    let mut out = vec![(Vec::new(), 0usize, None::<usize>); which.len()];
+    let mut step = 0;
+    while !s.is_idle() {
+        step += 1;
+        assert!(step < 500, "no progress in 500 steps");
+        for ev in s.step(be).unwrap() {
+            let o = &mut out[ev.id as usize];
+            if let Some(last) = o.2 {
+                o.1 = o.1.max(step - last);
+            }
+            o.2 = Some(step);
+            if let Some(f) = ev.finish {
+                o.0 = done_tokens(&f).0.to_vec();
+            }
+        }
+    }
+    out.into_iter().map(|(t, gap, _)| (t, gap)).collect()
+}
+
 /// Sampled fixed trees (verified whole) that do not all fit a step take turns: no request waits
 /// more than a step for the others (the newest used to wait until the older ones finished), and
 /// each one's tokens are its own alone.
@@ -485,47 +534,11 @@ fn whole_trees_leave_room_for_prefill() {
 fn whole_trees_take_turns() {
     let be = CpuBackend::new(2).unwrap();
     let model = tiny_model(&spec("llama", GgmlType::Q8_0), 9).unwrap();
-    let vocab = model.config.vocab_size as u32;
-    let sampled = |i: u64| GenerateParams {
-        max_tokens: 20,
-        sampling: SamplingParams {
-            temperature: 0.8,
-            seed: 200 + i,
-            ..SamplingParams::default()
-        },
-        ..GenerateParams::default()
-    };
     // Three roots with 7-node trees (8 rows each) in steps of 16 rows: two fit a step.
-    let config = SchedConfig {
-        max_step_tokens: 16,
-        ..SchedConfig::default()
-    };
-    let run = |which: &[u64]| -> Vec<(Vec<u32>, usize)> {
-        let pool = KvPool::new(&model.config, model.config.n_layers, 128);
-        let mut s = Scheduler::new(&model, None, pool, config.clone()).unwrap();
-        for &i in which {
-            let p = repetitive(vocab, 4, i as u32);
-            s.submit_spec(p, sampled(i), Some(ngram_spec(SpecPolicy::Fixed, 7)))
-                .unwrap();
-        }
-        // Per request: its tokens and the most steps between two of its events.
-        let mut out = vec![(Vec::new(), 0usize, None::<usize>); which.len()];
-        let mut step = 0;
-        while !s.is_idle() {
-            step += 1;
-            assert!(step < 500, "no progress in 500 steps");
-            for ev in s.step(&be).unwrap() {
-                let o = &mut out[ev.id as usize];
-                if let Some(last) = o.2 {
-                    o.1 = o.1.max(step - last);
-                }
-                o.2 = Some(step);
-                if let Some(f) = ev.finish {
-                    o.0 = done_tokens(&f).0.to_vec();
-                }
-            }
-        }
-        out.into_iter().map(|(t, gap, _)| (t, gap)).collect()
+    let run = |which: &[u64]| {
+        sampled_in_small_steps(&model, &be, which, (20, 200), || {
+            ngram_spec(SpecPolicy::Fixed, 7)
+        })
     };
     let together = run(&[0, 1, 2]);
     for (i, (tokens, gap)) in together.iter().enumerate() {
@@ -543,47 +556,12 @@ fn whole_trees_take_turns() {
 fn whole_trees_reserve_what_their_drafters_can_propose() {
     let be = CpuBackend::new(2).unwrap();
     let model = tiny_model(&spec("llama", GgmlType::Q8_0), 9).unwrap();
-    let vocab = model.config.vocab_size as u32;
-    let sampled = |i: u64| GenerateParams {
-        max_tokens: 16,
-        sampling: SamplingParams {
-            temperature: 0.8,
-            seed: 300 + i,
-            ..SamplingParams::default()
-        },
-        ..GenerateParams::default()
-    };
-    let config = SchedConfig {
-        max_step_tokens: 16,
-        ..SchedConfig::default()
-    };
-    let run = |which: &[u64]| -> Vec<(Vec<u32>, usize)> {
-        let pool = KvPool::new(&model.config, model.config.n_layers, 128);
-        let mut s = Scheduler::new(&model, None, pool, config.clone()).unwrap();
-        for &i in which {
-            let p = repetitive(vocab, 4, i as u32);
+    let run = |which: &[u64]| {
+        sampled_in_small_steps(&model, &be, which, (16, 300), || {
             // One match, two tokens: at most two draft nodes.
             let ngram = crate::draft::NgramDrafter::new(3, 1, 2, 1).unwrap();
-            let sp = in_process_spec(vec![Box::new(ngram)], SpecPolicy::Fixed, 15);
-            s.submit_spec(p, sampled(i), Some(sp)).unwrap();
-        }
-        let mut out = vec![(Vec::new(), 0usize, None::<usize>); which.len()];
-        let mut step = 0;
-        while !s.is_idle() {
-            step += 1;
-            assert!(step < 500, "no progress in 500 steps");
-            for ev in s.step(&be).unwrap() {
-                let o = &mut out[ev.id as usize];
-                if let Some(last) = o.2 {
-                    o.1 = o.1.max(step - last);
-                }
-                o.2 = Some(step);
-                if let Some(f) = ev.finish {
-                    o.0 = done_tokens(&f).0.to_vec();
-                }
-            }
-        }
-        out.into_iter().map(|(t, gap, _)| (t, gap)).collect()
+            in_process_spec(vec![Box::new(ngram)], SpecPolicy::Fixed, 15)
+        })
     };
     let together = run(&[0, 1, 2, 3]);
     for (i, (tokens, gap)) in together.iter().enumerate() {
