@@ -115,7 +115,6 @@ impl Verifier {
         })
     }
 
-    /// The flag the Intake raises before it sends a message.
     /// The most draft nodes a request's merged tree holds when at most `d` deep, for `d` up to
     /// its depth cap (each drafter built for it as the Drafter actors build it).
     fn max_nodes_by_depth(&self, drafters: &[usize], seed: u64, depth: usize) -> Vec<usize> {
@@ -137,6 +136,7 @@ impl Verifier {
             .collect()
     }
 
+    /// The flag the Intake raises before it sends a message.
     pub fn interrupt_flag(&self) -> Arc<AtomicBool> {
         Arc::clone(&self.interrupt)
     }
