@@ -155,3 +155,43 @@ fn bench_spec_prints_one_row_per_tree_size() {
     let out = arbor(&["bench", "spec", "--drafter", "psychic"]);
     assert!(!out.status.success());
 }
+
+/// `--speculate-policy auto` under sampling: adaptive trees (drafts that never pay are dropped:
+/// random guesses back off to plain steps), but fixed ones, every drafted node verified, when
+/// the user gives `--seed` (the same seed then gives the same text).
+#[test]
+fn sampled_auto_policy_is_fixed_only_with_an_explicit_seed() {
+    let spec = |seed: Option<&str>| {
+        let mut args = vec![
+            "generate",
+            "--prompt",
+            "Once upon a time",
+            "--max-tokens",
+            "48",
+            "--ignore-eos",
+            "--temperature",
+            "0.9",
+            "--speculate",
+            "random",
+            "--speculate-tree",
+            "2,2",
+            "--format=json",
+        ];
+        if let Some(s) = seed {
+            args.extend(["--seed", s]);
+        }
+        let j = json(&args);
+        let n = |k: &str| j["spec"][k].as_u64().unwrap();
+        (n("steps"), n("drafted"))
+    };
+    let (steps, drafted) = spec(None);
+    assert!(
+        drafted < steps,
+        "adaptive: {drafted} drafted in {steps} steps"
+    );
+    let (steps, drafted) = spec(Some("7"));
+    assert!(
+        drafted >= 4 * steps,
+        "fixed: {drafted} drafted in {steps} steps"
+    );
+}

@@ -180,8 +180,10 @@ struct GenerateArgs {
     /// 0 = off.
     #[arg(long, default_value_t = 0)]
     top_k: usize,
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    /// Sampling seed (0 when not given). Given explicitly, it also makes `--speculate-policy
+    /// auto` verify fixed trees, so the same seed gives the same text with drafters too.
+    #[arg(long)]
+    seed: Option<u64>,
     /// Stop when this text appears (repeatable).
     #[arg(long)]
     stop: Vec<String>,
@@ -224,8 +226,9 @@ struct SpecArgs {
     speculate_verify: String,
     /// Tree size per step: adaptive (verify the depth that pays, from the measured acceptance
     /// and pass cost; plain decoding where drafts fail), fixed (the whole tree every step), or
-    /// auto: adaptive under greedy decoding, fixed when sampling (adaptive trees follow measured
-    /// timings, so a seed would no longer reproduce the same text; the distribution stays the LLM's).
+    /// auto: adaptive, but fixed when sampling with an explicit --seed (adaptive trees follow
+    /// measured timings, so a seed would no longer reproduce the same text; the distribution
+    /// stays the LLM's either way).
     #[arg(long, default_value = "auto", value_parser = ["auto", "adaptive", "fixed"])]
     speculate_policy: String,
     /// SPACE auto-correct decoding: each verification pass also drafts the next candidates from
@@ -914,7 +917,7 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
             temperature: a.temperature,
             top_k: a.top_k,
             top_p: a.top_p,
-            seed: a.seed,
+            seed: a.seed.unwrap_or(0),
         },
         stop: a.stop.clone(),
         ignore_eos: a.ignore_eos,
@@ -941,7 +944,10 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
             None,
         )
     } else {
-        let (out, m) = speculate(&a.spec, &model, &backend, &tok, &prompt, &params, on_text)?;
+        let seeded = a.seed.is_some();
+        let (out, m) = speculate(
+            &a.spec, seeded, &model, &backend, &tok, &prompt, &params, on_text,
+        )?;
         (out, Some(m))
     };
     let mut stdout = std::io::stdout().lock();
@@ -1004,9 +1010,12 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     Ok(())
 }
 
-/// `arbor generate --speculate …`: speculative generation with the chosen drafters.
+/// `arbor generate --speculate …`: speculative generation with the chosen drafters (`seeded`:
+/// the user gave `--seed`).
+#[allow(clippy::too_many_arguments)]
 fn speculate(
     a: &SpecArgs,
+    seeded: bool,
     model: &Model,
     backend: &CpuBackend,
     tok: &Tokenizer,
@@ -1059,7 +1068,7 @@ fn speculate(
         budget,
         mode,
         adaptive: match a.speculate_policy.as_str() {
-            "auto" => params.sampling.is_greedy(),
+            "auto" => params.sampling.is_greedy() || !seeded,
             p => p == "adaptive",
         },
         step_cost: None,
