@@ -985,11 +985,14 @@ pub fn generate<B: Backend>(
     // Seconds of the plain steps before the first proposal (the curve's one-row point).
     let mut plain_secs: Vec<f64> = Vec::new();
     // Sizes the first tree does not cover and the budget allows (none for a given curve).
-    let mut explore: Vec<usize> = EXPLORE_ROWS
-        .iter()
-        .copied()
-        .filter(|&r| spec.step_cost.is_none() && r < FIRST_TREE_ROWS && r - 1 <= spec.budget)
-        .collect();
+    let mut explore: Vec<usize> = match spec.step_cost {
+        Some(_) => Vec::new(),
+        None => EXPLORE_ROWS
+            .iter()
+            .copied()
+            .filter(|&r| r < FIRST_TREE_ROWS && r - 1 <= spec.budget)
+            .collect(),
+    };
     let mut explore_tries = 0usize;
     // Whether the last drafting cost next to nothing against a pass (prompt lookup): then the
     // drafters are asked for their whole depth, since a deeper draft costs no drafter passes.

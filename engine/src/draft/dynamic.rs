@@ -39,12 +39,19 @@ impl DraftShape {
     /// tree; for a dynamic tree the candidates it ranks, `beam` at depth 1 and `beam × beam`
     /// at each depth below.
     pub fn capacity(&self) -> usize {
+        self.capacity_within(self.depth())
+    }
+
+    /// [`DraftShape::capacity`] of the shape's first `depth` depths.
+    fn capacity_within(&self, depth: usize) -> usize {
         match self {
-            DraftShape::Expand(c) => c.max_nodes(),
-            DraftShape::Dynamic { beam, depth, .. } => depth
-                .saturating_sub(1)
-                .saturating_mul(beam.saturating_mul(*beam))
-                .saturating_add(*beam),
+            DraftShape::Expand(c) => c.max_nodes_within(depth),
+            DraftShape::Dynamic { beam, .. } => match depth {
+                0 => 0,
+                d => (d - 1)
+                    .saturating_mul(beam.saturating_mul(*beam))
+                    .saturating_add(*beam),
+            },
         }
     }
 
@@ -83,14 +90,8 @@ impl DraftShape {
     /// Most draft nodes a tree of this shape has in its first `depth` depths.
     pub fn max_nodes_within(&self, depth: usize) -> usize {
         match self {
-            DraftShape::Expand(c) => c.max_nodes_within(depth),
-            DraftShape::Dynamic { budget, beam, .. } => match depth {
-                0 => 0,
-                d => (d - 1)
-                    .saturating_mul(beam.saturating_mul(*beam))
-                    .saturating_add(*beam)
-                    .min(*budget),
-            },
+            DraftShape::Expand(_) => self.capacity_within(depth),
+            DraftShape::Dynamic { budget, .. } => self.capacity_within(depth).min(*budget),
         }
     }
 
@@ -151,6 +152,18 @@ mod tests {
         let s: DraftShape = "1,1,3".parse().unwrap();
         assert_eq!(s.depth(), 3);
         assert_eq!(s.max_nodes(), 5);
+        let within = |s: &DraftShape| (0..5).map(|d| s.max_nodes_within(d)).collect::<Vec<_>>();
+        assert_eq!(within(&s), [0, 1, 2, 5, 5]);
+        // A dynamic tree: its `beam` candidates at depth 1, `beam²` more per depth, at most its
+        // budget.
+        assert_eq!(
+            within(&"dynamic:12:3:6".parse().unwrap()),
+            [0, 3, 12, 12, 12]
+        );
+        assert_eq!(
+            within(&"dynamic:30:3:6".parse().unwrap()),
+            [0, 3, 12, 21, 30]
+        );
         let d: DraftShape = "dynamic:64".parse().unwrap();
         assert_eq!(
             d,
