@@ -57,10 +57,10 @@ impl Model {
         Self::from_gguf(GgufFile::open(path)?)
     }
 
-    /// The model of a parsed GGUF image. Unless `ARBOR_PACK=0`, where this process's matmuls run
-    /// the AVX-512 family, the K-quant weight matrices are column-packed in place first
-    /// ([`quant::packed`]; not in a read-only file mapping): the same results, cheaper passes
-    /// over several rows.
+    /// The model of a parsed GGUF image. Unless `ARBOR_PACK=0`, the weight matrices this
+    /// process's kernels read packed ([`quant::packed::packs_here_matrix`]) are column-packed in
+    /// place first ([`quant::packed`]; not in a read-only file mapping): the same results,
+    /// cheaper passes.
     pub fn from_gguf(gguf: GgufFile) -> Result<Model> {
         Self::from_gguf_packing(gguf, quant::packed::pack_requested())
     }

@@ -677,9 +677,9 @@ pub fn matmul_with(
         return Ok(());
     }
     let level = level.on_this_cpu();
-    if w.packed && !packed::reads_packed(level, w.ty) {
-        // Only the AVX-512 and AVX2 families read packed rows (the AVX2 family K-quants only):
-        // the others run on natural ones (a copy; tests and explicit levels, never a forward pass
+    if w.packed && !packed::reads_packed(level, w.ty, w.n_in) {
+        // Only the AVX-512 and AVX2 families (and the AMX family where it runs the AVX-512
+        // kernels) read packed rows (the AVX2 family K-quants only): the others run on natural ones (a copy; tests and explicit levels, never a forward pass
         // of a process that packed).
         let nat = w.natural_bytes();
         let natural = QMatrix {

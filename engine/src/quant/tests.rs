@@ -1375,3 +1375,69 @@ fn a_matrix_marked_packed_without_whole_slices_is_an_error() {
         );
     }
 }
+
+/// The AMX family's two K-quant paths (tiles from `amx::MIN_TOK` rows, the AMX-order VNNI twin
+/// below) against the packed AVX-512 VNNI kernels, per matmul of qwen2.5-coder-1.5b's FFN shape
+/// (8 copies streamed from memory), two threads, best of 5 rounds: where the AMX family pays.
+/// `cargo test --release -p arbor-engine --lib quant::tests::amx_vs_packed_timing -- --ignored --nocapture`
+#[cfg(target_arch = "x86_64")]
+#[test]
+#[ignore]
+fn amx_vs_packed_timing() {
+    use std::time::Instant;
+    if !levels().contains(&KernelLevel::Amx) {
+        return;
+    }
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
+    let mut rng = StdRng::seed_from_u64(5);
+    for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
+        let (n_out, n_in) = (8960usize, 1536usize);
+        let copies = 8;
+        let mats: Vec<(Vec<u8>, Vec<u8>)> = (0..copies)
+            .map(|_| {
+                let data = random_matrix(&mut rng, ty, n_out, n_in, true);
+                let mut pk = data.clone();
+                packed::pack(ty, &mut pk, n_out, n_in);
+                (data, pk)
+            })
+            .collect();
+        for n_tok in [1usize, 2, 4, 8, 12, 16, 32, 64] {
+            let x = activations(&mut rng, n_tok, n_in);
+            let mut y = vec![0f32; n_tok * n_out];
+            let mut best = [f64::INFINITY; 3];
+            for _round in 0..5 {
+                for (k, b) in best.iter_mut().enumerate() {
+                    let t = Instant::now();
+                    pool.install(|| {
+                        for (nat, pk) in &mats {
+                            if k == 0 {
+                                let w = QMatrix::new(ty, nat, n_out, n_in).unwrap();
+                                matmul_with(KernelLevel::Amx, &w, &x, n_tok, &mut y).unwrap();
+                            } else if k == 2 {
+                                let w = QMatrix::new(ty, nat, n_out, n_in).unwrap();
+                                super::amx_order_matmul(&w, &x, n_tok, &mut y);
+                            } else {
+                                let w = QMatrix {
+                                    packed: true,
+                                    ..QMatrix::new(ty, pk, n_out, n_in).unwrap()
+                                };
+                                matmul_with(KernelLevel::Avx512Vnni, &w, &x, n_tok, &mut y)
+                                    .unwrap();
+                            }
+                        }
+                    });
+                    *b = b.min(t.elapsed().as_secs_f64() / copies as f64);
+                }
+            }
+            eprintln!(
+                "{ty} n{n_tok}: amx {:.0} us, packed vnni {:.0} us, amx-order twin {:.0} us",
+                best[0] * 1e6,
+                best[1] * 1e6,
+                best[2] * 1e6
+            );
+        }
+    }
+}
