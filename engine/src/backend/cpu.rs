@@ -21,13 +21,14 @@ const MAX_GROUP: usize = 16;
 pub enum AmxUse {
     /// Never: every matmul on the VNNI kernels.
     Never,
-    /// Prompt prefill only: decoding and tree verification stay on the VNNI kernels, so they are
-    /// bit-identical to each other, while prefill sums in the AMX order.
+    /// Prompt prefill only: decoding and tree verification stay on the VNNI kernels. On packed
+    /// weights (the default) every family gives the same bits; on natural ones prefill sums in
+    /// the AMX order.
     Prefill,
-    /// Every forward pass (the default): prefill, decoding and verification all in the AMX order
-    /// (tiles for 8+ rows, the AMX-order VNNI kernels below), bit-identical to each other. Both
-    /// single-token decoding and the verification of trees are faster than on the VNNI kernels
-    /// (see docs/benchmarks.md).
+    /// Every forward pass (the default): prefill, decoding and verification all in the AMX
+    /// family (on packed weights the tiles for 8+ rows and the packed VNNI kernels below, the
+    /// AVX-512 family's bits; on natural ones tiles and AMX-order VNNI kernels), bit-identical to
+    /// each other (see docs/benchmarks.md).
     Always,
 }
 

@@ -1,7 +1,8 @@
 //! AMX int8 tile kernels: `tdpbssd` on 16 output rows × 16 activation rows; Q4_K and Q6_K with their scales folded into the weights (exact integer per group), Q8_0 with a float epilogue per block.
 //!
-//! Used by `matmul_with` at `KernelLevel::Amx` for Q4_K, Q6_K and Q8_0 weights with `n_in % 256 == 0`
-//! and at least `MIN_TOK` activation rows; everything else keeps the AVX-512 VNNI kernels. The
+//! Used by `matmul_with` at `KernelLevel::Amx` for natural (unpacked: `ARBOR_PACK=0`) Q4_K, Q6_K
+//! and Q8_0 weights with `n_in % 256 == 0` and at least `MIN_TOK` activation rows; packed weights
+//! run `x86_avx2::kcols512::amx_packed` instead, everything else the AVX-512 VNNI kernels. The
 //! level exists only when CPUID reports AMX-TILE and AMX-INT8 and Linux grants the process the
 //! tile data state (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`, requested once).
 //!
@@ -150,7 +151,7 @@ pub(crate) fn matmul(w: &QMatrix, x: &[f32], n_tok: usize, y: &mut [f32]) -> boo
 
 /// `ys[i] = ws[i] x` with the AMX kernels, all the matrices' row tiles in one parallel region and
 /// the activations packed once per weight type. Returns false, touching nothing, when AMX is not
-/// granted or any matrix is not covered (`supports`, all with the same `n_in`). Shapes must have
+/// granted or any matrix is packed or not covered (`supports`, all with the same `n_in`). Shapes must have
 /// been validated as in `matmul_with`.
 pub(crate) fn matmul_many(ws: &[QMatrix], x: &[f32], n_tok: usize, ys: &mut [&mut [f32]]) -> bool {
     if ws.len() != ys.len() {
@@ -213,7 +214,9 @@ pub(crate) unsafe fn matmul_many_raw(
         || n_tok == 0
         || ws.len() != yps.len()
         || (swiglu && (ws.len() != 2 || ws[0].n_out != ws[1].n_out))
-        || ws.iter().any(|w| !supports(w.ty, w.n_in) || w.n_in != n_in)
+        || ws
+            .iter()
+            .any(|w| w.packed || !supports(w.ty, w.n_in) || w.n_in != n_in)
     {
         return false;
     }
@@ -247,21 +250,6 @@ pub(crate) unsafe fn matmul_many_raw(
             act_bytes.chunks_mut(AREC).enumerate().for_each(fill);
         }
         let act_ro: &[u8] = act_bytes;
-        // Row ranges of whole tiles, a few per thread over all the matrices together (SwiGLU:
-        // over the gate's rows, each task taking the same rows of both matrices).
-        let threads = rayon::current_num_threads().max(1);
-        let split = if swiglu { &ws[..1] } else { ws };
-        let total: usize = split.iter().map(|w| w.n_out).sum();
-        let per = total.div_ceil(threads * 4).next_multiple_of(TILE).max(TILE);
-        let tasks: Vec<(usize, usize, usize)> = split
-            .iter()
-            .enumerate()
-            .flat_map(|(m, w)| {
-                (0..w.n_out)
-                    .step_by(per)
-                    .map(move |r0| (m, r0, (r0 + per).min(w.n_out)))
-            })
-            .collect();
         let rows = |m: usize, r0: usize, r1: usize| {
             let act = act_ro[slot[m] * per_ty..].as_ptr();
             // SAFETY: `granted()` confirmed AMX-INT8, the tile grant and AVX-512 VNNI; `act`
@@ -270,22 +258,8 @@ pub(crate) unsafe fn matmul_many_raw(
             // their matrix's output.
             unsafe { quant_rows(&ws[m], act, n_tok, r0, r1, yps[m]) }
         };
-        let run = |&(m, r0, r1): &(usize, usize, usize)| {
-            rows(m, r0, r1);
-            if swiglu {
-                rows(1, r0, r1);
-                for t in 0..n_tok {
-                    // SAFETY: rows `[r0, r1)` of both outputs belong to this task alone.
-                    let (g, u) = unsafe { (yps[0].row_mut(t, r0, r1), yps[1].row_mut(t, r0, r1)) };
-                    crate::backend::simd::silu_mul(g, u);
-                }
-            }
-        };
-        if threads == 1 || tasks.len() == 1 {
-            tasks.iter().for_each(run);
-        } else {
-            tasks.par_iter().for_each(run);
-        }
+        // SAFETY: the caller's contract on `yps`; `quant_rows` writes every element of its rows.
+        unsafe { super::run_matrix_tasks(ws, n_tok, yps, swiglu, TILE, &rows) };
     }
     super::put_scratch(buf);
     true
@@ -502,7 +476,7 @@ impl Kind for Q6K {
 /// and `w & 63`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn split_products(q: __m512i, s: __m512i) -> (__m512i, __m512i) {
+pub(crate) unsafe fn split_products(q: __m512i, s: __m512i) -> (__m512i, __m512i) {
     const ODD: __mmask64 = 0xAAAA_AAAA_AAAA_AAAA;
     // Even and odd bytes sign-extended to words, times their scale (exact in 16 bits).
     let we = _mm512_mullo_epi16(_mm512_srai_epi16::<8>(_mm512_slli_epi16::<8>(q)), s);

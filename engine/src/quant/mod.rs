@@ -19,11 +19,13 @@
 //! * `x86_avx2::kvnni` (and `lcols`' VNNI tile) — the AVX-VNNI family: the AVX2 column tiles with
 //!   VEX `vpdpbusd` (K-quants, Q4_1, Q8_0), for AVX2 CPUs with AVX-VNNI and no AVX-512; the AVX2
 //!   family's bits;
-//! * `amx` — AMX int8 tiles (`tdpbssd`, 16 output × 16 activation rows) for Q4_K/Q6_K/Q8_0
-//!   matmuls with at least `amx::MIN_TOK` activation rows, when the OS grants AMX, and for fewer
-//!   rows `x86_avx512::amx_order_rows`, VNNI kernels that repeat the tiles' f32 arithmetic bit for
-//!   bit; only inside [`with_amx`] / [`with_amx_family`] scopes (a `CpuBackend` opens the family
-//!   for every forward pass by default).
+//! * the AMX family, where the OS grants AMX, only inside [`with_amx`] / [`with_amx_family`]
+//!   scopes (a `CpuBackend` opens the family for every forward pass by default): on packed rows
+//!   `x86_avx2::kcols512::amx_packed` (int8 tiles reading packed Q4_K/Q6_K groups as their B
+//!   operand, for `amx_packed::min_rows`+ activation rows) and the packed AVX-512 kernels
+//!   otherwise, the AVX-512 family's bits; on natural rows `amx` (`tdpbssd` on Q4_K/Q6_K/Q8_0 for
+//!   `amx::MIN_TOK`+ rows) and below that `x86_avx512::amx_order_rows`, VNNI kernels that repeat
+//!   the tiles' f32 arithmetic bit for bit.
 //!
 //! Every kernel unpacks each weight group once and dots it against all activation rows of the call
 //! (the activation rows, the accumulators and a k-block of the activations stay in L1/L2), so
@@ -41,6 +43,8 @@ mod tests;
 mod x86_avx2;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86_avx512;
+#[cfg(target_arch = "x86_64")]
+use x86_avx2::kcols512::amx_packed;
 
 use std::cell::Cell;
 use std::sync::OnceLock;
@@ -569,6 +573,12 @@ pub fn amx_scope() -> AmxScope {
     }
 }
 
+/// Whether `ARBOR_KERNEL=amx` puts every matmul in the AMX family's scope, whatever the
+/// thread's [`with_amx`] scopes and the backend's `AmxUse` say.
+pub fn amx_scope_forced() -> bool {
+    kernel_level() == KernelLevel::Amx && KernelLevel::amx_everywhere()
+}
+
 /// Whether a matmul issued here now could use AMX tiles (for covered types and batch sizes).
 pub fn amx_active() -> bool {
     amx_scope() != AmxScope::Off
@@ -600,16 +610,20 @@ pub fn matmul_new(w: &QMatrix, x: &[f32], n_tok: usize) -> Result<Vec<f32>> {
     })?;
     let scope = amx_scope();
     #[cfg(target_arch = "x86_64")]
-    if tiles_take(scope, n_tok) {
+    if amx_in(scope, n_tok) {
         let mut y: Vec<f32> = Vec::with_capacity(n);
         let yp = YPtr {
             ptr: y.as_mut_ptr(),
             n_out: w.n_out,
         };
         check_shapes_len(w, x, n_tok, n)?;
+        let ws = std::slice::from_ref(w);
         // SAFETY: `yp` points to the vector's `n` floats of capacity, which nothing else accesses;
         // a true return means every one of them was written, so they are initialized.
-        if unsafe { amx::matmul_many_raw(std::slice::from_ref(w), x, n_tok, &[yp], false) } {
+        if unsafe {
+            packed_tiles_many(ws, x, n_tok, &[yp], false)
+                || (tiles_take(scope, n_tok) && amx::matmul_many_raw(ws, x, n_tok, &[yp], false))
+        } {
             // SAFETY: as above.
             unsafe { y.set_len(n) };
             return Ok(y);
@@ -637,18 +651,34 @@ pub fn matmul_in(
     n_tok: usize,
     y: &mut [f32],
 ) -> Result<()> {
-    let level = kernel_level();
+    let level = if amx_in(scope, n_tok) {
+        KernelLevel::Amx
+    } else {
+        kernel_level().min_with(KernelLevel::Avx512Vnni)
+    };
+    matmul_with(level, w, x, n_tok, y)
+}
+
+/// Whether a batch of `n_tok` rows runs the AMX family in `scope` (the VNNI kernels otherwise).
+fn amx_in(scope: AmxScope, n_tok: usize) -> bool {
     let amx = match scope {
         AmxScope::Off => false,
         AmxScope::Prefill => n_tok >= amx_min_rows(),
         AmxScope::Family => true,
     };
-    let level = if amx && level == KernelLevel::Amx {
-        KernelLevel::Amx
-    } else {
-        level.min_with(KernelLevel::Avx512Vnni)
-    };
-    matmul_with(level, w, x, n_tok, y)
+    amx && kernel_level() == KernelLevel::Amx
+}
+
+/// `ys[i]` as raw outputs for the row tasks (`ys[i]` must hold `n_tok * ws[i].n_out` floats).
+#[cfg(target_arch = "x86_64")]
+fn out_ptrs(ws: &[QMatrix], ys: &mut [&mut [f32]]) -> Vec<YPtr> {
+    ys.iter_mut()
+        .zip(ws)
+        .map(|(y, w)| YPtr {
+            ptr: y.as_mut_ptr(),
+            n_out: w.n_out,
+        })
+        .collect()
 }
 
 /// Fewest rows for which the AMX tiles run (the AMX-order VNNI kernel below).
@@ -677,7 +707,7 @@ pub fn matmul_with(
         return Ok(());
     }
     let level = level.on_this_cpu();
-    if w.packed && !packed::reads_packed(level, w.ty, w.n_in) {
+    if w.packed && !packed::reads_packed(level, w.ty) {
         // Only the AVX-512 and AVX2 families (and the AMX family where it runs the AVX-512
         // kernels) read packed rows (the AVX2 family K-quants only): the others run on natural ones (a copy; tests and explicit levels, never a forward pass
         // of a process that packed).
@@ -689,17 +719,31 @@ pub fn matmul_with(
         };
         return matmul_with(level, &natural, x, n_tok, y);
     }
-    // The AMX family: tiles for large batches, the AMX-order VNNI kernel for small ones, so every
-    // row is computed bit for bit alike whatever the batch size.
+    // The AMX family on natural rows: tiles for large batches, the AMX-order VNNI kernel for
+    // small ones, so every row is computed bit for bit alike whatever the batch size.
     #[cfg(target_arch = "x86_64")]
-    if level == KernelLevel::Amx && amx::granted() && amx::supports(w.ty, w.n_in) {
+    if level == KernelLevel::Amx && !w.packed && amx::granted() && amx::supports(w.ty, w.n_in) {
         if n_tok >= amx::MIN_TOK && amx::matmul(w, x, n_tok, y) {
             return Ok(());
         }
         amx_order_matmul(w, x, n_tok, y);
         return Ok(());
     }
-    // Everything the AMX path does not cover runs the VNNI kernels.
+    // The AMX family on packed Q4_K/Q6_K rows: tiles reading the packed groups for large
+    // batches, the packed AVX-512 VNNI kernels below (the same integers and float steps) for
+    // small ones.
+    #[cfg(target_arch = "x86_64")]
+    if level == KernelLevel::Amx && w.packed {
+        let yp = YPtr {
+            ptr: y.as_mut_ptr(),
+            n_out: w.n_out,
+        };
+        // SAFETY: `yp` comes from the unique borrow of `y`, `n_tok * n_out` floats (checked).
+        if unsafe { packed_tiles_many(std::slice::from_ref(w), x, n_tok, &[yp], false) } {
+            return Ok(());
+        }
+    }
+    // Everything else runs the VNNI kernels.
     let level = level.min_with(KernelLevel::Avx512Vnni);
     if w.ty.is_float() {
         run_rows(w, n_tok, y, &|r0, r1, yp| {
@@ -713,18 +757,7 @@ pub fn matmul_with(
     let mut buf = take_scratch(n_tok * stride);
     {
         let act_bytes: &mut [u8] = bytes_of_lines(&mut buf, n_tok * stride);
-        let n_in = w.n_in;
-        let ty = w.ty;
-        if n_tok > 1 && n_tok * n_in >= 8192 && rayon::current_num_threads() > 1 {
-            act_bytes
-                .par_chunks_mut(stride)
-                .zip(x.par_chunks(n_in))
-                .for_each(|(out, xr)| act::quantize_row(level, ty, xr, out));
-        } else {
-            for (out, xr) in act_bytes.chunks_mut(stride).zip(x.chunks(n_in)) {
-                act::quantize_row(level, ty, xr, out);
-            }
-        }
+        quantize_rows(level, w.ty, x, w.n_in, stride, act_bytes);
         let act_ro: &[u8] = act_bytes;
         // Decided on the calling thread (a test's choice is visible here, not in the workers).
         let nat_rows = NATURAL_ROWS_HERE
@@ -736,6 +769,134 @@ pub fn matmul_with(
     }
     put_scratch(buf);
     Ok(())
+}
+
+/// Quantizes the rows of `x` (`n_in` each) into the activation records `out` (`stride` bytes per
+/// row) as `level`'s kernels read them, in parallel where there is enough work.
+fn quantize_rows(
+    level: KernelLevel,
+    ty: GgmlType,
+    x: &[f32],
+    n_in: usize,
+    stride: usize,
+    out: &mut [u8],
+) {
+    let n_tok = out.len() / stride;
+    if n_tok > 1 && n_tok * n_in >= 8192 && rayon::current_num_threads() > 1 {
+        out.par_chunks_mut(stride)
+            .zip(x.par_chunks(n_in))
+            .for_each(|(o, xr)| act::quantize_row(level, ty, xr, o));
+    } else {
+        for (o, xr) in out.chunks_mut(stride).zip(x.chunks(n_in)) {
+            act::quantize_row(level, ty, xr, o);
+        }
+    }
+}
+
+/// The AMX family's tiles on packed Q4_K/Q6_K matrices that share their activations (`ys[i] =
+/// ws[i] x`; SwiGLU: `ws` is `[gate, up]`, gated as in [`run_matrix_tasks`]): the activations
+/// quantized once as the AVX-512 VNNI family quantizes them and laid out as A tiles once, then
+/// every matrix's slices in one parallel region (`x86_avx2::kcols512::amx_packed`). Returns
+/// false, touching nothing, unless this process runs the AMX family and its tiles take every
+/// matrix (packed, covered, `n_tok` at least their `min_rows`, one `n_in`).
+///
+/// # Safety
+/// The shapes must have been checked as in `matmul_with`; `yps[i]` must point to
+/// `n_tok * ws[i].n_out` writable floats that nothing else accesses during the call.
+#[cfg(target_arch = "x86_64")]
+unsafe fn packed_tiles_many(
+    ws: &[QMatrix],
+    x: &[f32],
+    n_tok: usize,
+    yps: &[YPtr],
+    swiglu: bool,
+) -> bool {
+    let Some(n_in) = ws.first().map(|w| w.n_in) else {
+        return false;
+    };
+    if kernel_level() != KernelLevel::Amx
+        || !amx::granted()
+        || ws.len() != yps.len()
+        || (swiglu && (ws.len() != 2 || ws[0].n_out != ws[1].n_out))
+        || ws
+            .iter()
+            .any(|w| !w.packed || w.n_in != n_in || !amx_packed::takes(w.ty, n_in, n_tok))
+    {
+        return false;
+    }
+    // Every covered type reads the same records (Q8_K, `act::act_kind`).
+    debug_assert!(ws
+        .iter()
+        .all(|w| act::act_kind(w.ty) == act::act_kind(ws[0].ty)));
+    let stride = n_in / act::GROUP * act::REC;
+    let rec_bytes = (n_tok * stride).next_multiple_of(64);
+    let tile_bytes = amx_packed::tile_bytes(n_in, n_tok);
+    let mut buf = take_scratch(rec_bytes + tile_bytes);
+    {
+        let (recs, tiles) =
+            bytes_of_lines(&mut buf, rec_bytes + tile_bytes).split_at_mut(rec_bytes);
+        let recs = &mut recs[..n_tok * stride];
+        quantize_rows(KernelLevel::Avx512Vnni, ws[0].ty, x, n_in, stride, recs);
+        let recs: &[u8] = recs;
+        amx_packed::tile_activations(recs, stride, n_tok, tiles);
+        let tiles: &[u8] = tiles;
+        run_matrix_tasks(ws, n_tok, yps, swiglu, packed::PACK_ROWS, &|m, r0, r1| {
+            // SAFETY: `amx::granted()` (AMX-INT8, the tile grant, AVX-512 VNNI); the matrices are
+            // validated, packed and covered; `recs` holds `n_tok` records and `tiles` their
+            // tiles; tasks own disjoint ranges of whole 16-row slices of their matrix.
+            unsafe { amx_packed::rows(&ws[m], recs, tiles, stride, n_tok, r0, r1, yps[m]) }
+        });
+    }
+    put_scratch(buf);
+    true
+}
+
+/// Runs `rows(m, r0, r1)` over the output rows of every matrix in `ws` in one parallel region:
+/// ranges of whole `tile`-row tiles, a few per thread over all the matrices together. SwiGLU
+/// (`ws` is `[gate, up]`, the same `n_out`): each task runs the same rows of both matrices,
+/// then gates them while they are in its cache, `y_gate = silu(y_gate) · y_up`
+/// (`simd::silu_mul`).
+///
+/// # Safety
+/// `yps[i]` must point to `n_tok * ws[i].n_out` floats that `rows(i, ..)` writes and nothing
+/// else accesses during the call; `rows` must write every element of its range.
+pub(crate) unsafe fn run_matrix_tasks(
+    ws: &[QMatrix],
+    n_tok: usize,
+    yps: &[YPtr],
+    swiglu: bool,
+    tile: usize,
+    rows: &(dyn Fn(usize, usize, usize) + Sync),
+) {
+    let threads = rayon::current_num_threads().max(1);
+    let split = if swiglu { &ws[..1] } else { ws };
+    let total: usize = split.iter().map(|w| w.n_out).sum();
+    let per = total.div_ceil(threads * 4).next_multiple_of(tile).max(tile);
+    let tasks: Vec<(usize, usize, usize)> = split
+        .iter()
+        .enumerate()
+        .flat_map(|(m, w)| {
+            (0..w.n_out)
+                .step_by(per)
+                .map(move |r0| (m, r0, (r0 + per).min(w.n_out)))
+        })
+        .collect();
+    let run = |&(m, r0, r1): &(usize, usize, usize)| {
+        rows(m, r0, r1);
+        if swiglu {
+            rows(1, r0, r1);
+            for t in 0..n_tok {
+                // SAFETY: rows `[r0, r1)` of both outputs belong to this task alone.
+                let (g, u) = unsafe { (yps[0].row_mut(t, r0, r1), yps[1].row_mut(t, r0, r1)) };
+                crate::backend::simd::silu_mul(g, u);
+            }
+        }
+    };
+    if threads == 1 || tasks.len() == 1 {
+        tasks.iter().for_each(run);
+    } else {
+        tasks.par_iter().for_each(run);
+    }
 }
 
 /// The shape and type checks of `matmul_with`: a supported type, whole blocks, and data, input
@@ -807,11 +968,16 @@ pub fn matmul_many_in(
         )));
     }
     #[cfg(target_arch = "x86_64")]
-    if tiles_take(scope, n_tok) && !ws.is_empty() {
+    if amx_in(scope, n_tok) && !ws.is_empty() {
         for (w, y) in ws.iter().zip(ys.iter()) {
             check_shapes(w, x, n_tok, y)?;
         }
-        if amx::matmul_many(ws, x, n_tok, ys) {
+        let yps = out_ptrs(ws, ys);
+        // SAFETY: shapes checked; each `YPtr` comes from the unique borrow of its output.
+        if unsafe { packed_tiles_many(ws, x, n_tok, &yps, false) } {
+            return Ok(());
+        }
+        if tiles_take(scope, n_tok) && amx::matmul_many(ws, x, n_tok, ys) {
             return Ok(());
         }
     }
@@ -838,10 +1004,16 @@ pub fn matmul_swiglu_in(
     up: &mut [f32],
 ) -> Result<()> {
     #[cfg(target_arch = "x86_64")]
-    if tiles_take(scope, n_tok) {
+    if amx_in(scope, n_tok) {
         check_shapes(w_gate, x, n_tok, gate)?;
         check_shapes(w_up, x, n_tok, up)?;
-        if amx::matmul_swiglu(w_gate, w_up, x, n_tok, gate, up) {
+        let ws = [*w_gate, *w_up];
+        let yps = out_ptrs(&ws, &mut [&mut *gate, &mut *up]);
+        // SAFETY: shapes checked; each `YPtr` comes from the unique borrow of its output.
+        if unsafe { packed_tiles_many(&ws, x, n_tok, &yps, true) } {
+            return Ok(());
+        }
+        if tiles_take(scope, n_tok) && amx::matmul_swiglu(w_gate, w_up, x, n_tok, gate, up) {
             return Ok(());
         }
     }

@@ -13,9 +13,9 @@
 //! and float steps per output, hence the same bits. The AVX2 family reads each packed K-quant
 //! group as two 8-row column blocks (the 32 bytes at `64 k + 32 h` are its 8×8 transposes of rows
 //! `8 h ..`; `x86_avx2::kpacked8`); Q4_1 and Q8_0 (smollm2's types) are packed for the AVX-512
-//! family only (`x86_avx2::lcols512::rows_packed`). The AMX family packs what its tiles do not
-//! cover (Q4_1, Q5_K, rows that are not whole 256-element groups), which it runs on the AVX-512
-//! kernels.
+//! family only (`x86_avx2::lcols512::rows_packed`). The AMX family packs what the AVX-512 family
+//! packs: its tiles read packed Q4_K and Q6_K groups as their B operand
+//! (`x86_avx2::kcols512::amx_packed`).
 
 use rayon::prelude::*;
 
@@ -37,8 +37,7 @@ pub fn packable(ty: GgmlType, n_out: usize, n_in: usize) -> bool {
 }
 
 /// Whether this process's matmuls read packed rows of some type as they are: where they run the
-/// AVX-512 VNNI, the AVX2 or the AMX family (the AMX family only where its tiles do not reach;
-/// the others get an unpacked copy).
+/// AVX-512 VNNI, the AVX2 or the AMX family (the others get an unpacked copy).
 pub fn packs_here() -> bool {
     matches!(
         super::kernel_level(),
@@ -49,37 +48,26 @@ pub fn packs_here() -> bool {
 /// Whether this process packs an `n_out × n_in` matrix of `ty` at load: [`packable`] and read
 /// packed by the kernels it runs ([`reads_packed`]).
 pub fn packs_here_matrix(ty: GgmlType, n_out: usize, n_in: usize) -> bool {
-    packable(ty, n_out, n_in) && reads_packed(super::kernel_level(), ty, n_in)
+    packable(ty, n_out, n_in) && reads_packed(super::kernel_level(), ty)
 }
 
-/// Whether the kernels of `level` read packed rows of an `n_in`-column `ty` matrix as they are:
+/// Whether the kernels of `level` read packed rows of `ty` as they are:
 /// K-quants in the AVX-512 VNNI (`x86_avx2::kcols512`) and AVX2 (`x86_avx2::kpacked8`) families,
-/// Q4_1 and Q8_0 in the AVX-512 VNNI family (`x86_avx2::lcols512`). The AMX family reads natural
-/// rows where its tiles (and their AMX-order VNNI twin) run, and elsewhere runs the AVX-512 VNNI
-/// kernels, packed rows included: smollm2's Q4_1 layers and its 576-column Q8_0 head.
-pub(crate) fn reads_packed(level: KernelLevel, ty: GgmlType, n_in: usize) -> bool {
-    match (level, ty) {
-        (KernelLevel::Amx, _) => {
-            !amx_covers(ty, n_in) && reads_packed(KernelLevel::Avx512Vnni, ty, n_in)
-        }
+/// Q4_1 and Q8_0 in the AVX-512 VNNI family (`x86_avx2::lcols512`). The AMX family reads what the
+/// AVX-512 VNNI family reads: its tiles take packed Q4_K and Q6_K batches of
+/// `amx_packed::min_rows`+ rows (`x86_avx2::kcols512::amx_packed`), the packed AVX-512 kernels
+/// the rest, with the same bits.
+pub(crate) fn reads_packed(level: KernelLevel, ty: GgmlType) -> bool {
+    matches!(
+        (level, ty),
         (
-            KernelLevel::Avx512Vnni | KernelLevel::Avx2,
+            KernelLevel::Avx512Vnni | KernelLevel::Avx2 | KernelLevel::Amx,
             GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K,
-        ) => true,
-        (KernelLevel::Avx512Vnni, GgmlType::Q4_1 | GgmlType::Q8_0) => true,
-        _ => false,
-    }
-}
-
-/// Whether the AMX family runs an `n_in`-column `ty` matrix on its own (natural-order) kernels.
-fn amx_covers(ty: GgmlType, n_in: usize) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    return super::amx::supports(ty, n_in);
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (ty, n_in);
-        false
-    }
+        ) | (
+            KernelLevel::Avx512Vnni | KernelLevel::Amx,
+            GgmlType::Q4_1 | GgmlType::Q8_0
+        )
+    )
 }
 
 /// Whether models are packed at load: yes unless `ARBOR_PACK=0` (`off`, `false`). Measured on

@@ -1167,8 +1167,14 @@ fn packed_matrices_bit_identical_to_natural() {
             for n_tok in [1usize, 2, 3, 4, 5, 6, 7, 8, 9, 13, 64, 70] {
                 let x = activations(&mut rng, n_tok, n_in);
                 for level in levels() {
+                    // The AMX family runs packed rows with the AVX-512 VNNI family's arithmetic
+                    // (its natural rows with its own f32 order).
+                    let nat_level = match level {
+                        KernelLevel::Amx => KernelLevel::Avx512Vnni,
+                        l => l,
+                    };
                     let mut want = vec![f32::NAN; n_tok * n_out];
-                    matmul_with(level, &nat, &x, n_tok, &mut want).unwrap();
+                    matmul_with(nat_level, &nat, &x, n_tok, &mut want).unwrap();
                     for pool in [None, Some(&two)] {
                         let mut got = vec![f32::NAN; n_tok * n_out];
                         match pool {
@@ -1376,9 +1382,10 @@ fn a_matrix_marked_packed_without_whole_slices_is_an_error() {
     }
 }
 
-/// The AMX family's two K-quant paths (tiles from `amx::MIN_TOK` rows, the AMX-order VNNI twin
-/// below) against the packed AVX-512 VNNI kernels, per matmul of qwen2.5-coder-1.5b's FFN shape
-/// (8 copies streamed from memory), two threads, best of 5 rounds: where the AMX family pays.
+/// The AMX family on natural rows (tiles from `amx::MIN_TOK` rows, the AMX-order VNNI twin
+/// below) and on packed rows (tiles from `amx_packed::min_rows`, the packed VNNI kernels below)
+/// against the packed AVX-512 VNNI kernels alone, per matmul of qwen2.5-coder-1.5b's FFN shapes
+/// (8 copies streamed from memory), two threads, best of 5 rounds.
 /// `cargo test --release -p arbor-engine --lib quant::tests::amx_vs_packed_timing -- --ignored --nocapture`
 #[cfg(target_arch = "x86_64")]
 #[test]
@@ -1393,8 +1400,13 @@ fn amx_vs_packed_timing() {
         .build()
         .unwrap();
     let mut rng = StdRng::seed_from_u64(5);
-    for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
-        let (n_out, n_in) = (8960usize, 1536usize);
+    // qwen2.5-coder-1.5b's FFN up/gate and down shapes.
+    for (ty, n_out, n_in) in [
+        (GgmlType::Q4_K, 8960usize, 1536usize),
+        (GgmlType::Q6_K, 8960, 1536),
+        (GgmlType::Q4_K, 1536, 8960),
+        (GgmlType::Q6_K, 1536, 8960),
+    ] {
         let copies = 8;
         let mats: Vec<(Vec<u8>, Vec<u8>)> = (0..copies)
             .map(|_| {
@@ -1416,16 +1428,13 @@ fn amx_vs_packed_timing() {
                             if k == 0 {
                                 let w = QMatrix::new(ty, nat, n_out, n_in).unwrap();
                                 matmul_with(KernelLevel::Amx, &w, &x, n_tok, &mut y).unwrap();
-                            } else if k == 2 {
-                                let w = QMatrix::new(ty, nat, n_out, n_in).unwrap();
-                                super::amx_order_matmul(&w, &x, n_tok, &mut y);
                             } else {
                                 let w = QMatrix {
                                     packed: true,
                                     ..QMatrix::new(ty, pk, n_out, n_in).unwrap()
                                 };
-                                matmul_with(KernelLevel::Avx512Vnni, &w, &x, n_tok, &mut y)
-                                    .unwrap();
+                                let level = [KernelLevel::Avx512Vnni, KernelLevel::Amx][k - 1];
+                                matmul_with(level, &w, &x, n_tok, &mut y).unwrap();
                             }
                         }
                     });
@@ -1433,7 +1442,7 @@ fn amx_vs_packed_timing() {
                 }
             }
             eprintln!(
-                "{ty} n{n_tok}: amx {:.0} us, packed vnni {:.0} us, amx-order twin {:.0} us",
+                "{ty} {n_out}x{n_in} n{n_tok}: amx natural {:.0} us, packed vnni {:.0} us, amx packed {:.0} us",
                 best[0] * 1e6,
                 best[1] * 1e6,
                 best[2] * 1e6

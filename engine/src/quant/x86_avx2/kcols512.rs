@@ -23,6 +23,8 @@ use crate::quant::act::{GROUP, OFF_BS, OFF_BS32, OFF_D, REC};
 use crate::quant::x86_avx512::transpose16;
 use crate::quant::{GgmlType, QMatrix, YPtr};
 
+pub(crate) mod amx_packed;
+
 /// Output rows of one 512-bit column block (one i32 lane each).
 const ROWS: usize = 2 * CB_ROWS;
 /// Column blocks of a tile.
