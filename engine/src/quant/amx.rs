@@ -534,9 +534,9 @@ pub(super) unsafe fn q80_scales(p: *const u8, ws: *mut f32) {
 
 /// The 64-byte tile configuration (palette 1) for sub-blocks of `ks` elements.
 #[repr(C, align(64))]
-struct TileCfg([u8; 64]);
+pub(crate) struct TileCfg(pub(crate) [u8; 64]);
 
-fn tile_cfg(ks: usize) -> TileCfg {
+pub(crate) fn tile_cfg(ks: usize) -> TileCfg {
     let mut c = [0u8; 64];
     c[0] = 1;
     let mut set = |i: usize, rows: usize, colsb: usize| {

@@ -619,10 +619,14 @@ pub fn matmul_new(w: &QMatrix, x: &[f32], n_tok: usize) -> Result<Vec<f32>> {
         check_shapes_len(w, x, n_tok, n)?;
         let ws = std::slice::from_ref(w);
         // SAFETY: `yp` points to the vector's `n` floats of capacity, which nothing else accesses;
-        // a true return means every one of them was written, so they are initialized.
+        // both paths below write every one of them when they run, so they are initialized.
         if unsafe {
-            packed_tiles_many(ws, x, n_tok, &[yp], false)
-                || (tiles_take(scope, n_tok) && amx::matmul_many_raw(ws, x, n_tok, &[yp], false))
+            if packed_tiles_take(ws, n_tok) {
+                packed_tiles_many(ws, x, n_tok, &[yp], false);
+                true
+            } else {
+                tiles_take(scope, n_tok) && amx::matmul_many_raw(ws, x, n_tok, &[yp], false)
+            }
         } {
             // SAFETY: as above.
             unsafe { y.set_len(n) };
@@ -708,9 +712,9 @@ pub fn matmul_with(
     }
     let level = level.on_this_cpu();
     if w.packed && !packed::reads_packed(level, w.ty) {
-        // Only the AVX-512 and AVX2 families (and the AMX family where it runs the AVX-512
-        // kernels) read packed rows (the AVX2 family K-quants only): the others run on natural ones (a copy; tests and explicit levels, never a forward pass
-        // of a process that packed).
+        // Only the AVX-512, AMX and AVX2 families read packed rows (the AVX2 family K-quants
+        // only): the others run on natural ones (a copy; tests and explicit levels, never a
+        // forward pass of a process that packed).
         let nat = w.natural_bytes();
         let natural = QMatrix {
             data: &nat,
@@ -733,15 +737,15 @@ pub fn matmul_with(
     // batches, the packed AVX-512 VNNI kernels below (the same integers and float steps) for
     // small ones.
     #[cfg(target_arch = "x86_64")]
-    if level == KernelLevel::Amx && w.packed {
+    if level == KernelLevel::Amx && packed_tiles_take(std::slice::from_ref(w), n_tok) {
         let yp = YPtr {
             ptr: y.as_mut_ptr(),
             n_out: w.n_out,
         };
-        // SAFETY: `yp` comes from the unique borrow of `y`, `n_tok * n_out` floats (checked).
-        if unsafe { packed_tiles_many(std::slice::from_ref(w), x, n_tok, &[yp], false) } {
-            return Ok(());
-        }
+        // SAFETY: the tiles take `w`; `yp` comes from the unique borrow of `y`, `n_tok * n_out`
+        // floats (checked).
+        unsafe { packed_tiles_many(std::slice::from_ref(w), x, n_tok, &[yp], false) };
+        return Ok(());
     }
     // Everything else runs the VNNI kernels.
     let level = level.min_with(KernelLevel::Avx512Vnni);
@@ -793,37 +797,35 @@ fn quantize_rows(
     }
 }
 
-/// The AMX family's tiles on packed Q4_K/Q6_K matrices that share their activations (`ys[i] =
-/// ws[i] x`; SwiGLU: `ws` is `[gate, up]`, gated as in [`run_matrix_tasks`]): the activations
-/// quantized once as the AVX-512 VNNI family quantizes them and laid out as A tiles once, then
-/// every matrix's slices in one parallel region (`x86_avx2::kcols512::amx_packed`). Returns
-/// false, touching nothing, unless this process runs the AMX family and its tiles take every
-/// matrix (packed, covered, `n_tok` at least their `min_rows`, one `n_in`).
-///
-/// # Safety
-/// The shapes must have been checked as in `matmul_with`; `yps[i]` must point to
-/// `n_tok * ws[i].n_out` writable floats that nothing else accesses during the call.
+/// Whether the AMX family's tiles on packed rows take `ws` against `n_tok` activation rows: this
+/// process runs the AMX family and every matrix is packed, covered
+/// (`amx_packed::takes`: Q4_K/Q6_K, `n_tok` at least its `min_rows`) and of one `n_in`.
 #[cfg(target_arch = "x86_64")]
-unsafe fn packed_tiles_many(
-    ws: &[QMatrix],
-    x: &[f32],
-    n_tok: usize,
-    yps: &[YPtr],
-    swiglu: bool,
-) -> bool {
+fn packed_tiles_take(ws: &[QMatrix], n_tok: usize) -> bool {
     let Some(n_in) = ws.first().map(|w| w.n_in) else {
         return false;
     };
-    if kernel_level() != KernelLevel::Amx
-        || !amx::granted()
-        || ws.len() != yps.len()
-        || (swiglu && (ws.len() != 2 || ws[0].n_out != ws[1].n_out))
-        || ws
+    kernel_level() == KernelLevel::Amx
+        && amx::granted()
+        && ws
             .iter()
-            .any(|w| !w.packed || w.n_in != n_in || !amx_packed::takes(w.ty, n_in, n_tok))
-    {
-        return false;
-    }
+            .all(|w| w.packed && w.n_in == n_in && amx_packed::takes(w.ty, n_in, n_tok))
+}
+
+/// The AMX family's tiles on packed Q4_K/Q6_K matrices that share their activations (`ys[i] =
+/// ws[i] x`; SwiGLU: `ws` is `[gate, up]`, gated as in [`run_matrix_tasks`]): the activations
+/// quantized once as the AVX-512 VNNI family quantizes them and laid out as A tiles once, then
+/// every matrix's slices in one parallel region (`x86_avx2::kcols512::amx_packed`).
+///
+/// # Safety
+/// [`packed_tiles_take`] must hold (and SwiGLU's two matrices have one `n_out`); the shapes must
+/// have been checked as in `matmul_with`; `yps[i]` must point to `n_tok * ws[i].n_out` writable
+/// floats that nothing else accesses during the call. Writes every element of every output.
+#[cfg(target_arch = "x86_64")]
+unsafe fn packed_tiles_many(ws: &[QMatrix], x: &[f32], n_tok: usize, yps: &[YPtr], swiglu: bool) {
+    debug_assert!(packed_tiles_take(ws, n_tok) && ws.len() == yps.len());
+    debug_assert!(!swiglu || (ws.len() == 2 && ws[0].n_out == ws[1].n_out));
+    let n_in = ws[0].n_in;
     // Every covered type reads the same records (Q8_K, `act::act_kind`).
     debug_assert!(ws
         .iter()
@@ -848,7 +850,6 @@ unsafe fn packed_tiles_many(
         });
     }
     put_scratch(buf);
-    true
 }
 
 /// Runs `rows(m, r0, r1)` over the output rows of every matrix in `ws` in one parallel region:
@@ -972,9 +973,11 @@ pub fn matmul_many_in(
         for (w, y) in ws.iter().zip(ys.iter()) {
             check_shapes(w, x, n_tok, y)?;
         }
-        let yps = out_ptrs(ws, ys);
-        // SAFETY: shapes checked; each `YPtr` comes from the unique borrow of its output.
-        if unsafe { packed_tiles_many(ws, x, n_tok, &yps, false) } {
+        if packed_tiles_take(ws, n_tok) {
+            let yps = out_ptrs(ws, ys);
+            // SAFETY: the tiles take `ws`; shapes checked; each `YPtr` comes from the unique
+            // borrow of its output.
+            unsafe { packed_tiles_many(ws, x, n_tok, &yps, false) };
             return Ok(());
         }
         if tiles_take(scope, n_tok) && amx::matmul_many(ws, x, n_tok, ys) {
@@ -1008,9 +1011,11 @@ pub fn matmul_swiglu_in(
         check_shapes(w_gate, x, n_tok, gate)?;
         check_shapes(w_up, x, n_tok, up)?;
         let ws = [*w_gate, *w_up];
-        let yps = out_ptrs(&ws, &mut [&mut *gate, &mut *up]);
-        // SAFETY: shapes checked; each `YPtr` comes from the unique borrow of its output.
-        if unsafe { packed_tiles_many(&ws, x, n_tok, &yps, true) } {
+        if w_gate.n_out == w_up.n_out && packed_tiles_take(&ws, n_tok) {
+            let yps = out_ptrs(&ws, &mut [&mut *gate, &mut *up]);
+            // SAFETY: the tiles take both matrices, of one `n_out`; shapes checked; each `YPtr`
+            // comes from the unique borrow of its output.
+            unsafe { packed_tiles_many(&ws, x, n_tok, &yps, true) };
             return Ok(());
         }
         if tiles_take(scope, n_tok) && amx::matmul_swiglu(w_gate, w_up, x, n_tok, gate, up) {

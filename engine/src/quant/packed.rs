@@ -39,10 +39,7 @@ pub fn packable(ty: GgmlType, n_out: usize, n_in: usize) -> bool {
 /// Whether this process's matmuls read packed rows of some type as they are: where they run the
 /// AVX-512 VNNI, the AVX2 or the AMX family (the others get an unpacked copy).
 pub fn packs_here() -> bool {
-    matches!(
-        super::kernel_level(),
-        KernelLevel::Avx512Vnni | KernelLevel::Avx2 | KernelLevel::Amx
-    )
+    read_packed(super::kernel_level())
 }
 
 /// Whether this process packs an `n_out × n_in` matrix of `ty` at load: [`packable`] and read
@@ -51,22 +48,27 @@ pub fn packs_here_matrix(ty: GgmlType, n_out: usize, n_in: usize) -> bool {
     packable(ty, n_out, n_in) && reads_packed(super::kernel_level(), ty)
 }
 
-/// Whether the kernels of `level` read packed rows of `ty` as they are:
-/// K-quants in the AVX-512 VNNI (`x86_avx2::kcols512`) and AVX2 (`x86_avx2::kpacked8`) families,
+/// Whether the kernels of `level` read packed rows of `ty` as they are: K-quants in the AVX-512
+/// VNNI (`x86_avx2::kcols512`) and AVX2 (`x86_avx2::kpacked8`) families,
 /// Q4_1 and Q8_0 in the AVX-512 VNNI family (`x86_avx2::lcols512`). The AMX family reads what the
 /// AVX-512 VNNI family reads: its tiles take packed Q4_K and Q6_K batches of
 /// `amx_packed::min_rows`+ rows (`x86_avx2::kcols512::amx_packed`), the packed AVX-512 kernels
 /// the rest, with the same bits.
 pub(crate) fn reads_packed(level: KernelLevel, ty: GgmlType) -> bool {
+    match ty {
+        GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => read_packed(level),
+        GgmlType::Q4_1 | GgmlType::Q8_0 => {
+            matches!(level, KernelLevel::Avx512Vnni | KernelLevel::Amx)
+        }
+        _ => false,
+    }
+}
+
+/// Whether the kernels of `level` read packed rows of some type as they are.
+pub(crate) fn read_packed(level: KernelLevel) -> bool {
     matches!(
-        (level, ty),
-        (
-            KernelLevel::Avx512Vnni | KernelLevel::Avx2 | KernelLevel::Amx,
-            GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K,
-        ) | (
-            KernelLevel::Avx512Vnni | KernelLevel::Amx,
-            GgmlType::Q4_1 | GgmlType::Q8_0
-        )
+        level,
+        KernelLevel::Avx512Vnni | KernelLevel::Avx2 | KernelLevel::Amx
     )
 }
 

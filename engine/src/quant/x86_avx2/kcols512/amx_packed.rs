@@ -131,21 +131,6 @@ impl AmxFold for Q6K {
     }
 }
 
-/// The tile configuration (palette 1): all eight tiles 16 rows × 64 bytes (C: tmm0-3, A: tmm4-5,
-/// B: tmm6-7).
-#[repr(C, align(64))]
-struct TileCfg([u8; 64]);
-
-fn tile_cfg() -> TileCfg {
-    let mut c = [0u8; 64];
-    c[0] = 1;
-    for i in 0..8 {
-        c[16 + 2 * i..18 + 2 * i].copy_from_slice(&64u16.to_le_bytes());
-        c[48 + i] = TILE as u8;
-    }
-    TileCfg(c)
-}
-
 /// Both planes of a folded group, twice (the group multiplied and the next one).
 #[repr(C, align(64))]
 struct BPlanes([u8; 2 * PLANE]);
@@ -339,8 +324,6 @@ unsafe fn fold_group<K: AmxFold>(gp: *const u8, ks: &mut KCols16, b: *mut u8) {
 /// Blocks of slices, within a block group after group and slice after slice: fold the step's
 /// group (the next one while this one's tiles run), then per one or two activation tiles the
 /// products and `rows_packed`'s float step.
-// `k` indexes activation tiles and their product tiles alike.
-#[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn rows_k<K: AmxFold>(
@@ -356,7 +339,8 @@ unsafe fn rows_k<K: AmxFold>(
     if n_tok == 0 || r0 >= r1 {
         return;
     }
-    let cfg = tile_cfg();
+    // K = 64 products: all eight tiles 16 rows × 64 bytes (C: tmm0-3, A: tmm4-5, B: tmm6-7).
+    let cfg = crate::quant::amx::tile_cfg(64);
     asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
     let (n_groups, rb, gb) = (w.n_in / GROUP, w.row_bytes(), ROWS * K::BB);
     let n_tb = n_tok.div_ceil(TILE);
@@ -405,86 +389,67 @@ unsafe fn rows_k<K: AmxFold>(
     };
     let group_at = |(sl, g): (usize, usize)| base.add((r0 + sl * ROWS) * rb + g * gb);
     let block_done = |i: usize| i + 1 == total || (i + 1).is_multiple_of(sb * n_groups);
-    let mut cur = 0;
-    fold_group::<K>(group_at(order(0)), &mut ks[cur], bptr(cur));
-    // Software-pipelined: a step's products are issued, then the previous step's float step
-    // runs while they compute. Pending: (step, first tile, tiles, scale buffer, product set).
-    let mut pending: Option<(usize, usize, usize, usize, usize)> = None;
-    let mut set = 0;
-    for i in 0..=total {
-        let s = cur;
-        let mut tb = 0;
-        if i < total {
-            let (sl, g) = order(i);
-            if g == 0 && sl % sb == 0 {
-                let a = at_acc(sl);
-                acc[a..a + sb * per].fill(_mm512_setzero_ps());
-            }
-            // This step's fold was done; the next one's goes into the other buffers once this
-            // step's products are issued (asked into L2 `PREFETCH` steps ahead).
-            if i + PREFETCH < total {
-                prefetch_block_l2(group_at(order(i + PREFETCH)), gb);
-            }
-            while tb < n_tb {
-                let nk = (n_tb - tb).min(2);
-                let p = set;
-                set = 1 - set;
-                let a = tiles.add((g * n_tb + tb) * ATILE);
-                match (nk, p) {
-                    (2, _) => tiles_pair(a, bptr(s), cptr(p)),
-                    (_, 0) => tiles_set0(a, bptr(s), cptr(0)),
-                    _ => tiles_set1(a, bptr(s), cptr(1)),
-                }
-                if let Some((pi, ptb, pk, ps, pp)) = pending {
-                    let (psl, pg) = order(pi);
-                    for k in 0..pk {
-                        let c = cptr(pp).add(2 * k * TILE * TILE);
-                        epilogue(&mut acc[at_acc(psl)..], pg, ptb + k, &ks[ps], c);
-                    }
-                    if ptb + pk == n_tb && block_done(pi) {
-                        write_block(&acc, order(pi).0, sb, n_sl, n_tok, r0, y, &at_acc);
-                    }
-                }
-                pending = Some((i, tb, nk, s, p));
-                tb += nk;
-            }
-            if i + 1 < total {
-                fold_group::<K>(group_at(order(i + 1)), &mut ks[1 - s], bptr(1 - s));
-            }
-            cur = 1 - s;
-        } else if let Some((pi, ptb, pk, ps, pp)) = pending.take() {
+    // Retires a pending step: its float step (scales `w`, products at `cptr(pp)`), and once the
+    // last step of a block is done, the block's outputs to `y`.
+    let retire =
+        |acc: &mut [__m512], w: &KCols16, (pi, ptb, pk, pp): (usize, usize, usize, usize)| {
             let (psl, pg) = order(pi);
             for k in 0..pk {
                 let c = cptr(pp).add(2 * k * TILE * TILE);
-                epilogue(&mut acc[at_acc(psl)..], pg, ptb + k, &ks[ps], c);
+                epilogue(&mut acc[at_acc(psl)..], pg, ptb + k, w, c);
             }
-            write_block(&acc, psl, sb, n_sl, n_tok, r0, y, &at_acc);
+            if ptb + pk == n_tb && block_done(pi) {
+                let b0 = psl / sb * sb;
+                for sl in b0..(b0 + sb).min(n_sl) {
+                    for (t, v) in acc[at_acc(sl)..].iter().take(n_tok).enumerate() {
+                        y.write16(t, r0 + sl * ROWS, *v);
+                    }
+                }
+            }
+        };
+    let mut cur = 0;
+    fold_group::<K>(group_at(order(0)), &mut ks[cur], bptr(cur));
+    // Software-pipelined: a step's products are issued, then the previous step's float step
+    // runs while they compute. Pending: (step, first tile, tiles, product set) and the scale
+    // buffer it reads.
+    let mut pending: Option<((usize, usize, usize, usize), usize)> = None;
+    let mut set = 0;
+    for i in 0..total {
+        let s = cur;
+        let (sl, g) = order(i);
+        if g == 0 && sl % sb == 0 {
+            let a = at_acc(sl);
+            acc[a..a + sb * per].fill(_mm512_setzero_ps());
         }
+        // This step's fold was done; the next one's goes into the other buffers once this
+        // step's products are issued (asked into L2 `PREFETCH` steps ahead).
+        if i + PREFETCH < total {
+            prefetch_block_l2(group_at(order(i + PREFETCH)), gb);
+        }
+        let mut tb = 0;
+        while tb < n_tb {
+            let nk = (n_tb - tb).min(2);
+            let p = set;
+            set = 1 - set;
+            let a = tiles.add((g * n_tb + tb) * ATILE);
+            match (nk, p) {
+                (2, _) => tiles_pair(a, bptr(s), cptr(p)),
+                (_, 0) => tiles_set0(a, bptr(s), cptr(0)),
+                _ => tiles_set1(a, bptr(s), cptr(1)),
+            }
+            if let Some((step, ps)) = pending {
+                retire(&mut acc, &ks[ps], step);
+            }
+            pending = Some(((i, tb, nk, p), s));
+            tb += nk;
+        }
+        if i + 1 < total {
+            fold_group::<K>(group_at(order(i + 1)), &mut ks[1 - s], bptr(1 - s));
+        }
+        cur = 1 - s;
+    }
+    if let Some((step, ps)) = pending {
+        retire(&mut acc, &ks[ps], step);
     }
     asm!("tilerelease", options(nostack, nomem));
-}
-
-/// Writes the block of `sb` slices that ends at slice `last` (all its groups summed) to `y`.
-///
-/// # Safety
-/// AVX-512F present; the block's slices are the caller's rows of `y`.
-#[allow(clippy::too_many_arguments)]
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn write_block(
-    acc: &[__m512],
-    last: usize,
-    sb: usize,
-    n_sl: usize,
-    n_tok: usize,
-    r0: usize,
-    y: YPtr,
-    at_acc: &dyn Fn(usize) -> usize,
-) {
-    let b0 = last / sb * sb;
-    for sl in b0..(b0 + sb).min(n_sl) {
-        for (t, v) in acc[at_acc(sl)..].iter().take(n_tok).enumerate() {
-            y.write16(t, r0 + sl * ROWS, *v);
-        }
-    }
 }
