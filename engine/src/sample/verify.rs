@@ -165,10 +165,8 @@ pub fn verify_naive(
     rng: &mut Rng,
 ) -> Result<VerifyOutcome> {
     check(tree, logits, vocab)?;
-    let mut p = vec![0.0f64; vocab]; // [vocab]
     Ok(walk(tree, |node| {
-        dense(&sampler.distribution(row(logits, vocab, node)), &mut p);
-        draw_dense(&p, rng)
+        draw_sparse(&sampler.distribution(row(logits, vocab, node)), vocab, rng)
     }))
 }
 
@@ -213,10 +211,12 @@ pub fn verify_mss(
     let broken = broken_drafters(tree);
     let (mut accepted, mut tokens) = (Vec::new(), Vec::new());
     let mut node = 0;
-    let mut p = vec![0.0f64; vocab]; // [vocab] the LLM's (residual) distribution at `node`
+    // [vocab] the LLM's (residual) distribution at `node` (allocated at the first node with
+    // candidates: a leaf's bonus token is drawn from the sparse distribution).
+    let mut p: Vec<f64> = Vec::new();
     let mut cands: Vec<(usize, Option<&SparseDist>)> = Vec::new(); // (child, q; None = point mass)
     loop {
-        dense(&sampler.distribution(row(logits, vocab, node)), &mut p);
+        let dist = sampler.distribution(row(logits, vocab, node));
         cands.clear();
         for &c in tree.children(node) {
             let props = &tree.node(c).proposals;
@@ -242,6 +242,18 @@ pub fn verify_mss(
                 }
             }
         }
+        if cands.is_empty() {
+            // Nothing to accept (a leaf, or only ignored drafters' children): the bonus token,
+            // drawn exactly as from the dense copy, without building it.
+            return Ok(VerifyOutcome {
+                accepted,
+                tokens,
+                bonus: draw_sparse(&dist, vocab, rng),
+                broken_drafters: broken,
+            });
+        }
+        p.resize(vocab, 0.0);
+        dense(&dist, &mut p);
         // Random order, independent of the drawn values: i.i.d. draws stay i.i.d. in such an order
         // (grouped by child they would not).
         for i in (1..cands.len()).rev() {
@@ -311,6 +323,51 @@ fn dense(dist: &[(u32, f32)], out: &mut [f64]) {
             *v += pr as f64;
         }
     }
+}
+
+/// One draw from a sparse distribution over `vocab` tokens, bit for bit the draw [`draw_dense`]
+/// makes from its dense copy (the same sums in token order), without a `[vocab]` buffer: the
+/// bonus token of every leaf, and every plain sampled row, costs one pass over the distribution
+/// instead of three over the vocabulary.
+fn draw_sparse(dist: &[(u32, f32)], vocab: usize, rng: &mut Rng) -> u32 {
+    let in_order = dist.windows(2).all(|w| w[0].0 < w[1].0)
+        && dist.last().is_none_or(|e| (e.0 as usize) < vocab);
+    if in_order {
+        return draw_in_order(dist.iter().map(|&(t, pr)| (t, f64::from(pr))), rng);
+    }
+    // Token order, equal tokens summed in their order (as `dense` does), ids beyond the
+    // vocabulary dropped.
+    let mut d: Vec<(u32, f32)> = dist
+        .iter()
+        .copied()
+        .filter(|e| (e.0 as usize) < vocab)
+        .collect();
+    d.sort_by_key(|e| e.0); // stable: equal tokens keep their order
+    let mut merged: Vec<(u32, f64)> = Vec::with_capacity(d.len());
+    for (t, pr) in d {
+        match merged.last_mut() {
+            Some(last) if last.0 == t => last.1 += f64::from(pr),
+            _ => merged.push((t, f64::from(pr))),
+        }
+    }
+    draw_in_order(merged.into_iter(), rng)
+}
+
+/// [`draw_dense`] over the nonzero entries of a dense distribution, given in token order.
+fn draw_in_order(entries: impl Iterator<Item = (u32, f64)> + Clone, rng: &mut Rng) -> u32 {
+    let total: f64 = entries.clone().map(|e| e.1).sum();
+    let mut u = rng.next_f64() * total;
+    let mut last = 0;
+    for (t, v) in entries {
+        if v > 0.0 {
+            last = t;
+            u -= v;
+            if u < 0.0 {
+                return t;
+            }
+        }
+    }
+    last
 }
 
 /// One draw from a dense distribution (any positive total).
@@ -404,6 +461,50 @@ mod tests {
             }
         }
         q[q.len() - 1].0
+    }
+
+    /// The sparse draw (leaves' bonus tokens, naive verification) is the dense draw bit for bit:
+    /// same token, same random stream, for distributions in token order and out of it (top-k
+    /// and top-p sort by probability), with repeated and out-of-vocabulary tokens, zero and
+    /// underflowing masses.
+    #[test]
+    fn sparse_draw_is_the_dense_draw() {
+        let vocab = 50;
+        let mut gen = Rng::new(11);
+        for case in 0..400u64 {
+            let n = 1 + (gen.next_u64() % 60) as usize;
+            let mut dist: Vec<(u32, f32)> = (0..n)
+                .map(|_| {
+                    let t = (gen.next_u64() % (vocab as u64 + 3)) as u32;
+                    let m = match gen.next_u64() % 5 {
+                        0 => 0.0,
+                        1 => 1e-40,
+                        _ => gen.next_f64() as f32,
+                    };
+                    (t, m)
+                })
+                .collect();
+            if case % 2 == 0 {
+                dist.sort_by_key(|e| e.0);
+                dist.dedup_by_key(|e| e.0);
+                dist.retain(|e| (e.0 as usize) < vocab);
+            }
+            let mut p = vec![0.0f64; vocab];
+            dense(&dist, &mut p);
+            let (mut a, mut b) = (Rng::new(case), Rng::new(case));
+            for _ in 0..5 {
+                assert_eq!(
+                    draw_sparse(&dist, vocab, &mut a),
+                    draw_dense(&p, &mut b),
+                    "case {case}: {dist:?}"
+                );
+            }
+            assert_eq!(
+                a.next_u64(),
+                b.next_u64(),
+                "case {case}: the streams moved alike"
+            );
+        }
     }
 
     /// p-value of the chi-square goodness of fit of `counts` against `probs` (every cell's
