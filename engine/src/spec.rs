@@ -24,7 +24,7 @@ use crate::sample::verify::{Verifier, VerifyMode, VerifyOutcome};
 use crate::sample::Sampler;
 use crate::sched::adaptive::{
     choose_depths, drafting_pays, median, nodes_upto, row_costs, useful_budget, Acceptance,
-    DepthOptions, DraftBackoff, StepCost, CHEAP_DRAFT, COSTLY_DRAFT,
+    DepthOptions, DraftBackoff, GainCalibration, StepCost, CHEAP_DRAFT, COSTLY_DRAFT,
 };
 use crate::tokenizer::Tokenizer;
 use crate::tree::{DrafterId, TokenTree, TreeMask};
@@ -980,6 +980,7 @@ pub fn generate<B: Backend>(
             Acceptance::new(),
             usize::MAX,
             DraftBackoff::default(),
+            GainCalibration::new(),
         )
     });
     // Seconds of the plain steps before the first proposal (the curve's one-row point).
@@ -1020,7 +1021,7 @@ pub fn generate<B: Backend>(
         let remaining = params.max_tokens - n;
         let committed = prompt.len() + n - 1;
         let max_depth = (remaining - 1).min(cap - 1 - committed);
-        let Some((cost, acceptance, last_depth, backoff)) = policy.as_mut() else {
+        let Some((cost, acceptance, last_depth, backoff, gains)) = policy.as_mut() else {
             pending = session.step(drafters, max_depth)?.emitted();
             continue;
         };
@@ -1052,7 +1053,7 @@ pub fn generate<B: Backend>(
                 // stands, a size that looks dear would never be drafted, hence never measured).
                 let rc = match explore.first() {
                     Some(_) => Vec::new(),
-                    None => row_costs(c, session.budget),
+                    None => row_costs(c, session.budget, gains.hurdle()),
                 };
                 drafters.iter_mut().for_each(|d| d.set_row_costs(&rc));
                 match explore.first() {
@@ -1145,12 +1146,13 @@ pub fn generate<B: Backend>(
             nodes_upto: nodes_upto(&proposal),
             weight: 1.0,
         }];
-        let depth = choose_depths(&opts, 1, 1, 1, cost)[0];
+        let hurdle = gains.hurdle();
+        let depth = choose_depths(&opts, 1, 1, 1, cost, hurdle)[0];
         *last_depth = depth;
         let tree = proposal.truncate_depth(depth);
         let gain = acceptance.expected_tokens(depth) - 1.0;
         let pass = cost.secs(tree.len());
-        let pays = drafting_pays(gain, 1.0 + gain, draft_secs, pass);
+        let pays = drafting_pays(gain, 1.0 + gain, draft_secs, pass, hurdle);
         // A proposal without nodes tells nothing about whether drafts pay.
         if proposal.n_draft() > 0 {
             backoff.chose(
@@ -1161,6 +1163,7 @@ pub fn generate<B: Backend>(
         let t0 = Instant::now();
         let o = session.verify(&tree, drafters)?;
         cost.record(tree.len(), t0.elapsed().as_secs_f64());
+        gains.record(gain, o.tokens.len());
         pending = o.emitted();
         acceptance.record(&proposal, &pending);
     }

@@ -29,6 +29,63 @@ pub struct StepCost {
     /// first; only that without a calibration of many sequences).
     seq_extra: Vec<(usize, f64)>,
     scale: f64,
+    /// What a step costs outside its forward pass, by its rows with logits.
+    overhead: StepOverhead,
+}
+
+/// Seconds a step spends outside its forward pass (verification, sampling each verified row's
+/// distribution, the K/V commit, streaming, building the batch) as `a + b·rows`, `rows` the rows
+/// with logits: a least-squares line over decayed sums of measured steps. Sampled verification
+/// costs a few passes over the vocabulary per row, which the forward curve does not see: on
+/// smollm2-135m at temperature 1.0 about 0.25 ms per row against 0.6 ms of forward per extra
+/// row, and pricing rows by the forward alone made speculation lose to plain decoding at
+/// concurrency 4.
+#[derive(Clone, Debug, Default, PartialEq)]
+struct StepOverhead {
+    n: f64,
+    x: f64,
+    y: f64,
+    xx: f64,
+    xy: f64,
+}
+
+/// Decay of the [`StepOverhead`] sums per step (about the last 50 steps count).
+const OVERHEAD_DECAY: f64 = 0.98;
+
+impl StepOverhead {
+    fn record(&mut self, rows: usize, secs: f64) {
+        if !(secs.is_finite() && secs >= 0.0) || rows == 0 {
+            return;
+        }
+        let (x, d) = (rows as f64, OVERHEAD_DECAY);
+        self.n = d * self.n + 1.0;
+        self.x = d * self.x + x;
+        self.y = d * self.y + secs;
+        self.xx = d * self.xx + x * x;
+        self.xy = d * self.xy + x * secs;
+    }
+
+    /// `(a, b)`: the fitted line where the steps' row counts vary (their variance at least a
+    /// quarter row²), else all of it per row (a fixed part priced per row: dearer rows, never
+    /// cheaper).
+    fn line(&self) -> (f64, f64) {
+        if self.n <= 0.0 || self.x <= 0.0 {
+            return (0.0, 0.0);
+        }
+        let (mx, my) = (self.x / self.n, self.y / self.n);
+        let var = self.xx / self.n - mx * mx;
+        if var >= 0.25 {
+            let b = ((self.xy / self.n - mx * my) / var).max(0.0);
+            ((my - b * mx).max(0.0), b)
+        } else {
+            (0.0, my / mx)
+        }
+    }
+
+    fn secs(&self, rows: usize) -> f64 {
+        let (a, b) = self.line();
+        a + b * rows as f64
+    }
 }
 
 /// Weight of a new measurement in a point's moving average.
@@ -74,6 +131,7 @@ impl StepCost {
             points,
             seq_extra: vec![(1, 0.0)],
             scale: 1.0,
+            overhead: StepOverhead::default(),
         }
     }
 
@@ -237,6 +295,24 @@ impl StepCost {
     /// Estimated seconds of a pass over `rows` rows of `seqs` sequences (`rows >= seqs`).
     pub fn pass_secs(&self, rows: usize, seqs: usize) -> f64 {
         self.scale * self.shape(rows, seqs)
+    }
+
+    /// Fold in what a step over `logit_rows` rows with logits spent outside its forward pass.
+    pub fn record_overhead(&mut self, logit_rows: usize, secs: f64) {
+        self.overhead.record(logit_rows, secs);
+    }
+
+    /// Estimated seconds of a whole step: its pass over `rows` rows of `seqs` sequences, and the
+    /// work outside the pass for its `logit_rows` rows with logits
+    /// ([`StepCost::record_overhead`]; nothing until measured).
+    pub fn step_secs(&self, rows: usize, seqs: usize, logit_rows: usize) -> f64 {
+        self.pass_secs(rows, seqs) + self.overhead.secs(logit_rows)
+    }
+
+    /// Estimated seconds of a whole step over `rows` rows of one sequence, all with logits (a
+    /// verified tree).
+    pub fn tree_secs(&self, rows: usize) -> f64 {
+        self.step_secs(rows, 1, rows)
     }
 
     /// The calibrated curve.
@@ -428,13 +504,19 @@ impl DraftBackoff {
 }
 
 /// Whether a request's drafting paid for itself in a step: its expected extra tokens `gain`, as a
-/// share of the batch's expected tokens, beat [`DEPTH_HURDLE`] times its drafting seconds as a
-/// share of the pass (`pass_secs`). Drafting that does not pay counts as depth 0 for the
+/// share of the batch's expected tokens, beat `hurdle` ([`GainCalibration::hurdle`]) times its
+/// drafting seconds as a share of the pass (`pass_secs`). Drafting that does not pay counts as depth 0 for the
 /// backoff, so a costly drafter (a model's passes) with middling acceptance drafts rarely.
-pub fn drafting_pays(gain: f64, batch_tokens: f64, draft_secs: f64, pass_secs: f64) -> bool {
+pub fn drafting_pays(
+    gain: f64,
+    batch_tokens: f64,
+    draft_secs: f64,
+    pass_secs: f64,
+    hurdle: f64,
+) -> bool {
     draft_secs <= 0.0
         || gain / batch_tokens.max(f64::MIN_POSITIVE)
-            > DEPTH_HURDLE * draft_secs / pass_secs.max(f64::MIN_POSITIVE)
+            > hurdle * draft_secs / pass_secs.max(f64::MIN_POSITIVE)
 }
 
 /// The most a verified tree may cost, in plain passes, whatever its drafts are expected to gain:
@@ -448,11 +530,11 @@ pub const MAX_TREE_COST: f64 = 2.5;
 /// drafters (Token Recycling's first level has 8 candidates) then propose their best few nodes
 /// instead of a level no depth choice can afford.
 pub fn useful_budget(cost: &StepCost, budget: usize, acceptance: &Acceptance) -> usize {
-    let one = cost.secs(1);
+    let one = cost.tree_secs(1);
     let mut n = 1;
     while n < budget {
         let worth = MAX_TREE_COST.max(acceptance.expected_tokens(n + 1));
-        if cost.secs(n + 2) > worth * one {
+        if cost.tree_secs(n + 2) > worth * one {
             break;
         }
         n += 1;
@@ -460,15 +542,15 @@ pub fn useful_budget(cost: &StepCost, budget: usize, acceptance: &Acceptance) ->
     n.min(budget)
 }
 
-/// What each further verified row costs, in plain passes, times [`DEPTH_HURDLE`]: `costs[i]` is
+/// What each further verified row costs, in plain passes, times `hurdle`: `costs[i]` is
 /// the marginal row of a tree growing from `i` to `i + 1` draft nodes on the learnt curve, for
 /// `nodes` nodes ([`crate::draft::Drafter::set_row_costs`]). Where a pass streams the weights
 /// (a CPU decoding one sequence), the first few rows cost almost nothing and the next ones
 /// nearly a row's compute each: one mean over a larger tree would price the cheap rows out.
-pub fn row_costs(cost: &StepCost, nodes: usize) -> Vec<f64> {
-    let one = cost.secs(1).max(1e-12);
+pub fn row_costs(cost: &StepCost, nodes: usize, hurdle: f64) -> Vec<f64> {
+    let one = cost.tree_secs(1).max(1e-12);
     (0..nodes)
-        .map(|i| DEPTH_HURDLE * ((cost.secs(i + 2) - cost.secs(i + 1)) / one).max(0.0))
+        .map(|i| hurdle * ((cost.tree_secs(i + 2) - cost.tree_secs(i + 1)) / one).max(0.0))
         .collect()
 }
 
@@ -509,25 +591,81 @@ pub fn catch_up_weight(left: f64, mean_left: f64) -> f64 {
     }
 }
 
-/// How much a depth's expected gain must exceed its cost: draft tokens count as `1 /
-/// DEPTH_HURDLE` of their expected number when choosing depths, so a speculative choice wins
-/// only where its relative gain in tokens beats the relative growth of the pass by about this
-/// factor. Costs
-/// the curve does not see (drafting, tree bookkeeping, the K/V commit) and the noise of
-/// acceptance estimates make break-even depths lose in practice (measured: prompt lookup on chat
-/// text through the server, 0.85x of plain decoding at concurrency 4 without it).
+/// How much a depth's expected gain must exceed its cost before anything is measured (the
+/// [`GainCalibration`]'s prior): draft tokens count as `1 / hurdle` of their expected number
+/// when choosing depths, so a speculative choice wins only where its relative gain in tokens
+/// beats the relative growth of the pass by about this factor. The noise of acceptance
+/// estimates makes break-even depths lose in practice (measured: prompt lookup on chat text
+/// through the server, 0.85x of plain decoding at concurrency 4 without a hurdle).
 pub const DEPTH_HURDLE: f64 = 1.25;
+
+/// Weight, in promised tokens, of the [`GainCalibration`]'s prior (its hurdle starts at
+/// [`DEPTH_HURDLE`]).
+const CALIBRATION_PRIOR: f64 = 4.0;
+
+/// Decay of a [`GainCalibration`]'s sums per recorded request-step (about the last 50 verified
+/// speculations count).
+const CALIBRATION_DECAY: f64 = 0.98;
+
+/// Bounds of the measured hurdle: never a premium on draft tokens, and never so dear that a
+/// request whose drafts really match could not win speculation back.
+pub const HURDLE_RANGE: (f64, f64) = (1.0, 3.0);
+
+/// The hurdle measured (online calibration of the acceptance estimates): over the recent steps
+/// that verified a speculative depth, the draft tokens the policy expected
+/// ([`Acceptance::expected_tokens`] at the chosen depth, less the bonus token) against those
+/// accepted. Depths are chosen where estimates are high, and estimates from a few decayed
+/// observations are high partly by chance, so the expectations behind chosen depths run above
+/// what the drafts deliver wherever acceptance is noisy (sampled text, drafts that rarely
+/// match: measured there at about half) and close to it where acceptance is steady (repeated
+/// text). Their ratio is the discount draft tokens need ([`choose_depths`]' `hurdle`), learnt
+/// from the traffic instead of one constant for every regime. It starts at [`DEPTH_HURDLE`].
+#[derive(Clone, Debug)]
+pub struct GainCalibration {
+    promised: f64,
+    realized: f64,
+}
+
+impl Default for GainCalibration {
+    fn default() -> Self {
+        GainCalibration::new()
+    }
+}
+
+impl GainCalibration {
+    pub fn new() -> GainCalibration {
+        GainCalibration {
+            promised: CALIBRATION_PRIOR * DEPTH_HURDLE,
+            realized: CALIBRATION_PRIOR,
+        }
+    }
+
+    /// A verified speculative depth: the draft tokens its estimate `promised` and those
+    /// `accepted`. Steps without draft rows (depth 0) tell nothing and are not recorded.
+    pub fn record(&mut self, promised: f64, accepted: usize) {
+        if !(promised.is_finite() && promised > 0.0) {
+            return;
+        }
+        self.promised = CALIBRATION_DECAY * self.promised + promised;
+        self.realized = CALIBRATION_DECAY * self.realized + accepted as f64;
+    }
+
+    /// How far the estimates over-promise, within [`HURDLE_RANGE`].
+    pub fn hurdle(&self) -> f64 {
+        (self.promised / self.realized.max(f64::MIN_POSITIVE)).clamp(HURDLE_RANGE.0, HURDLE_RANGE.1)
+    }
+}
 
 /// Choose each request's verified depth for a step whose other rows (prefill chunks, the roots
 /// of every decoding request) number `base_rows` and yield `base_tokens` tokens without
 /// speculation (one per decoding request and per prompt that ends this step), over `seqs`
-/// sequences. Depths are added greedily, the best expected
-/// tokens per extra row first (a request's next depth never gains more than its previous one);
-/// of the choices along that order, the one with the most expected tokens per second on the
-/// cost curve wins, its draft tokens discounted by [`DEPTH_HURDLE`]. The whole order is weighed,
-/// not only its first steps: on a curve whose marginal row cost falls with the row count (a
-/// wider pass amortises its weight reads better), a depth that does not pay alone can pay with
-/// the next ones. Depth 0 everywhere is plain decoding, so the choice never expects a slower
+/// sequences. Depths are added greedily, the best expected tokens per extra row first (a
+/// request's next depth never gains more than its previous one); of the choices along that
+/// order, the one with the most expected tokens per second of the whole step wins (the forward
+/// curve and the work outside the pass, [`StepCost::step_secs`]), its draft tokens discounted by
+/// `hurdle` ([`GainCalibration::hurdle`]). The whole order is weighed, not only its first steps:
+/// on a curve whose marginal row cost falls with the row count (a wider pass amortises its
+/// weight reads better), a depth that does not pay alone can pay with the next ones. Depth 0 everywhere is plain decoding, so the choice never expects a slower
 /// step mix than no speculation.
 pub fn choose_depths(
     options: &[DepthOptions<'_>],
@@ -535,11 +673,17 @@ pub fn choose_depths(
     base_tokens: usize,
     seqs: usize,
     cost: &StepCost,
+    hurdle: f64,
 ) -> Vec<usize> {
     let mut depth = vec![0usize; options.len()];
     let mut rows = base_rows;
     let mut tokens = base_tokens.max(options.len()).max(1) as f64;
-    let rate = |tokens: f64, rows: usize| tokens / cost.pass_secs(rows.max(1), seqs);
+    // Rows with logits: one per base token (a decoding request's root, a prompt's last row),
+    // and every draft row.
+    let rate = |tokens: f64, rows: usize| {
+        let logit_rows = base_tokens + (rows - base_rows);
+        tokens / cost.step_secs(rows.max(1), seqs, logit_rows)
+    };
     let mut best_rate = rate(tokens, rows);
     // The greedy order's additions, and how many of them the best choice takes.
     let mut order = Vec::new();
@@ -566,7 +710,7 @@ pub fn choose_depths(
         };
         depth[i] += 1;
         rows += extra;
-        tokens += gain / DEPTH_HURDLE;
+        tokens += gain / hurdle;
         order.push(i);
         let r = rate(tokens, rows);
         if r > best_rate {
@@ -614,7 +758,7 @@ mod tests {
     fn step_cost_adds_points_and_prices_rows_by_the_curve() {
         // The first tree's pass: a straight line from one row to eight, twice as dear.
         let mut c = StepCost::from_points(vec![(1, 0.010), (8, 0.020)]);
-        let line = row_costs(&c, 7);
+        let line = row_costs(&c, 7, DEPTH_HURDLE);
         for r in &line {
             assert!((r - DEPTH_HURDLE / 7.0).abs() < 1e-9, "{line:?}");
         }
@@ -622,7 +766,7 @@ mod tests {
         c.add_point(4, 0.0101);
         assert!((c.secs(4) - 0.0101).abs() < 1e-12);
         assert!((c.secs(8) - 0.020).abs() < 1e-12);
-        let bent = row_costs(&c, 7);
+        let bent = row_costs(&c, 7, DEPTH_HURDLE);
         assert!(bent[..3].iter().all(|&r| r < 0.01), "{bent:?}");
         assert!(bent[3..].iter().all(|&r| r > 0.3), "{bent:?}");
         // A slower pass at a size that is already a point moves the factor only.
@@ -735,18 +879,18 @@ mod tests {
             weight: 1.0,
         };
         // Nearly free rows: even a 5% chance pays for a few; the accepting request goes deep.
-        let ds = choose_depths(&[mk(&good), mk(&bad)], 2, 2, 2, &flat);
+        let ds = choose_depths(&[mk(&good), mk(&bad)], 2, 2, 2, &flat, DEPTH_HURDLE);
         assert_eq!(ds[0], 8);
         assert!(ds[1] < ds[0]);
         // Rows at 3% of a pass each: the accepting request drafts deep, the rejecting one not.
         let moderate = StepCost::from_points(vec![(1, 0.01), (64, 0.03)]);
         assert_eq!(
-            choose_depths(&[mk(&good), mk(&bad)], 2, 2, 2, &moderate),
+            choose_depths(&[mk(&good), mk(&bad)], 2, 2, 2, &moderate, DEPTH_HURDLE),
             vec![8, 0]
         );
         // Each row costs a whole pass: plain decoding.
         assert_eq!(
-            choose_depths(&[mk(&good), mk(&bad)], 2, 2, 2, &steep),
+            choose_depths(&[mk(&good), mk(&bad)], 2, 2, 2, &steep, DEPTH_HURDLE),
             vec![0, 0]
         );
     }
@@ -773,7 +917,7 @@ mod tests {
         // The first extra row doubles the pass, the next seven are almost free: depth 1 alone
         // loses, depth 8 wins (about 5.6 expected tokens for 2.2 passes).
         let kinked = StepCost::from_points(vec![(1, 0.010), (2, 0.020), (9, 0.022)]);
-        assert_eq!(choose_depths(&[o], 1, 1, 1, &kinked), vec![8]);
+        assert_eq!(choose_depths(&[o], 1, 1, 1, &kinked, DEPTH_HURDLE), vec![8]);
     }
 
     #[test]
@@ -787,8 +931,8 @@ mod tests {
         // Rows cost 2% of a 16-row pass each. One drafting request among 16 decoding ones:
         // its few extra tokens are small against the batch's 16.
         let cost = StepCost::from_points(vec![(1, 0.010), (16, 0.016), (64, 0.064)]);
-        let alone = choose_depths(&[mk()], 1, 1, 1, &cost)[0];
-        let among = choose_depths(&[mk()], 16, 16, 16, &cost)[0];
+        let alone = choose_depths(&[mk()], 1, 1, 1, &cost, DEPTH_HURDLE)[0];
+        let among = choose_depths(&[mk()], 16, 16, 16, &cost, DEPTH_HURDLE)[0];
         assert_eq!(alone, 8);
         assert!(among < alone, "{among}");
         // 16 sequences cost much more than 16 rows of one: extra rows are then relatively
@@ -800,7 +944,7 @@ mod tests {
         assert!((per_seq.pass_secs(16, 16) - 0.040).abs() < 1e-12);
         assert!((per_seq.pass_secs(32, 16) - (0.040 + 0.016)).abs() < 1e-12);
         assert!((per_seq.secs(16) - 0.016).abs() < 1e-12);
-        let with_seqs = choose_depths(&[mk()], 16, 16, 16, &per_seq)[0];
+        let with_seqs = choose_depths(&[mk()], 16, 16, 16, &per_seq, DEPTH_HURDLE)[0];
         assert!(with_seqs > among, "{with_seqs} vs {among}");
     }
 
@@ -818,8 +962,111 @@ mod tests {
         };
         // A marginal cost: the same acceptance, the lagging request verifies deeper.
         let cost = StepCost::from_points(vec![(1, 0.010), (8, 0.012), (64, 0.060)]);
-        let ds = choose_depths(&[mk(0.5), mk(2.0)], 8, 8, 8, &cost);
+        let ds = choose_depths(&[mk(0.5), mk(2.0)], 8, 8, 8, &cost, DEPTH_HURDLE);
         assert!(ds[1] > ds[0], "{ds:?}");
+    }
+
+    #[test]
+    fn the_hurdle_follows_how_far_estimates_over_promise() {
+        let mut g = GainCalibration::new();
+        assert!((g.hurdle() - DEPTH_HURDLE).abs() < 1e-12);
+        // Depths chosen on estimates of 2 tokens that deliver 1: the hurdle goes to 2.
+        for _ in 0..400 {
+            g.record(2.0, 1);
+        }
+        assert!((g.hurdle() - 2.0).abs() < 1e-3, "{}", g.hurdle());
+        // Nothing learnt from steps without a promise, or from nonsense.
+        let before = g.hurdle();
+        g.record(0.0, 3);
+        g.record(f64::NAN, 3);
+        assert_eq!(g.hurdle(), before);
+        // Estimates that under-promise (trees accepted beyond their chain's estimate): no
+        // premium on draft tokens below 1.
+        for _ in 0..400 {
+            g.record(1.0, 3);
+        }
+        assert_eq!(g.hurdle(), HURDLE_RANGE.0);
+        // Drafts that never deliver: bounded, so matching drafts can win speculation back.
+        for _ in 0..400 {
+            g.record(1.0, 0);
+        }
+        assert_eq!(g.hurdle(), HURDLE_RANGE.1);
+    }
+
+    /// A request whose first draft token is accepted a third of the time, the second never.
+    fn middling() -> Acceptance {
+        let d = DrafterId::try_from(0usize).unwrap();
+        let chain = TokenTree::chain(1, &[2, 3, 4, 5, 6, 7, 8, 9], d);
+        let mut a = Acceptance::new();
+        for i in 0..30 {
+            if i % 3 == 0 {
+                a.record(&chain, &[2, 11]);
+            } else {
+                a.record(&chain, &[11]);
+            }
+        }
+        a
+    }
+
+    #[test]
+    fn a_higher_hurdle_verifies_less() {
+        let a = middling();
+        let o = DepthOptions {
+            acceptance: &a,
+            nodes_upto: (0..=8).collect(),
+            weight: 1.0,
+        };
+        // Each extra row costs a fifth of a pass.
+        let cost = StepCost::from_points(vec![(1, 0.010), (8, 0.024), (64, 0.200)]);
+        let low = choose_depths(std::slice::from_ref(&o), 1, 1, 1, &cost, HURDLE_RANGE.0)[0];
+        let high = choose_depths(std::slice::from_ref(&o), 1, 1, 1, &cost, HURDLE_RANGE.1)[0];
+        assert!(low > 0 && high < low, "{low} {high}");
+    }
+
+    #[test]
+    fn the_work_outside_the_pass_is_priced_per_row() {
+        let mut c = StepCost::from_points(vec![(1, 0.010), (8, 0.012), (64, 0.060)]);
+        assert_eq!(c.step_secs(4, 4, 4), c.pass_secs(4, 4));
+        // 1 ms a step plus 0.25 ms per row with logits, whatever the pass.
+        for i in 0..200 {
+            let rows = 4 + i % 9;
+            c.record_overhead(rows, 0.001 + 0.00025 * rows as f64);
+        }
+        for rows in [1, 8, 30] {
+            let outside = c.step_secs(rows, 1, rows) - c.pass_secs(rows, 1);
+            assert!(
+                (outside - (0.001 + 0.00025 * rows as f64)).abs() < 1e-9,
+                "{rows}"
+            );
+        }
+        assert!((c.tree_secs(8) - (0.012 + 0.003)).abs() < 1e-9);
+        // Steps of one size only: all of it per row (never cheaper rows than measured).
+        let mut one = StepCost::from_points(vec![(1, 0.010), (8, 0.012)]);
+        for _ in 0..50 {
+            one.record_overhead(8, 0.002);
+        }
+        assert!((one.step_secs(16, 8, 16) - one.pass_secs(16, 8) - 0.004).abs() < 1e-9);
+        // The policy sees it: depths that pay on the pass alone do not when each verified row
+        // costs as much again outside it.
+        let a = middling();
+        let o = DepthOptions {
+            acceptance: &a,
+            nodes_upto: (0..=8).collect(),
+            weight: 1.0,
+        };
+        let mut dear = StepCost::from_points(vec![(1, 0.010), (8, 0.024), (64, 0.200)]);
+        let before = choose_depths(std::slice::from_ref(&o), 1, 1, 1, &dear, DEPTH_HURDLE)[0];
+        for i in 0..200 {
+            let rows = 1 + i % 5;
+            dear.record_overhead(rows, 0.010 * rows as f64);
+        }
+        let after = choose_depths(std::slice::from_ref(&o), 1, 1, 1, &dear, DEPTH_HURDLE)[0];
+        assert!(before > 0 && after == 0, "{before} {after}");
+        assert!(
+            row_costs(&dear, 4, 1.0).iter().all(|&r| r > 0.45),
+            "{:?}",
+            row_costs(&dear, 4, 1.0)
+        );
     }
 
     #[test]

@@ -12,7 +12,7 @@ use std::time::Instant;
 
 pub use adaptive::{
     catch_up_weight, choose_depths, drafting_pays, nodes_upto, row_costs, useful_budget,
-    Acceptance, DepthOptions, DraftBackoff, StepCost,
+    Acceptance, DepthOptions, DraftBackoff, GainCalibration, StepCost,
 };
 
 use crate::backend::cuda::DeviceForward;
@@ -255,6 +255,8 @@ struct Slot {
     /// A prefill chunk's top candidates per row for the request's drafters (Token Recycling's
     /// warm start; 0: none, and only the last row's logits when `logits`).
     candidates: usize,
+    /// Draft tokens the adaptive policy expects `tree` to have accepted (0: no chosen depth).
+    promised: f64,
 }
 
 impl Slot {
@@ -271,6 +273,7 @@ impl Slot {
             proposal: None,
             proposal_mask: None,
             candidates: 0,
+            promised: 0.0,
         }
     }
 
@@ -523,6 +526,9 @@ pub struct Scheduler<'a> {
     cost: Option<StepCost>,
     /// Keep the cost model as set (tests; benchmarks of a given cost curve).
     pub freeze_step_cost: bool,
+    /// How far adaptive requests' acceptance estimates over-promise: the hurdle their draft
+    /// tokens clear ([`GainCalibration`]).
+    gains: GainCalibration,
     /// Failures not yet taken by [`Scheduler::take_drafter_failures`].
     drafter_failures: Vec<DrafterFailure>,
     /// Outcomes of externally drafted requests not yet taken by [`Scheduler::take_commits`].
@@ -585,6 +591,7 @@ impl<'a> Scheduler<'a> {
             stats: SchedStats::default(),
             cost: None,
             freeze_step_cost: false,
+            gains: GainCalibration::new(),
             drafter_failures: Vec::new(),
             commits: Vec::new(),
             device: None,
@@ -943,7 +950,9 @@ impl<'a> Scheduler<'a> {
                     budget: sl.tree_cap,
                     max_depth: r.draft_depth(),
                     row_costs: match (&self.cost, sp.policy) {
-                        (Some(c), SpecPolicy::Adaptive) => row_costs(c, sl.tree_cap),
+                        (Some(c), SpecPolicy::Adaptive) => {
+                            row_costs(c, sl.tree_cap, self.gains.hurdle())
+                        }
                         _ => Vec::new(),
                     },
                 })
@@ -1007,10 +1016,12 @@ impl<'a> Scheduler<'a> {
             sl.proposal_mask = Some(mask);
         }
         self.draft(&mut plan)?;
+        let drafted = Instant::now();
         // The batch, in running order.
         plan.sort_by_key(|sl| sl.idx);
         let inputs: Vec<StepInput> = plan.iter().map(|sl| self.input(sl)).collect();
         let n_rows: usize = inputs.iter().map(|x| x.tokens.len()).sum();
+        let logit_rows: usize = inputs.iter().map(|x| x.logit_rows.len()).sum();
         let device = self.device.clone();
         let t0 = Instant::now();
         let logits = {
@@ -1083,6 +1094,7 @@ impl<'a> Scheduler<'a> {
                     if let Some(p) = &sl.proposal {
                         sp.acceptance.record(p, &emitted);
                     }
+                    self.gains.record(sl.promised, o.tokens.len());
                     sp.metrics.record(tree, &o);
                     let (stats, failures) = (&mut self.stats, &mut self.drafter_failures);
                     each_drafter(r.id, sp, "accept", stats, failures, |d| {
@@ -1202,6 +1214,9 @@ impl<'a> Scheduler<'a> {
         }
         self.stats.peak_blocks = self.stats.peak_blocks.max(self.pool.stats().used);
         let all = started.elapsed().as_secs_f64();
+        if let (Some(c), false) = (self.cost.as_mut(), self.freeze_step_cost) {
+            c.record_overhead(logit_rows, drafted.elapsed().as_secs_f64() - fwd);
+        }
         self.stats.step_secs += all;
         Ok(events)
     }
@@ -1290,6 +1305,7 @@ impl<'a> Scheduler<'a> {
                     proposal: None,
                     proposal_mask: None,
                     candidates: r.prompt_candidates(),
+                    promised: 0.0,
                 });
             }
         }
@@ -1341,7 +1357,7 @@ impl<'a> Scheduler<'a> {
         let rc = self
             .cost
             .as_ref()
-            .map_or_else(Vec::new, |c| row_costs(c, max_cap));
+            .map_or_else(Vec::new, |c| row_costs(c, max_cap, self.gains.hurdle()));
         for (i, r) in self.running.iter_mut().enumerate() {
             let Some(k) = slot_of[i] else { continue };
             let max_depth = r.draft_depth();
@@ -1432,8 +1448,9 @@ impl<'a> Scheduler<'a> {
             }
         }
         // Each adaptive request's depth, whether its drafting paid this step (its tree is
-        // verified anyway) and whether its drafting is costly.
-        let (depths, pays): (Vec<usize>, Vec<(bool, bool)>) =
+        // verified anyway), whether its drafting is costly, and the draft tokens its depth is
+        // expected to have accepted.
+        let (depths, pays, gains): (Vec<usize>, Vec<(bool, bool)>, Vec<f64>) =
             match (&self.cost, adaptive.is_empty()) {
                 (Some(cost), false) => {
                     // Tokens each decoding request still may produce, and their mean.
@@ -1463,7 +1480,9 @@ impl<'a> Scheduler<'a> {
                             }
                         })
                         .collect();
-                    let depths = choose_depths(&options, base_rows, base_tokens, plan.len(), cost);
+                    let hurdle = self.gains.hurdle();
+                    let depths =
+                        choose_depths(&options, base_rows, base_tokens, plan.len(), cost, hurdle);
                     let gains: Vec<f64> = options
                         .iter()
                         .zip(&depths)
@@ -1477,7 +1496,8 @@ impl<'a> Scheduler<'a> {
                             .sum::<usize>();
                     let batch_tokens =
                         base_tokens.max(adaptive.len()) as f64 + gains.iter().sum::<f64>();
-                    let pass = cost.pass_secs(rows.max(1), plan.len());
+                    let draft_rows = rows - base_rows;
+                    let pass = cost.step_secs(rows.max(1), plan.len(), base_tokens + draft_rows);
                     let pays = adaptive
                         .iter()
                         .zip(&gains)
@@ -1487,14 +1507,18 @@ impl<'a> Scheduler<'a> {
                                 .as_ref()
                                 .map_or(0.0, |sp| sp.draft_secs);
                             (
-                                drafting_pays(g, batch_tokens, d, pass),
+                                drafting_pays(g, batch_tokens, d, pass, hurdle),
                                 d >= adaptive::COSTLY_DRAFT * pass,
                             )
                         })
                         .collect();
-                    (depths, pays)
+                    (depths, pays, gains)
                 }
-                _ => (vec![0; adaptive.len()], vec![(true, false); adaptive.len()]),
+                _ => (
+                    vec![0; adaptive.len()],
+                    vec![(true, false); adaptive.len()],
+                    vec![0.0; adaptive.len()],
+                ),
             };
         for (k, sl) in plan.iter_mut().enumerate() {
             let Some(p) = &sl.proposal else {
@@ -1508,6 +1532,7 @@ impl<'a> Scheduler<'a> {
                 Some(j) => {
                     if let Some(sp) = self.running[sl.idx].spec.as_mut() {
                         sp.last_depth = depths[j];
+                        sl.promised = gains[j];
                         let (pays, costly) = pays[j];
                         // A proposal without nodes tells nothing about whether drafts pay
                         // where drafting costs next to nothing (in process); drafting outside
