@@ -46,6 +46,27 @@ pub(crate) fn act_kind(ty: GgmlType) -> ActKind {
     }
 }
 
+/// What [`quantize_row`] writes for `level` and `ty`: matrices of one format read the same
+/// activation records, so a batch of them over one input quantizes it once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RecordFormat {
+    /// Natural records of this kind.
+    Natural(ActKind),
+    /// The AVX-512 family's lane records for this type.
+    Lane(GgmlType),
+}
+
+pub(crate) fn record_format(level: KernelLevel, ty: GgmlType) -> RecordFormat {
+    #[cfg(target_arch = "x86_64")]
+    if matches!(level, KernelLevel::Avx512Vnni | KernelLevel::Amx)
+        && matches!(ty, GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q5_1)
+    {
+        return RecordFormat::Lane(ty);
+    }
+    let _ = level;
+    RecordFormat::Natural(act_kind(ty))
+}
+
 /// The f32 at byte `off` of a natural record (`d` values).
 pub(crate) fn rec_f32(nat: &[u8; REC], off: usize) -> f32 {
     f32::from_le_bytes([nat[off], nat[off + 1], nat[off + 2], nat[off + 3]])

@@ -655,12 +655,16 @@ pub fn matmul_in(
     n_tok: usize,
     y: &mut [f32],
 ) -> Result<()> {
-    let level = if amx_in(scope, n_tok) {
+    matmul_with(scope_level(scope, n_tok), w, x, n_tok, y)
+}
+
+/// The kernel level a batch of `n_tok` rows runs at in `scope`.
+fn scope_level(scope: AmxScope, n_tok: usize) -> KernelLevel {
+    if amx_in(scope, n_tok) {
         KernelLevel::Amx
     } else {
         kernel_level().min_with(KernelLevel::Avx512Vnni)
-    };
-    matmul_with(level, w, x, n_tok, y)
+    }
 }
 
 /// Whether a batch of `n_tok` rows runs the AMX family in `scope` (the VNNI kernels otherwise).
@@ -710,69 +714,186 @@ pub fn matmul_with(
         y.fill(0.0);
         return Ok(());
     }
+    match route(level, w, n_tok) {
+        Route::Natural(level) => {
+            // Only the AVX-512, AMX and AVX2 families read packed rows (the AVX2 family K-quants
+            // only): the others run on natural ones (a copy; tests and explicit levels, never a
+            // forward pass of a process that packed).
+            let nat = w.natural_bytes();
+            let natural = QMatrix {
+                data: &nat,
+                packed: false,
+                ..*w
+            };
+            matmul_with(level, &natural, x, n_tok, y)
+        }
+        // The AMX family on natural rows: tiles for large batches, the AMX-order VNNI kernel for
+        // small ones, so every row is computed bit for bit alike whatever the batch size.
+        #[cfg(target_arch = "x86_64")]
+        Route::AmxNatural => {
+            if n_tok >= amx::MIN_TOK && amx::matmul(w, x, n_tok, y) {
+                return Ok(());
+            }
+            amx_order_matmul(w, x, n_tok, y);
+            Ok(())
+        }
+        // The AMX family on packed Q4_K/Q6_K rows: tiles reading the packed groups for large
+        // batches (small ones take the packed AVX-512 VNNI kernels below: the same integers and
+        // float steps).
+        #[cfg(target_arch = "x86_64")]
+        Route::AmxPacked => {
+            let yp = YPtr {
+                ptr: y.as_mut_ptr(),
+                n_out: w.n_out,
+            };
+            // SAFETY: the tiles take `w`; `yp` comes from the unique borrow of `y`, `n_tok *
+            // n_out` floats (checked).
+            unsafe { packed_tiles_many(std::slice::from_ref(w), x, n_tok, &[yp], false) };
+            Ok(())
+        }
+        Route::Float(level) => {
+            run_rows(w, n_tok, y, &|r0, r1, yp| {
+                float_rows(level, w, x, n_tok, r0, r1, yp)
+            });
+            Ok(())
+        }
+        Route::Records(level) => {
+            let stride = record_stride(w.n_in);
+            let mut buf = take_scratch(n_tok * stride);
+            {
+                let act_bytes: &mut [u8] = bytes_of_lines(&mut buf, n_tok * stride);
+                quantize_rows(level, w.ty, x, w.n_in, stride, act_bytes);
+                let act_ro: &[u8] = act_bytes;
+                // Decided on the calling thread (a test's choice is visible here, not in the
+                // workers).
+                let nat_rows = NATURAL_ROWS_HERE
+                    .with(Cell::get)
+                    .unwrap_or_else(natural_kernel_rows);
+                run_rows(w, n_tok, y, &|r0, r1, yp| {
+                    quant_rows(level, w, act_ro, stride, n_tok, r0..r1, nat_rows, yp)
+                });
+            }
+            put_scratch(buf);
+            Ok(())
+        }
+    }
+}
+
+/// Where `matmul_with(level, w, ..)` runs a batch of `n_tok` rows (at least one; `w` non-empty).
+enum Route {
+    /// A natural copy of packed rows the level does not read, at that level.
+    Natural(KernelLevel),
+    /// The AMX family's natural-order kernels.
+    #[cfg(target_arch = "x86_64")]
+    AmxNatural,
+    /// The AMX tiles on packed Q4_K/Q6_K groups.
+    #[cfg(target_arch = "x86_64")]
+    AmxPacked,
+    /// Float weights, at this level.
+    Float(KernelLevel),
+    /// Activation records quantized from the input, then the VNNI-style kernels of this level.
+    Records(KernelLevel),
+}
+
+fn route(level: KernelLevel, w: &QMatrix, n_tok: usize) -> Route {
     let level = level.on_this_cpu();
     if w.packed && !packed::reads_packed(level, w.ty) {
-        // Only the AVX-512, AMX and AVX2 families read packed rows (the AVX2 family K-quants
-        // only): the others run on natural ones (a copy; tests and explicit levels, never a
-        // forward pass of a process that packed).
-        let nat = w.natural_bytes();
-        let natural = QMatrix {
-            data: &nat,
-            packed: false,
-            ..*w
-        };
-        return matmul_with(level, &natural, x, n_tok, y);
+        return Route::Natural(level);
     }
-    // The AMX family on natural rows: tiles for large batches, the AMX-order VNNI kernel for
-    // small ones, so every row is computed bit for bit alike whatever the batch size.
     #[cfg(target_arch = "x86_64")]
     if level == KernelLevel::Amx && !w.packed && amx::granted() && amx::supports(w.ty, w.n_in) {
-        if n_tok >= amx::MIN_TOK && amx::matmul(w, x, n_tok, y) {
-            return Ok(());
-        }
-        amx_order_matmul(w, x, n_tok, y);
-        return Ok(());
+        return Route::AmxNatural;
     }
-    // The AMX family on packed Q4_K/Q6_K rows: tiles reading the packed groups for large
-    // batches, the packed AVX-512 VNNI kernels below (the same integers and float steps) for
-    // small ones.
     #[cfg(target_arch = "x86_64")]
     if level == KernelLevel::Amx && packed_tiles_take(std::slice::from_ref(w), n_tok) {
-        let yp = YPtr {
-            ptr: y.as_mut_ptr(),
-            n_out: w.n_out,
-        };
-        // SAFETY: the tiles take `w`; `yp` comes from the unique borrow of `y`, `n_tok * n_out`
-        // floats (checked).
-        unsafe { packed_tiles_many(std::slice::from_ref(w), x, n_tok, &[yp], false) };
-        return Ok(());
+        return Route::AmxPacked;
     }
     // Everything else runs the VNNI kernels.
     let level = level.min_with(KernelLevel::Avx512Vnni);
     if w.ty.is_float() {
-        run_rows(w, n_tok, y, &|r0, r1, yp| {
-            float_rows(level, w, x, n_tok, r0, r1, yp)
-        });
-        return Ok(());
+        Route::Float(level)
+    } else {
+        Route::Records(level)
     }
+}
 
-    let n_groups = w.n_in.div_ceil(act::GROUP);
-    let stride = n_groups * act::REC;
+/// Bytes of one row's activation records for an input of `n_in` values.
+fn record_stride(n_in: usize) -> usize {
+    n_in.div_ceil(act::GROUP) * act::REC
+}
+
+/// Several matrices over the same input on the quantized VNNI path (`Route::Records`), their
+/// activation records quantized once for all of them and every matrix's rows run in one
+/// parallel region ([`run_matrix_tasks`]; `swiglu`: `ys` are `[gate, up]`, gated in the tasks).
+/// The records are the ones each matrix alone would quantize (the same level and record format),
+/// and each row is computed by the same kernel, so the bits are those of separate calls. Returns
+/// `false`, having done nothing, where the matrices do not all take that path alike.
+fn matmul_many_records(
+    level: KernelLevel,
+    ws: &[QMatrix],
+    x: &[f32],
+    n_tok: usize,
+    ys: &mut [&mut [f32]],
+    swiglu: bool,
+) -> bool {
+    let Some(first) = ws.first() else {
+        return false;
+    };
+    if ws.len() < 2 || n_tok == 0 || first.n_in == 0 {
+        return false;
+    }
+    let Route::Records(level) = route(level, first, n_tok) else {
+        return false;
+    };
+    let format = act::record_format(level, first.ty);
+    let alike = ws.iter().all(|w| {
+        w.n_in == first.n_in
+            && w.n_out > 0
+            && w.packed == first.packed
+            && matches!(route(level, w, n_tok), Route::Records(l) if l == level)
+            && act::record_format(level, w.ty) == format
+    });
+    if !alike || (swiglu && (ws.len() != 2 || ws[1].n_out != first.n_out)) {
+        return false;
+    }
+    let stride = record_stride(first.n_in);
     let mut buf = take_scratch(n_tok * stride);
     {
         let act_bytes: &mut [u8] = bytes_of_lines(&mut buf, n_tok * stride);
-        quantize_rows(level, w.ty, x, w.n_in, stride, act_bytes);
+        quantize_rows(level, first.ty, x, first.n_in, stride, act_bytes);
         let act_ro: &[u8] = act_bytes;
-        // Decided on the calling thread (a test's choice is visible here, not in the workers).
         let nat_rows = NATURAL_ROWS_HERE
             .with(Cell::get)
             .unwrap_or_else(natural_kernel_rows);
-        run_rows(w, n_tok, y, &|r0, r1, yp| {
-            quant_rows(level, w, act_ro, stride, n_tok, r0..r1, nat_rows, yp)
-        });
+        let yps: Vec<YPtr> = ys
+            .iter_mut()
+            .zip(ws)
+            .map(|(y, w)| YPtr {
+                ptr: y.as_mut_ptr(),
+                n_out: w.n_out,
+            })
+            .collect();
+        // Multiples of 4 rows keep the kernels' row tiles whole (of 16, packed slices).
+        let tile = if first.packed { packed::PACK_ROWS } else { 4 };
+        // SAFETY: each `YPtr` comes from the unique borrow of its output (`n_tok * n_out` floats,
+        // checked by the caller); the tasks write disjoint row ranges, every row of each.
+        unsafe {
+            run_matrix_tasks(ws, n_tok, &yps, swiglu, tile, &|m, r0, r1| {
+                quant_rows(
+                    level,
+                    &ws[m],
+                    act_ro,
+                    stride,
+                    n_tok,
+                    r0..r1,
+                    nat_rows,
+                    yps[m],
+                )
+            })
+        };
     }
     put_scratch(buf);
-    Ok(())
+    true
 }
 
 /// Quantizes the rows of `x` (`n_in` each) into the activation records `out` (`stride` bytes per
@@ -984,6 +1105,12 @@ pub fn matmul_many_in(
             return Ok(());
         }
     }
+    for (w, y) in ws.iter().zip(ys.iter()) {
+        check_shapes(w, x, n_tok, y)?;
+    }
+    if matmul_many_records(scope_level(scope, n_tok), ws, x, n_tok, ys, false) {
+        return Ok(());
+    }
     for (w, y) in ws.iter().zip(ys.iter_mut()) {
         matmul_in(scope, w, x, n_tok, y)?;
     }
@@ -1022,13 +1149,15 @@ pub fn matmul_swiglu_in(
             return Ok(());
         }
     }
-    matmul_many_in(
-        scope,
-        &[*w_gate, *w_up],
-        x,
-        n_tok,
-        &mut [&mut *gate, &mut *up],
-    )?;
+    let ws = [*w_gate, *w_up];
+    for (w, y) in ws.iter().zip([&*gate, &*up]) {
+        check_shapes(w, x, n_tok, y)?;
+    }
+    let level = scope_level(scope, n_tok);
+    if matmul_many_records(level, &ws, x, n_tok, &mut [&mut *gate, &mut *up], true) {
+        return Ok(());
+    }
+    matmul_many_in(scope, &ws, x, n_tok, &mut [&mut *gate, &mut *up])?;
     crate::backend::simd::silu_mul(gate, up);
     Ok(())
 }

@@ -987,56 +987,91 @@ fn reduce16_bit_identical_to_one_vector_reduction() {
     }
 }
 
-/// `matmul_many_in` (activations packed once per type, all row tiles in one region) gives every
-/// matrix's output bit for bit as its own `matmul_in` does, in every AMX scope, for mixed weight
-/// types and batch sizes around the tiles' threshold.
+/// `matmul_many_in` gives every matrix's output bit for bit as its own `matmul_in` does, in every
+/// AMX scope, for batch sizes around the tiles' threshold: mixed weight types (each matrix on
+/// its own), and sets of one activation format, natural and column-packed (the activations
+/// quantized once for all of them, every matrix's rows in one region: QKV's and SwiGLU's case).
 #[test]
 fn matmul_many_bit_identical_to_one_at_a_time() {
     let mut rng = StdRng::seed_from_u64(21);
     let n_in = 512;
-    let specs = [
-        (GgmlType::Q4_K, 48usize),
-        (GgmlType::Q6_K, 37),
-        (GgmlType::Q4_K, 16),
-        (GgmlType::Q8_0, 21),
+    let sets: [&[(GgmlType, usize)]; 4] = [
+        &[
+            (GgmlType::Q4_K, 48),
+            (GgmlType::Q6_K, 37),
+            (GgmlType::Q4_K, 16),
+            (GgmlType::Q8_0, 21),
+        ],
+        &[
+            (GgmlType::Q4_K, 48),
+            (GgmlType::Q6_K, 32),
+            (GgmlType::Q4_K, 16),
+        ],
+        &[
+            (GgmlType::Q4_1, 64),
+            (GgmlType::Q4_1, 32),
+            (GgmlType::Q4_1, 16),
+        ],
+        &[(GgmlType::Q8_0, 48), (GgmlType::Q8_0, 16)],
     ];
-    let mats: Vec<Vec<u8>> = specs
-        .iter()
-        .map(|&(ty, n_out)| random_matrix(&mut rng, ty, n_out, n_in, true))
-        .collect();
-    let ws: Vec<QMatrix> = specs
-        .iter()
-        .zip(&mats)
-        .map(|(&(ty, n_out), d)| QMatrix::new(ty, d, n_out, n_in).unwrap())
-        .collect();
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(3)
         .build()
         .unwrap();
-    for scope in [AmxScope::Off, AmxScope::Prefill, AmxScope::Family] {
-        for n_tok in [1usize, 7, 8, 16, 17, 40] {
-            let x = activations(&mut rng, n_tok, n_in);
-            let mut many: Vec<Vec<f32>> =
-                ws.iter().map(|w| vec![f32::NAN; n_tok * w.n_out]).collect();
-            let mut outs: Vec<&mut [f32]> = many.iter_mut().map(|v| v.as_mut_slice()).collect();
-            pool.install(|| matmul_many_in(scope, &ws, &x, n_tok, &mut outs))
-                .unwrap();
-            for (i, w) in ws.iter().enumerate() {
-                let mut one = vec![f32::NAN; n_tok * w.n_out];
-                pool.install(|| matmul_in(scope, w, &x, n_tok, &mut one))
-                    .unwrap();
-                let same = one
-                    .iter()
-                    .zip(&many[i])
-                    .all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "{scope:?} n_tok {n_tok} matrix {i} ({})", w.ty);
+    for (set, specs) in sets.iter().enumerate() {
+        for pack in [false, true] {
+            if pack && !specs.iter().all(|&(ty, n)| packed::packable(ty, n, n_in)) {
+                continue;
             }
+            let mats: Vec<Vec<u8>> = specs
+                .iter()
+                .map(|&(ty, n_out)| {
+                    let mut d = random_matrix(&mut rng, ty, n_out, n_in, true);
+                    if pack {
+                        packed::pack(ty, &mut d, n_out, n_in);
+                    }
+                    d
+                })
+                .collect();
+            let ws: Vec<QMatrix> = specs
+                .iter()
+                .zip(&mats)
+                .map(|(&(ty, n_out), d)| QMatrix {
+                    packed: pack,
+                    ..QMatrix::new(ty, d, n_out, n_in).unwrap()
+                })
+                .collect();
+            for scope in [AmxScope::Off, AmxScope::Prefill, AmxScope::Family] {
+                for n_tok in [1usize, 7, 8, 16, 17, 40] {
+                    let x = activations(&mut rng, n_tok, n_in);
+                    let mut many: Vec<Vec<f32>> =
+                        ws.iter().map(|w| vec![f32::NAN; n_tok * w.n_out]).collect();
+                    let mut outs: Vec<&mut [f32]> =
+                        many.iter_mut().map(|v| v.as_mut_slice()).collect();
+                    pool.install(|| matmul_many_in(scope, &ws, &x, n_tok, &mut outs))
+                        .unwrap();
+                    for (i, w) in ws.iter().enumerate() {
+                        let mut one = vec![f32::NAN; n_tok * w.n_out];
+                        pool.install(|| matmul_in(scope, w, &x, n_tok, &mut one))
+                            .unwrap();
+                        let same = one
+                            .iter()
+                            .zip(&many[i])
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(
+                            same,
+                            "set {set} packed {pack} {scope:?} n_tok {n_tok} matrix {i} ({})",
+                            w.ty
+                        );
+                    }
+                }
+            }
+            // Mismatched outputs are an error, not a panic.
+            let x = vec![0f32; n_in];
+            let mut y = vec![0f32; ws[0].n_out];
+            assert!(matmul_many_in(AmxScope::Family, &ws, &x, 1, &mut [&mut y]).is_err());
         }
     }
-    // Mismatched outputs are an error, not a panic.
-    let x = vec![0f32; n_in];
-    let mut y = vec![0f32; 48];
-    assert!(matmul_many_in(AmxScope::Family, &ws, &x, 1, &mut [&mut y]).is_err());
 }
 
 /// `matmul_new` (the output head's entry: no clearing where the AMX tiles write every output)
@@ -1084,17 +1119,38 @@ fn matmul_new_equals_matmul() {
     }
 }
 
-/// SwiGLU fused into the AMX row tasks (each task gates its own rows) equals the two matmuls
-/// followed by `silu_mul`, bit for bit, in every scope, with a partial last row tile.
+/// SwiGLU fused into the row tasks (AMX tiles, or the VNNI kernels over activations quantized
+/// once; each task gates its own rows) equals the two matmuls followed by `silu_mul`, bit for
+/// bit, in every scope, with a partial last row tile, natural and packed.
 #[test]
 fn matmul_swiglu_equals_matmuls_then_gate() {
     let mut rng = StdRng::seed_from_u64(33);
-    for ty in [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0] {
-        let (n_out, n_in) = (45, 512);
-        let dg = random_matrix(&mut rng, ty, n_out, n_in, true);
-        let du = random_matrix(&mut rng, ty, n_out, n_in, true);
-        let wg = QMatrix::new(ty, &dg, n_out, n_in).unwrap();
-        let wu = QMatrix::new(ty, &du, n_out, n_in).unwrap();
+    let cases = [
+        (GgmlType::Q4_K, 45, false),
+        (GgmlType::Q6_K, 45, false),
+        (GgmlType::Q8_0, 45, false),
+        (GgmlType::Q4_1, 45, false),
+        (GgmlType::Q4_K, 48, true),
+        (GgmlType::Q4_1, 64, true),
+    ];
+    for (ty, n_out, pack) in cases {
+        let n_in = 512;
+        let (mut dg, mut du) = (
+            random_matrix(&mut rng, ty, n_out, n_in, true),
+            random_matrix(&mut rng, ty, n_out, n_in, true),
+        );
+        if pack {
+            packed::pack(ty, &mut dg, n_out, n_in);
+            packed::pack(ty, &mut du, n_out, n_in);
+        }
+        let wg = QMatrix {
+            packed: pack,
+            ..QMatrix::new(ty, &dg, n_out, n_in).unwrap()
+        };
+        let wu = QMatrix {
+            packed: pack,
+            ..QMatrix::new(ty, &du, n_out, n_in).unwrap()
+        };
         for n_tok in [1usize, 8, 16, 21] {
             let x = activations(&mut rng, n_tok, n_in);
             for scope in [AmxScope::Off, AmxScope::Prefill, AmxScope::Family] {
