@@ -758,22 +758,11 @@ pub fn matmul_with(
             Ok(())
         }
         Route::Records(level) => {
-            let stride = record_stride(w.n_in);
-            let mut buf = take_scratch(n_tok * stride);
-            {
-                let act_bytes: &mut [u8] = bytes_of_lines(&mut buf, n_tok * stride);
-                quantize_rows(level, w.ty, x, w.n_in, stride, act_bytes);
-                let act_ro: &[u8] = act_bytes;
-                // Decided on the calling thread (a test's choice is visible here, not in the
-                // workers).
-                let nat_rows = NATURAL_ROWS_HERE
-                    .with(Cell::get)
-                    .unwrap_or_else(natural_kernel_rows);
+            with_records(level, w, x, n_tok, |act, stride, nat_rows| {
                 run_rows(w, n_tok, y, &|r0, r1, yp| {
-                    quant_rows(level, w, act_ro, stride, n_tok, r0..r1, nat_rows, yp)
+                    quant_rows(level, w, act, stride, n_tok, r0..r1, nat_rows, yp)
                 });
-            }
-            put_scratch(buf);
+            });
             Ok(())
         }
     }
@@ -856,15 +845,7 @@ fn matmul_many_records(
     if !alike || (swiglu && (ws.len() != 2 || ws[1].n_out != first.n_out)) {
         return false;
     }
-    let stride = record_stride(first.n_in);
-    let mut buf = take_scratch(n_tok * stride);
-    {
-        let act_bytes: &mut [u8] = bytes_of_lines(&mut buf, n_tok * stride);
-        quantize_rows(level, first.ty, x, first.n_in, stride, act_bytes);
-        let act_ro: &[u8] = act_bytes;
-        let nat_rows = NATURAL_ROWS_HERE
-            .with(Cell::get)
-            .unwrap_or_else(natural_kernel_rows);
+    with_records(level, first, x, n_tok, |act_ro, stride, nat_rows| {
         let yps: Vec<YPtr> = ys
             .iter_mut()
             .zip(ws)
@@ -891,9 +872,32 @@ fn matmul_many_records(
                 )
             })
         };
+    });
+    true
+}
+
+/// Quantizes `x` (`n_tok` rows of `w.n_in` values) into `level`'s activation records for `w`'s
+/// type, in scratch memory, and runs `f(records, stride, nat_rows)` over them (`nat_rows`: the
+/// AVX-512 family's [`natural_kernel_rows`], decided on the calling thread, where a test's
+/// choice is visible, not in the workers).
+fn with_records(
+    level: KernelLevel,
+    w: &QMatrix,
+    x: &[f32],
+    n_tok: usize,
+    f: impl FnOnce(&[u8], usize, usize),
+) {
+    let stride = record_stride(w.n_in);
+    let mut buf = take_scratch(n_tok * stride);
+    {
+        let act_bytes: &mut [u8] = bytes_of_lines(&mut buf, n_tok * stride);
+        quantize_rows(level, w.ty, x, w.n_in, stride, act_bytes);
+        let nat_rows = NATURAL_ROWS_HERE
+            .with(Cell::get)
+            .unwrap_or_else(natural_kernel_rows);
+        f(act_bytes, stride, nat_rows);
     }
     put_scratch(buf);
-    true
 }
 
 /// Quantizes the rows of `x` (`n_in` each) into the activation records `out` (`stride` bytes per
