@@ -118,6 +118,12 @@ pub fn exp_sub_sum(x: &mut [f32], sub: f32) -> f32 {
     lanes.iter().fold(0.0f32, |s, &v| s + v)
 }
 
+/// `x[i] = exp(x[i] − sub)` in place ([`exp_sub_sum`] without using its sum: the lane sums cost
+/// one add per 16 values).
+pub fn exp_sub(x: &mut [f32], sub: f32) {
+    exp_sub_sum(x, sub);
+}
+
 /// sum_i a[i] * b[i] over the common length.
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {

@@ -114,21 +114,21 @@ fn max_ignoring_nan(v: &[f32]) -> f32 {
 /// step of a small model a quarter of its time. A maximum that is not finite gives greedy's
 /// point mass, as there.
 fn softmax_in_token_order(logits: &[f32], shift: f32, temperature: f32) -> Vec<(u32, f32)> {
-    // [vocab] the scaled logits, NaN where the logit is.
+    // [vocab] the scaled logits (NaN where the logit is; those tokens are left out below).
     let mut x: Vec<f32> = logits.iter().map(|&v| (v - shift) / temperature).collect();
     let max = max_ignoring_nan(&x);
     if !max.is_finite() {
         return vec![(argmax(logits), 1.0)];
     }
-    for v in x.iter_mut() {
-        *v = (*v - max).exp(); // NaN stays NaN
-    }
+    exp_shifted(&mut x, max);
+    let kept = |i: usize| !logits[i].is_nan();
     // In token order, in a register (a sum whose address a closure takes lives in memory, a
     // store and a load per token).
     let sum = x
         .iter()
-        .filter(|v| !v.is_nan())
-        .fold(0.0f64, |s, &v| s + v as f64);
+        .enumerate()
+        .filter(|&(i, _)| kept(i))
+        .fold(0.0f64, |s, (_, &v)| s + v as f64);
     for v in x.iter_mut() {
         *v = (*v as f64 / sum) as f32;
     }
@@ -136,10 +136,25 @@ fn softmax_in_token_order(logits: &[f32], shift: f32, temperature: f32) -> Vec<(
     out.extend(
         x.iter()
             .enumerate()
-            .filter(|(_, v)| !v.is_nan())
+            .filter(|&(i, _)| kept(i))
             .map(|(i, &v)| (i as u32, v)),
     );
     out
+}
+
+/// `x[i] = exp(x[i] − max)` with the engine's vectorized exponential
+/// ([`crate::backend::simd::exp_sub`]; libm's `expf`, one call per token, cost more than the
+/// rest of a row's softmax together), results below the smallest normal float flushed to 0: the
+/// vector lanes and the scalar tail agree on normal results only, and this way a token's mass
+/// is the same wherever it sits in the array (the untruncated and the truncated paths place it
+/// differently). `-inf` gives exactly 0.
+fn exp_shifted(x: &mut [f32], max: f32) {
+    crate::backend::simd::exp_sub(x, max);
+    for v in x.iter_mut() {
+        if *v < f32::MIN_POSITIVE {
+            *v = 0.0;
+        }
+    }
 }
 
 /// A stateful sampler (owns its RNG stream).
@@ -207,9 +222,11 @@ impl Sampler {
             // tree verification agree.
             return vec![(argmax(logits), 1.0)];
         }
+        let mut e: Vec<f32> = cand.iter().map(|c| c.1).collect();
+        exp_shifted(&mut e, max);
         let mut sum = 0.0f64;
-        for c in cand.iter_mut() {
-            c.1 = (c.1 - max).exp();
+        for (c, e) in cand.iter_mut().zip(e) {
+            c.1 = e;
             sum += c.1 as f64;
         }
         for c in cand.iter_mut() {
@@ -288,6 +305,41 @@ mod tests {
             let none = [f32::NEG_INFINITY, f32::NEG_INFINITY, f32::NAN];
             assert_eq!(s.distribution(&none), vec![(0, 1.0)]);
             assert_eq!(s.sample(&none), 0);
+        }
+    }
+
+    /// A `-inf` logit has no mass and a NaN one is no candidate, truncated or not, and masses
+    /// that would be subnormal are 0 (the same for a token wherever it sits).
+    #[test]
+    fn masked_and_vanishing_tokens_have_no_mass() {
+        let mut logits = vec![0.0f32; 40];
+        logits[3] = f32::NEG_INFINITY;
+        logits[7] = f32::NAN;
+        logits[9] = -95.0; // e^-95 is about 5e-42: subnormal
+        logits[11] = 2.0;
+        for (top_k, top_p) in [(0, 1.0), (39, 1.0), (0, 0.9999)] {
+            let s = Sampler::new(SamplingParams {
+                temperature: 1.0,
+                top_k,
+                top_p,
+                seed: 0,
+            })
+            .unwrap();
+            let d = s.distribution(&logits);
+            let mass = |t: u32| d.iter().find(|e| e.0 == t).map(|e| e.1);
+            assert!(mass(7).is_none(), "top_k {top_k} top_p {top_p}");
+            assert!(
+                mass(3).is_none_or(|m| m == 0.0),
+                "top_k {top_k} top_p {top_p}"
+            );
+            assert!(
+                mass(9).is_none_or(|m| m == 0.0),
+                "top_k {top_k} top_p {top_p}"
+            );
+            assert!(
+                mass(11).is_some_and(|m| m > 0.1),
+                "top_k {top_k} top_p {top_p}"
+            );
         }
     }
 
