@@ -24,7 +24,7 @@ use crate::sample::verify::{Verifier, VerifyMode, VerifyOutcome};
 use crate::sample::Sampler;
 use crate::sched::adaptive::{
     choose_depths, drafting_pays, median, nodes_upto, row_costs, useful_budget, Acceptance,
-    DepthOptions, DraftBackoff, GainCalibration, StepCost, CHEAP_DRAFT, COSTLY_DRAFT,
+    DepthOptions, DraftBackoff, GainCalibration, StepBase, StepCost, CHEAP_DRAFT, COSTLY_DRAFT,
 };
 use crate::tokenizer::Tokenizer;
 use crate::tree::{DrafterId, TokenTree, TreeMask};
@@ -1147,7 +1147,7 @@ pub fn generate<B: Backend>(
             weight: 1.0,
         }];
         let hurdle = gains.hurdle();
-        let depth = choose_depths(&opts, 1, 1, 1, cost, hurdle)[0];
+        let depth = choose_depths(&opts, &StepBase::decoding(1), cost, hurdle)[0];
         *last_depth = depth;
         let tree = proposal.truncate_depth(depth);
         let gain = acceptance.expected_tokens(depth) - 1.0;

@@ -831,17 +831,20 @@ fn matmul_many_records(
     if ws.len() < 2 || n_tok == 0 || first.n_in == 0 {
         return false;
     }
-    let Route::Records(level) = route(level, first, n_tok) else {
+    // Each matrix routed at the caller's level, as its own `matmul_with` would be (the AMX
+    // family's tiles may take one of them and not another).
+    let Route::Records(records_level) = route(level, first, n_tok) else {
         return false;
     };
-    let format = act::record_format(level, first.ty);
+    let format = act::record_format(records_level, first.ty);
     let alike = ws.iter().all(|w| {
         w.n_in == first.n_in
             && w.n_out > 0
             && w.packed == first.packed
-            && matches!(route(level, w, n_tok), Route::Records(l) if l == level)
-            && act::record_format(level, w.ty) == format
+            && matches!(route(level, w, n_tok), Route::Records(l) if l == records_level)
+            && act::record_format(records_level, w.ty) == format
     });
+    let level = records_level;
     if !alike || (swiglu && (ws.len() != 2 || ws[1].n_out != first.n_out)) {
         return false;
     }

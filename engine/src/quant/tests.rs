@@ -995,7 +995,7 @@ fn reduce16_bit_identical_to_one_vector_reduction() {
 fn matmul_many_bit_identical_to_one_at_a_time() {
     let mut rng = StdRng::seed_from_u64(21);
     let n_in = 512;
-    let sets: [&[(GgmlType, usize)]; 4] = [
+    let sets: [&[(GgmlType, usize)]; 6] = [
         &[
             (GgmlType::Q4_K, 48),
             (GgmlType::Q6_K, 37),
@@ -1007,6 +1007,10 @@ fn matmul_many_bit_identical_to_one_at_a_time() {
             (GgmlType::Q6_K, 32),
             (GgmlType::Q4_K, 16),
         ],
+        // One record format, but the AMX family's natural tiles take Q6_K and not Q5_K: each
+        // matrix keeps its own path.
+        &[(GgmlType::Q5_K, 48), (GgmlType::Q6_K, 32)],
+        &[(GgmlType::Q6_K, 32), (GgmlType::Q5_K, 48)],
         &[
             (GgmlType::Q4_1, 64),
             (GgmlType::Q4_1, 32),

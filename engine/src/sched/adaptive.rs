@@ -47,6 +47,10 @@ struct StepOverhead {
     y: f64,
     xx: f64,
     xy: f64,
+    /// The per-row cost fitted when the row counts last varied (kept while they do not: a
+    /// batch that stopped speculating keeps its price of a row instead of charging each row the
+    /// whole step's fixed part, which would keep it from ever speculating again).
+    slope: Option<f64>,
 }
 
 /// Decay of the [`StepOverhead`] sums per step (about the last 50 steps count).
@@ -63,22 +67,33 @@ impl StepOverhead {
         self.y = d * self.y + secs;
         self.xx = d * self.xx + x * x;
         self.xy = d * self.xy + x * secs;
+        if let Some(b) = self.fitted_slope() {
+            self.slope = Some(b);
+        }
     }
 
-    /// `(a, b)`: the fitted line where the steps' row counts vary (their variance at least a
-    /// quarter row²), else all of it per row (a fixed part priced per row: dearer rows, never
-    /// cheaper).
+    /// The least-squares slope where the recent steps' row counts vary (their variance at
+    /// least a quarter row²).
+    fn fitted_slope(&self) -> Option<f64> {
+        if self.n <= 0.0 {
+            return None;
+        }
+        let (mx, my) = (self.x / self.n, self.y / self.n);
+        let var = self.xx / self.n - mx * mx;
+        (var >= 0.25).then(|| ((self.xy / self.n - mx * my) / var).max(0.0))
+    }
+
+    /// `(a, b)`: the fitted line; where the row counts have not varied lately, the last fitted
+    /// slope with the intercept that meets the recent mean; where they never varied, all of it
+    /// per row (a fixed part priced per row: dearer rows, never cheaper).
     fn line(&self) -> (f64, f64) {
         if self.n <= 0.0 || self.x <= 0.0 {
             return (0.0, 0.0);
         }
         let (mx, my) = (self.x / self.n, self.y / self.n);
-        let var = self.xx / self.n - mx * mx;
-        if var >= 0.25 {
-            let b = ((self.xy / self.n - mx * my) / var).max(0.0);
-            ((my - b * mx).max(0.0), b)
-        } else {
-            (0.0, my / mx)
+        match self.fitted_slope().or(self.slope) {
+            Some(b) => ((my - b * mx).max(0.0), b),
+            None => (0.0, my / mx),
         }
     }
 
@@ -656,10 +671,34 @@ impl GainCalibration {
     }
 }
 
-/// Choose each request's verified depth for a step whose other rows (prefill chunks, the roots
-/// of every decoding request) number `base_rows` and yield `base_tokens` tokens without
-/// speculation (one per decoding request and per prompt that ends this step), over `seqs`
-/// sequences. Depths are added greedily, the best expected tokens per extra row first (a
+/// A step's rows before any adaptive depth is chosen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepBase {
+    /// Prefill chunks, every decoding request's root, the trees verified whole (fixed and
+    /// sampled ones).
+    pub rows: usize,
+    /// Those of them with logits.
+    pub logit_rows: usize,
+    /// Tokens they yield without speculation: one per decoding request and per prompt that
+    /// ends this step.
+    pub tokens: usize,
+    /// Sequences in the step.
+    pub seqs: usize,
+}
+
+impl StepBase {
+    /// `n` decoding requests, their roots alone.
+    pub fn decoding(n: usize) -> StepBase {
+        StepBase {
+            rows: n,
+            logit_rows: n,
+            tokens: n,
+            seqs: n,
+        }
+    }
+}
+
+/// Choose each request's verified depth for a step over `base` ([`StepBase`]). Depths are added greedily, the best expected tokens per extra row first (a
 /// request's next depth never gains more than its previous one); of the choices along that
 /// order, the one with the most expected tokens per second of the whole step wins (the forward
 /// curve and the work outside the pass, [`StepCost::step_secs`]), its draft tokens discounted by
@@ -669,20 +708,17 @@ impl GainCalibration {
 /// step mix than no speculation.
 pub fn choose_depths(
     options: &[DepthOptions<'_>],
-    base_rows: usize,
-    base_tokens: usize,
-    seqs: usize,
+    base: &StepBase,
     cost: &StepCost,
     hurdle: f64,
 ) -> Vec<usize> {
     let mut depth = vec![0usize; options.len()];
-    let mut rows = base_rows;
-    let mut tokens = base_tokens.max(options.len()).max(1) as f64;
-    // Rows with logits: one per base token (a decoding request's root, a prompt's last row),
-    // and every draft row.
+    let mut rows = base.rows;
+    let mut tokens = base.tokens.max(options.len()).max(1) as f64;
+    // Every draft row has logits.
     let rate = |tokens: f64, rows: usize| {
-        let logit_rows = base_tokens + (rows - base_rows);
-        tokens / cost.step_secs(rows.max(1), seqs, logit_rows)
+        let logit_rows = base.logit_rows + (rows - base.rows);
+        tokens / cost.step_secs(rows.max(1), base.seqs, logit_rows)
     };
     let mut best_rate = rate(tokens, rows);
     // The greedy order's additions, and how many of them the best choice takes.
@@ -879,18 +915,33 @@ mod tests {
             weight: 1.0,
         };
         // Nearly free rows: even a 5% chance pays for a few; the accepting request goes deep.
-        let ds = choose_depths(&[mk(&good), mk(&bad)], 2, 2, 2, &flat, DEPTH_HURDLE);
+        let ds = choose_depths(
+            &[mk(&good), mk(&bad)],
+            &StepBase::decoding(2),
+            &flat,
+            DEPTH_HURDLE,
+        );
         assert_eq!(ds[0], 8);
         assert!(ds[1] < ds[0]);
         // Rows at 3% of a pass each: the accepting request drafts deep, the rejecting one not.
         let moderate = StepCost::from_points(vec![(1, 0.01), (64, 0.03)]);
         assert_eq!(
-            choose_depths(&[mk(&good), mk(&bad)], 2, 2, 2, &moderate, DEPTH_HURDLE),
+            choose_depths(
+                &[mk(&good), mk(&bad)],
+                &StepBase::decoding(2),
+                &moderate,
+                DEPTH_HURDLE
+            ),
             vec![8, 0]
         );
         // Each row costs a whole pass: plain decoding.
         assert_eq!(
-            choose_depths(&[mk(&good), mk(&bad)], 2, 2, 2, &steep, DEPTH_HURDLE),
+            choose_depths(
+                &[mk(&good), mk(&bad)],
+                &StepBase::decoding(2),
+                &steep,
+                DEPTH_HURDLE
+            ),
             vec![0, 0]
         );
     }
@@ -917,7 +968,10 @@ mod tests {
         // The first extra row doubles the pass, the next seven are almost free: depth 1 alone
         // loses, depth 8 wins (about 5.6 expected tokens for 2.2 passes).
         let kinked = StepCost::from_points(vec![(1, 0.010), (2, 0.020), (9, 0.022)]);
-        assert_eq!(choose_depths(&[o], 1, 1, 1, &kinked, DEPTH_HURDLE), vec![8]);
+        assert_eq!(
+            choose_depths(&[o], &StepBase::decoding(1), &kinked, DEPTH_HURDLE),
+            vec![8]
+        );
     }
 
     #[test]
@@ -931,8 +985,8 @@ mod tests {
         // Rows cost 2% of a 16-row pass each. One drafting request among 16 decoding ones:
         // its few extra tokens are small against the batch's 16.
         let cost = StepCost::from_points(vec![(1, 0.010), (16, 0.016), (64, 0.064)]);
-        let alone = choose_depths(&[mk()], 1, 1, 1, &cost, DEPTH_HURDLE)[0];
-        let among = choose_depths(&[mk()], 16, 16, 16, &cost, DEPTH_HURDLE)[0];
+        let alone = choose_depths(&[mk()], &StepBase::decoding(1), &cost, DEPTH_HURDLE)[0];
+        let among = choose_depths(&[mk()], &StepBase::decoding(16), &cost, DEPTH_HURDLE)[0];
         assert_eq!(alone, 8);
         assert!(among < alone, "{among}");
         // 16 sequences cost much more than 16 rows of one: extra rows are then relatively
@@ -944,7 +998,7 @@ mod tests {
         assert!((per_seq.pass_secs(16, 16) - 0.040).abs() < 1e-12);
         assert!((per_seq.pass_secs(32, 16) - (0.040 + 0.016)).abs() < 1e-12);
         assert!((per_seq.secs(16) - 0.016).abs() < 1e-12);
-        let with_seqs = choose_depths(&[mk()], 16, 16, 16, &per_seq, DEPTH_HURDLE)[0];
+        let with_seqs = choose_depths(&[mk()], &StepBase::decoding(16), &per_seq, DEPTH_HURDLE)[0];
         assert!(with_seqs > among, "{with_seqs} vs {among}");
     }
 
@@ -962,7 +1016,12 @@ mod tests {
         };
         // A marginal cost: the same acceptance, the lagging request verifies deeper.
         let cost = StepCost::from_points(vec![(1, 0.010), (8, 0.012), (64, 0.060)]);
-        let ds = choose_depths(&[mk(0.5), mk(2.0)], 8, 8, 8, &cost, DEPTH_HURDLE);
+        let ds = choose_depths(
+            &[mk(0.5), mk(2.0)],
+            &StepBase::decoding(8),
+            &cost,
+            DEPTH_HURDLE,
+        );
         assert!(ds[1] > ds[0], "{ds:?}");
     }
 
@@ -1018,8 +1077,18 @@ mod tests {
         };
         // Each extra row costs a fifth of a pass.
         let cost = StepCost::from_points(vec![(1, 0.010), (8, 0.024), (64, 0.200)]);
-        let low = choose_depths(std::slice::from_ref(&o), 1, 1, 1, &cost, HURDLE_RANGE.0)[0];
-        let high = choose_depths(std::slice::from_ref(&o), 1, 1, 1, &cost, HURDLE_RANGE.1)[0];
+        let low = choose_depths(
+            std::slice::from_ref(&o),
+            &StepBase::decoding(1),
+            &cost,
+            HURDLE_RANGE.0,
+        )[0];
+        let high = choose_depths(
+            std::slice::from_ref(&o),
+            &StepBase::decoding(1),
+            &cost,
+            HURDLE_RANGE.1,
+        )[0];
         assert!(low > 0 && high < low, "{low} {high}");
     }
 
@@ -1040,6 +1109,15 @@ mod tests {
             );
         }
         assert!((c.tree_secs(8) - (0.012 + 0.003)).abs() < 1e-9);
+        // Then 200 steps of 8 rows (speculation stopped): the learnt price of a row stays.
+        for _ in 0..200 {
+            c.record_overhead(8, 0.001 + 0.00025 * 8.0);
+        }
+        let outside = c.step_secs(12, 1, 12) - c.pass_secs(12, 1);
+        assert!(
+            (outside - (0.001 + 0.00025 * 12.0)).abs() < 1e-9,
+            "{outside}"
+        );
         // Steps of one size only: all of it per row (never cheaper rows than measured).
         let mut one = StepCost::from_points(vec![(1, 0.010), (8, 0.012)]);
         for _ in 0..50 {
@@ -1055,12 +1133,22 @@ mod tests {
             weight: 1.0,
         };
         let mut dear = StepCost::from_points(vec![(1, 0.010), (8, 0.024), (64, 0.200)]);
-        let before = choose_depths(std::slice::from_ref(&o), 1, 1, 1, &dear, DEPTH_HURDLE)[0];
+        let before = choose_depths(
+            std::slice::from_ref(&o),
+            &StepBase::decoding(1),
+            &dear,
+            DEPTH_HURDLE,
+        )[0];
         for i in 0..200 {
             let rows = 1 + i % 5;
             dear.record_overhead(rows, 0.010 * rows as f64);
         }
-        let after = choose_depths(std::slice::from_ref(&o), 1, 1, 1, &dear, DEPTH_HURDLE)[0];
+        let after = choose_depths(
+            std::slice::from_ref(&o),
+            &StepBase::decoding(1),
+            &dear,
+            DEPTH_HURDLE,
+        )[0];
         assert!(before > 0 && after == 0, "{before} {after}");
         assert!(
             row_costs(&dear, 4, 1.0).iter().all(|&r| r > 0.45),

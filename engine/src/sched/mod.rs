@@ -12,7 +12,7 @@ use std::time::Instant;
 
 pub use adaptive::{
     catch_up_weight, choose_depths, drafting_pays, nodes_upto, row_costs, useful_budget,
-    Acceptance, DepthOptions, DraftBackoff, GainCalibration, StepCost,
+    Acceptance, DepthOptions, DraftBackoff, GainCalibration, StepBase, StepCost,
 };
 
 use crate::backend::cuda::DeviceForward;
@@ -1426,7 +1426,7 @@ impl<'a> Scheduler<'a> {
             });
         }
         // Fixed requests verify the whole proposal; adaptive ones what the policy picks.
-        let mut base_rows = 0;
+        let (mut base_rows, mut base_logit_rows) = (0, 0);
         // Tokens the step yields without speculation: one per decoding request and per prompt
         // that ends in this step.
         let base_tokens = plan
@@ -1437,13 +1437,23 @@ impl<'a> Scheduler<'a> {
         for (k, sl) in plan.iter().enumerate() {
             let r = &self.running[sl.idx];
             base_rows += if sl.prefill > 0 { sl.prefill } else { 1 };
+            // As `input` asks for them: every row of a chunk whose candidates the drafters
+            // want, else a prompt's last row where it ends; a decoding request's root.
+            base_logit_rows += match (sl.prefill, sl.candidates) {
+                (0, _) => 1,
+                (n, c) if c > 0 => n,
+                _ => usize::from(sl.logits),
+            };
             match (&r.spec, &sl.proposal) {
                 // A proposal with sampled draws is verified whole, as a fixed one: its node
                 // counts depend on the drawn values, and a depth chosen from them would bias MSS.
                 (Some(sp), Some(p)) if sp.policy == SpecPolicy::Adaptive && !p.has_sampled() => {
                     adaptive.push(k)
                 }
-                (Some(_), Some(p)) => base_rows += p.n_draft(),
+                (Some(_), Some(p)) => {
+                    base_rows += p.n_draft();
+                    base_logit_rows += p.n_draft();
+                }
                 _ => {}
             }
         }
@@ -1481,8 +1491,13 @@ impl<'a> Scheduler<'a> {
                         })
                         .collect();
                     let hurdle = self.gains.hurdle();
-                    let depths =
-                        choose_depths(&options, base_rows, base_tokens, plan.len(), cost, hurdle);
+                    let base = StepBase {
+                        rows: base_rows,
+                        logit_rows: base_logit_rows,
+                        tokens: base_tokens,
+                        seqs: plan.len(),
+                    };
+                    let depths = choose_depths(&options, &base, cost, hurdle);
                     let gains: Vec<f64> = options
                         .iter()
                         .zip(&depths)
@@ -1496,8 +1511,8 @@ impl<'a> Scheduler<'a> {
                             .sum::<usize>();
                     let batch_tokens =
                         base_tokens.max(adaptive.len()) as f64 + gains.iter().sum::<f64>();
-                    let draft_rows = rows - base_rows;
-                    let pass = cost.step_secs(rows.max(1), plan.len(), base_tokens + draft_rows);
+                    let logit_rows = base_logit_rows + (rows - base_rows);
+                    let pass = cost.step_secs(rows.max(1), plan.len(), logit_rows);
                     let pays = adaptive
                         .iter()
                         .zip(&gains)
