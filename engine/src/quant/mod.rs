@@ -678,7 +678,6 @@ fn amx_in(scope: AmxScope, n_tok: usize) -> bool {
 }
 
 /// `ys[i]` as raw outputs for the row tasks (`ys[i]` must hold `n_tok * ws[i].n_out` floats).
-#[cfg(target_arch = "x86_64")]
 fn out_ptrs(ws: &[QMatrix], ys: &mut [&mut [f32]]) -> Vec<YPtr> {
     ys.iter_mut()
         .zip(ws)
@@ -833,30 +832,22 @@ fn matmul_many_records(
     }
     // Each matrix routed at the caller's level, as its own `matmul_with` would be (the AMX
     // family's tiles may take one of them and not another).
-    let Route::Records(records_level) = route(level, first, n_tok) else {
+    let Route::Records(records) = route(level, first, n_tok) else {
         return false;
     };
-    let format = act::record_format(records_level, first.ty);
+    let format = act::record_format(records, first.ty);
     let alike = ws.iter().all(|w| {
         w.n_in == first.n_in
             && w.n_out > 0
             && w.packed == first.packed
-            && matches!(route(level, w, n_tok), Route::Records(l) if l == records_level)
-            && act::record_format(records_level, w.ty) == format
+            && matches!(route(level, w, n_tok), Route::Records(l) if l == records)
+            && act::record_format(records, w.ty) == format
     });
-    let level = records_level;
     if !alike || (swiglu && (ws.len() != 2 || ws[1].n_out != first.n_out)) {
         return false;
     }
-    with_records(level, first, x, n_tok, |act_ro, stride, nat_rows| {
-        let yps: Vec<YPtr> = ys
-            .iter_mut()
-            .zip(ws)
-            .map(|(y, w)| YPtr {
-                ptr: y.as_mut_ptr(),
-                n_out: w.n_out,
-            })
-            .collect();
+    with_records(records, first, x, n_tok, |act_ro, stride, nat_rows| {
+        let yps = out_ptrs(ws, ys);
         // Multiples of 4 rows keep the kernels' row tiles whole (of 16, packed slices).
         let tile = if first.packed { packed::PACK_ROWS } else { 4 };
         // SAFETY: each `YPtr` comes from the unique borrow of its output (`n_tok * n_out` floats,
@@ -864,7 +855,7 @@ fn matmul_many_records(
         unsafe {
             run_matrix_tasks(ws, n_tok, &yps, swiglu, tile, &|m, r0, r1| {
                 quant_rows(
-                    level,
+                    records,
                     &ws[m],
                     act_ro,
                     stride,
@@ -1096,11 +1087,11 @@ pub fn matmul_many_in(
             ys.len()
         )));
     }
+    for (w, y) in ws.iter().zip(ys.iter()) {
+        check_shapes(w, x, n_tok, y)?;
+    }
     #[cfg(target_arch = "x86_64")]
     if amx_in(scope, n_tok) && !ws.is_empty() {
-        for (w, y) in ws.iter().zip(ys.iter()) {
-            check_shapes(w, x, n_tok, y)?;
-        }
         if packed_tiles_take(ws, n_tok) {
             let yps = out_ptrs(ws, ys);
             // SAFETY: the tiles take `ws`; shapes checked; each `YPtr` comes from the unique
@@ -1111,9 +1102,6 @@ pub fn matmul_many_in(
         if tiles_take(scope, n_tok) && amx::matmul_many(ws, x, n_tok, ys) {
             return Ok(());
         }
-    }
-    for (w, y) in ws.iter().zip(ys.iter()) {
-        check_shapes(w, x, n_tok, y)?;
     }
     if matmul_many_records(scope_level(scope, n_tok), ws, x, n_tok, ys, false) {
         return Ok(());
@@ -1140,11 +1128,11 @@ pub fn matmul_swiglu_in(
     gate: &mut [f32],
     up: &mut [f32],
 ) -> Result<()> {
+    let ws = [*w_gate, *w_up];
+    check_shapes(w_gate, x, n_tok, gate)?;
+    check_shapes(w_up, x, n_tok, up)?;
     #[cfg(target_arch = "x86_64")]
     if amx_in(scope, n_tok) {
-        check_shapes(w_gate, x, n_tok, gate)?;
-        check_shapes(w_up, x, n_tok, up)?;
-        let ws = [*w_gate, *w_up];
         if w_gate.n_out == w_up.n_out && packed_tiles_take(&ws, n_tok) {
             let yps = out_ptrs(&ws, &mut [&mut *gate, &mut *up]);
             // SAFETY: the tiles take both matrices, of one `n_out`; shapes checked; each `YPtr`
@@ -1155,10 +1143,6 @@ pub fn matmul_swiglu_in(
         if tiles_take(scope, n_tok) && amx::matmul_swiglu(w_gate, w_up, x, n_tok, gate, up) {
             return Ok(());
         }
-    }
-    let ws = [*w_gate, *w_up];
-    for (w, y) in ws.iter().zip([&*gate, &*up]) {
-        check_shapes(w, x, n_tok, y)?;
     }
     let level = scope_level(scope, n_tok);
     if matmul_many_records(level, &ws, x, n_tok, &mut [&mut *gate, &mut *up], true) {

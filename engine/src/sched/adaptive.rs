@@ -520,8 +520,9 @@ impl DraftBackoff {
 
 /// Whether a request's drafting paid for itself in a step: its expected extra tokens `gain`, as a
 /// share of the batch's expected tokens, beat `hurdle` ([`GainCalibration::hurdle`]) times its
-/// drafting seconds as a share of the pass (`pass_secs`). Drafting that does not pay counts as depth 0 for the
-/// backoff, so a costly drafter (a model's passes) with middling acceptance drafts rarely.
+/// drafting seconds as a share of the pass (`pass_secs`). Drafting that does not pay counts as
+/// depth 0 for the backoff, so a costly drafter (a model's passes) with middling acceptance
+/// drafts rarely.
 pub fn drafting_pays(
     gain: f64,
     batch_tokens: f64,
@@ -698,14 +699,16 @@ impl StepBase {
     }
 }
 
-/// Choose each request's verified depth for a step over `base` ([`StepBase`]). Depths are added greedily, the best expected tokens per extra row first (a
-/// request's next depth never gains more than its previous one); of the choices along that
-/// order, the one with the most expected tokens per second of the whole step wins (the forward
-/// curve and the work outside the pass, [`StepCost::step_secs`]), its draft tokens discounted by
-/// `hurdle` ([`GainCalibration::hurdle`]). The whole order is weighed, not only its first steps:
-/// on a curve whose marginal row cost falls with the row count (a wider pass amortises its
-/// weight reads better), a depth that does not pay alone can pay with the next ones. Depth 0 everywhere is plain decoding, so the choice never expects a slower
-/// step mix than no speculation.
+/// Choose each request's verified depth for a step over `base` ([`StepBase`]). Depths are added
+/// greedily, the best expected tokens per extra row first (a request's next depth never gains
+/// more than its previous one); of the choices along that order, the one with the most expected
+/// tokens per second of the whole step wins (the forward curve and the work outside the pass,
+/// [`StepCost::step_secs`]), its draft tokens discounted by `hurdle`
+/// ([`GainCalibration::hurdle`]). The whole order is weighed, not only its first steps: on a
+/// curve whose marginal row cost falls with the row count (a wider pass amortises its weight
+/// reads better), a depth that does not pay alone can pay with the next ones. Depth 0
+/// everywhere is plain decoding, so the choice never expects a slower step mix than no
+/// speculation.
 pub fn choose_depths(
     options: &[DepthOptions<'_>],
     base: &StepBase,
@@ -1052,6 +1055,17 @@ mod tests {
         assert_eq!(g.hurdle(), HURDLE_RANGE.1);
     }
 
+    /// The depth `choose_depths` gives one decoding request with acceptance `a` and an 8-node
+    /// chain.
+    fn lone_depth(a: &Acceptance, cost: &StepCost, hurdle: f64) -> usize {
+        let o = DepthOptions {
+            acceptance: a,
+            nodes_upto: (0..=8).collect(),
+            weight: 1.0,
+        };
+        choose_depths(&[o], &StepBase::decoding(1), cost, hurdle)[0]
+    }
+
     /// A request whose first draft token is accepted a third of the time, the second never.
     fn middling() -> Acceptance {
         let d = DrafterId::try_from(0usize).unwrap();
@@ -1070,25 +1084,10 @@ mod tests {
     #[test]
     fn a_higher_hurdle_verifies_less() {
         let a = middling();
-        let o = DepthOptions {
-            acceptance: &a,
-            nodes_upto: (0..=8).collect(),
-            weight: 1.0,
-        };
         // Each extra row costs a fifth of a pass.
         let cost = StepCost::from_points(vec![(1, 0.010), (8, 0.024), (64, 0.200)]);
-        let low = choose_depths(
-            std::slice::from_ref(&o),
-            &StepBase::decoding(1),
-            &cost,
-            HURDLE_RANGE.0,
-        )[0];
-        let high = choose_depths(
-            std::slice::from_ref(&o),
-            &StepBase::decoding(1),
-            &cost,
-            HURDLE_RANGE.1,
-        )[0];
+        let low = lone_depth(&a, &cost, HURDLE_RANGE.0);
+        let high = lone_depth(&a, &cost, HURDLE_RANGE.1);
         assert!(low > 0 && high < low, "{low} {high}");
     }
 
@@ -1127,28 +1126,13 @@ mod tests {
         // The policy sees it: depths that pay on the pass alone do not when each verified row
         // costs as much again outside it.
         let a = middling();
-        let o = DepthOptions {
-            acceptance: &a,
-            nodes_upto: (0..=8).collect(),
-            weight: 1.0,
-        };
         let mut dear = StepCost::from_points(vec![(1, 0.010), (8, 0.024), (64, 0.200)]);
-        let before = choose_depths(
-            std::slice::from_ref(&o),
-            &StepBase::decoding(1),
-            &dear,
-            DEPTH_HURDLE,
-        )[0];
+        let before = lone_depth(&a, &dear, DEPTH_HURDLE);
         for i in 0..200 {
             let rows = 1 + i % 5;
             dear.record_overhead(rows, 0.010 * rows as f64);
         }
-        let after = choose_depths(
-            std::slice::from_ref(&o),
-            &StepBase::decoding(1),
-            &dear,
-            DEPTH_HURDLE,
-        )[0];
+        let after = lone_depth(&a, &dear, DEPTH_HURDLE);
         assert!(before > 0 && after == 0, "{before} {after}");
         assert!(
             row_costs(&dear, 4, 1.0).iter().all(|&r| r > 0.45),

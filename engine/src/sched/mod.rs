@@ -277,6 +277,16 @@ impl Slot {
         }
     }
 
+    /// Rows of a prefill chunk with logits, its last ones: every row where the drafters want
+    /// each row's candidates, else the last where the chunk ends the prompt.
+    fn prefill_logit_rows(&self) -> usize {
+        if self.candidates > 0 {
+            self.prefill
+        } else {
+            usize::from(self.logits && self.prefill > 0)
+        }
+    }
+
     /// Most draft nodes this step's tree has.
     fn tree_rows(&self) -> usize {
         self.tree_cap.min(self.tree_bound)
@@ -1437,12 +1447,11 @@ impl<'a> Scheduler<'a> {
         for (k, sl) in plan.iter().enumerate() {
             let r = &self.running[sl.idx];
             base_rows += if sl.prefill > 0 { sl.prefill } else { 1 };
-            // As `input` asks for them: every row of a chunk whose candidates the drafters
-            // want, else a prompt's last row where it ends; a decoding request's root.
-            base_logit_rows += match (sl.prefill, sl.candidates) {
-                (0, _) => 1,
-                (n, c) if c > 0 => n,
-                _ => usize::from(sl.logits),
+            // A decoding request's root; a prefill chunk's as `input` asks for them.
+            base_logit_rows += if sl.prefill > 0 {
+                sl.prefill_logit_rows()
+            } else {
+                1
             };
             match (&r.spec, &sl.proposal) {
                 // A proposal with sampled draws is verified whole, as a fixed one: its node
@@ -1585,13 +1594,7 @@ impl<'a> Scheduler<'a> {
                 tokens: r.seq[start..start + n].to_vec(),
                 positions: (start..start + n).collect(),
                 mask: None,
-                logit_rows: if sl.candidates > 0 {
-                    (0..n).collect()
-                } else if sl.logits {
-                    vec![n - 1]
-                } else {
-                    vec![]
-                },
+                logit_rows: (n - sl.prefill_logit_rows()..n).collect(),
             };
         }
         match &sl.tree {
