@@ -167,7 +167,8 @@ impl StepCost {
 
     /// Time forward passes over `sizes` rows of one sequence and over `sizes` sequences of one
     /// row each (up to [`CALIBRATION_SEQS`]), every sequence with a context of `ctx` tokens in
-    /// its own memory: the fastest of `reps` rounds over every size in turn.
+    /// its own memory: the fastest of `reps` rounds over every size in turn, smallest first,
+    /// each round after a few untimed small passes ([`SETTLE_PASSES`]).
     pub fn calibrate<B: Backend>(
         model: &Model,
         backend: &B,
@@ -198,14 +199,22 @@ impl StepCost {
             c.unshare()?;
             others.push(c);
         }
-        let sizes: Vec<usize> = sizes.iter().copied().filter(|&n| n > 0).collect();
+        let mut sizes: Vec<usize> = sizes.iter().copied().filter(|&n| n > 0).collect();
+        sizes.sort_unstable();
+        sizes.dedup();
         let mut best = vec![f64::INFINITY; sizes.len()];
         let mut best_seqs = vec![f64::INFINITY; seq_sizes.len()];
         let tok = [5 % vocab];
         let one_pos = [ctx];
         for _ in 0..reps.max(1) {
-            time_rows(model, backend, &mut cache, &sizes, &mut best)?;
-            for (&n, best) in seq_sizes.iter().zip(best_seqs.iter_mut()) {
+            settle(model, backend, &mut cache)?;
+            // Smallest first, each batch of `n` sequences right after the pass over `n` rows of
+            // one: every pass follows one of about its size.
+            for (&n, best) in sizes.iter().zip(best.iter_mut()) {
+                time_rows(model, backend, &mut cache, &[n], std::slice::from_mut(best))?;
+                let Some(j) = seq_sizes.iter().position(|&m| m == n) else {
+                    continue;
+                };
                 let mut batch: Vec<SeqBatch<'_>> = std::iter::once(&mut cache)
                     .chain(others.iter_mut().take(n - 1))
                     .map(|c| SeqBatch {
@@ -218,7 +227,7 @@ impl StepCost {
                     .collect();
                 let t0 = Instant::now();
                 let r = model.forward_batch(backend, &mut batch);
-                *best = best.min(t0.elapsed().as_secs_f64());
+                best_seqs[j] = best_seqs[j].min(t0.elapsed().as_secs_f64());
                 for sb in batch.iter_mut() {
                     sb.cache.truncate(ctx);
                 }
@@ -233,9 +242,10 @@ impl StepCost {
 
     /// Time forward passes over `sizes` rows (all logits, as verification needs) appended to
     /// `cache` and dropped again (`cache` must have room for the largest): `reps` rounds over
-    /// every size in turn, the fastest pass of each size. Noise on a shared machine only ever
-    /// adds time, and alternating the sizes spreads a slow phase over all of them, so the curve's
-    /// shape (all the policy decides on) is the machine's, not the phase's.
+    /// every size in turn (smallest first, after [`SETTLE_PASSES`] untimed ones), the fastest
+    /// pass of each size. Noise on a shared machine only ever adds time, and alternating the
+    /// sizes spreads a slow phase over all of them, so the curve's shape (all the policy decides
+    /// on) is the machine's, not the phase's.
     pub fn measure_in<B: Backend>(
         model: &Model,
         backend: &B,
@@ -243,9 +253,15 @@ impl StepCost {
         sizes: &[usize],
         reps: usize,
     ) -> Result<StepCost> {
-        let sizes: Vec<usize> = sizes.iter().copied().filter(|&n| n > 0).collect();
+        let mut sizes: Vec<usize> = sizes.iter().copied().filter(|&n| n > 0).collect();
+        sizes.sort_unstable();
+        sizes.dedup();
         let mut best = vec![f64::INFINITY; sizes.len()];
         for _ in 0..reps.max(1) {
+            if sizes.is_empty() {
+                break; // nothing to time, and maybe no room for the untimed passes
+            }
+            settle(model, backend, cache)?;
             time_rows(model, backend, cache, &sizes, &mut best)?;
         }
         Ok(StepCost::from_points(sizes.into_iter().zip(best).collect()))
@@ -335,6 +351,22 @@ impl StepCost {
         let seqs = seqs.max(1);
         interpolate(&self.points, rows.max(seqs)) + interpolate(&self.seq_extra, seqs)
     }
+}
+
+/// Untimed one-row passes before a round of timed ones. Measured on a 2-core Xeon VM
+/// (smollm2-135m): the first two or three passes after a large one (a 256-row pass, a prompt's
+/// prefill) take 1.3-1.7x their usual time, sleeping 20 ms between does not help, and passes
+/// after a few small ones are back to normal; calibrating small batches right after large ones
+/// had priced every extra sequence of a batch at ~2 ms (real passes: ~0), so the policy
+/// over-priced plain steps and under-priced the rows a tree adds.
+const SETTLE_PASSES: usize = 4;
+
+fn settle<B: Backend>(model: &Model, backend: &B, cache: &mut KvCache) -> Result<()> {
+    let mut ignored = [f64::INFINITY];
+    for _ in 0..SETTLE_PASSES {
+        time_rows(model, backend, cache, &[1], &mut ignored)?;
+    }
+    Ok(())
 }
 
 /// Time one pass over each of `sizes` rows appended to `cache` (then dropped), keeping each
