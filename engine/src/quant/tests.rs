@@ -251,6 +251,46 @@ fn activation_quantization_matches_ggml() {
     }
 }
 
+/// The AVX2 quantizer's Q8_0/Q8_1 (and Q8_K) records equal the portable code's, byte for byte,
+/// for whole and partial groups, zeros, ties, huge values, infinities and NaNs.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avx2_activation_records_equal_the_portable_ones() {
+    if !levels().contains(&KernelLevel::Avx2) {
+        skip_hardware("quant::avx2_activation_records", "no AVX2/FMA/F16C");
+        return;
+    }
+    let mut rng = StdRng::seed_from_u64(21);
+    for case in 0..60 {
+        let len = [GROUP, 64, 32, 96, 224][case % 5];
+        let mut x = rand_vec(&mut rng, len);
+        match case / 5 {
+            1 => x.iter_mut().take(40).for_each(|v| *v = 0.0),
+            2 => x
+                .iter_mut()
+                .enumerate()
+                .for_each(|(i, v)| *v = (i as f32 - 40.0) * 0.5),
+            3 => x[3] = 3.0e38,
+            4 => x[5] = f32::INFINITY,
+            5 => x[7] = f32::NAN,
+            6 => x.iter_mut().for_each(|v| *v *= 1.0e-30),
+            7 => x[1] = -x.iter().fold(0.0f32, |a, v| a.max(v.abs())) - 1.0,
+            _ => {}
+        }
+        for kind in [ActKind::Q8_0, ActKind::Q8_1, ActKind::Q8K] {
+            if kind == ActKind::Q8K && len != GROUP {
+                continue;
+            }
+            let mut want = vec![0xa5u8; REC];
+            let mut got = vec![0x5au8; REC];
+            act::quantize_group(kind, &x, &mut want);
+            // SAFETY: the AVX2 level (AVX2, FMA, F16C) checked above.
+            unsafe { super::x86_avx2::quantize_group(kind, &x, &mut got) };
+            assert_eq!(got, want, "case {case} {kind:?} len {len}");
+        }
+    }
+}
+
 /// Σ_k |W[o,k] x[t,k]| in f64.
 fn abs_dot(wf: &[f32], x: &[f32], n_in: usize, o: usize, t: usize) -> f64 {
     let w = &wf[o * n_in..(o + 1) * n_in];
