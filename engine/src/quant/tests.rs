@@ -266,14 +266,23 @@ fn avx2_activation_records_equal_the_portable_ones() {
         let mut x = rand_vec(&mut rng, len);
         match case / 5 {
             1 => x.iter_mut().take(40).for_each(|v| *v = 0.0),
-            2 => x
-                .iter_mut()
-                .enumerate()
-                .for_each(|(i, v)| *v = (i as f32 - 40.0) * 0.5),
+            // amax 127: the scale is 1 and the halves are ties.
+            2 => x.iter_mut().enumerate().for_each(|(i, v)| {
+                *v = if i % 32 == 0 {
+                    127.0
+                } else {
+                    (i % 32) as f32 * 0.5 - 40.0
+                }
+            }),
             3 => x[3] = 3.0e38,
             4 => x[5] = f32::INFINITY,
-            5 => x[7] = f32::NAN,
-            6 => x.iter_mut().for_each(|v| *v *= 1.0e-30),
+            // The block's largest value and a NaN in one lane, the NaN in a later chunk.
+            5 => {
+                x[3] = 50.0;
+                x[27] = f32::NAN;
+            }
+            // Subnormal: 127 / amax overflows, products saturate.
+            6 => x.iter_mut().for_each(|v| *v *= 1.0e-40),
             7 => x[1] = -x.iter().fold(0.0f32, |a, v| a.max(v.abs())) - 1.0,
             _ => {}
         }

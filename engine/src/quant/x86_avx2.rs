@@ -125,8 +125,8 @@ unsafe fn bytes_from_bits(x: u32) -> __m256i {
     _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1))
 }
 
-/// `act::quantize_group` with AVX2: the same records bit for bit. Q8_K is that code compiled
-/// with AVX2; Q8_0/Q8_1 blocks run [`q8_block`] (the compiled scalar code had left their
+/// `act::quantize_group` with AVX2: the same records bit for bit. Q8_K runs the portable code;
+/// Q8_0/Q8_1 blocks run [`q8_block`] (the compiled scalar code had left their
 /// max and rounding loops mostly scalar: ~6% of a smollm2-135m step, on one thread).
 ///
 /// # Safety
@@ -159,8 +159,9 @@ pub(crate) unsafe fn quantize_group(kind: ActKind, x: &[f32], rec: &mut [u8]) {
 }
 
 /// `act::quantize_q8_block` on 32 values at `x` into 32 bytes at `q`, 8 lanes at a time (ggml's
-/// AVX2 `quantize_row_q8_0`): the same max (NaN ignored as there), the same products and
-/// magic-number rounding (a multiply then an add, never fused), the same saturation.
+/// AVX2 `quantize_row_q8_0`): the same max (NaN ignored as in the scalar code), the same
+/// products and magic-number rounding (a multiply then an add, never fused), the same
+/// saturation.
 ///
 /// # Safety
 /// AVX2/FMA/F16C; `x` readable for 32 f32, `q` writable for 32 bytes.
