@@ -124,6 +124,58 @@ pub fn exp_sub(x: &mut [f32], sub: f32) {
     exp_sub_sum(x, sub);
 }
 
+/// The vector width [`widened!`] functions run at (the level of this module's kernels).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Width {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+pub(crate) fn width() -> Width {
+    match level() {
+        Level::Portable => Width::Portable,
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => Width::Avx2,
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 => Width::Avx512,
+    }
+}
+
+/// `widened! { fn name<T: Bound>(a: A, ...) -> R = body; }` defines `name`, which calls the
+/// `#[inline(always)]` function `body` compiled for AVX-512F, for AVX2 or for neither, as
+/// [`width`] says: its loops vectorize at the machine's width. Only for code whose results do
+/// not depend on the width: element-wise IEEE operations and sums whose order the code fixes
+/// itself (Rust never fuses a multiply and an add on its own).
+macro_rules! widened {
+    ($(#[$m:meta])* $vis:vis fn $name:ident $(<$($g:ident : $b:path),*>)? ($($a:ident : $t:ty),*) -> $r:ty = $body:path;) => {
+        $(#[$m])*
+        $vis fn $name $(<$($g: $b),*>)? ($($a: $t),*) -> $r {
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx512f")]
+            unsafe fn wide512 $(<$($g: $b),*>)? ($($a: $t),*) -> $r {
+                $body($($a),*)
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2")]
+            unsafe fn wide256 $(<$($g: $b),*>)? ($($a: $t),*) -> $r {
+                $body($($a),*)
+            }
+            match $crate::backend::simd::width() {
+                // SAFETY: the width was chosen from CPUID.
+                #[cfg(target_arch = "x86_64")]
+                $crate::backend::simd::Width::Avx512 => unsafe { wide512($($a),*) },
+                #[cfg(target_arch = "x86_64")]
+                $crate::backend::simd::Width::Avx2 => unsafe { wide256($($a),*) },
+                $crate::backend::simd::Width::Portable => $body($($a),*),
+            }
+        }
+    };
+}
+pub(crate) use widened;
+
 /// sum_i a[i] * b[i] over the common length.
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {

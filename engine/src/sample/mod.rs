@@ -1,7 +1,9 @@
 //! Token sampling: greedy, temperature, top-k, top-p (nucleus), with a seeded deterministic RNG.
 
+pub(crate) mod draw;
 pub mod verify;
 
+use crate::backend::simd::widened;
 use crate::error::{EngineError, Result};
 
 /// How to pick the next token from logits.
@@ -90,11 +92,16 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
-/// The largest value that is not NaN (`-inf` when none): eight running maxima, so the loop
-/// vectorizes (the maximum is exact in any order).
-fn max_ignoring_nan(v: &[f32]) -> f32 {
-    let mut acc = [f32::NEG_INFINITY; 8];
-    let chunks = v.chunks_exact(8);
+widened! {
+    /// The largest value that is not NaN (`-inf` when none): sixteen running maxima, so the loop
+    /// vectorizes (the maximum is exact in any order).
+    fn max_ignoring_nan(v: &[f32]) -> f32 = max_ignoring_nan_of;
+}
+
+#[inline(always)]
+fn max_ignoring_nan_of(v: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; 16];
+    let chunks = v.chunks_exact(16);
     let tail = chunks.remainder();
     for c in chunks {
         for (a, &x) in acc.iter_mut().zip(c) {
@@ -106,37 +113,106 @@ fn max_ignoring_nan(v: &[f32]) -> f32 {
         .fold(f32::NEG_INFINITY, |a, &x| a.max(x))
 }
 
-/// The untruncated distribution: softmax of `(logits - shift) / temperature` over the tokens
-/// whose logit is not NaN, in token order — bit for bit what the general path of
-/// [`Sampler::distribution`] computes (the same operations per token, the f64 sum in token
-/// order), in passes over plain arrays that vectorize instead of one pass over (token, value)
-/// pairs: this runs for every sampled row, and over a 49k-150k vocabulary it cost a decoding
-/// step of a small model a quarter of its time. A maximum that is not finite gives greedy's
-/// point mass, as there.
-fn softmax_in_token_order(logits: &[f32], shift: f32, temperature: f32) -> Vec<(u32, f32)> {
-    // [vocab] the scaled logits (NaN where the logit is; those tokens are left out below).
-    let mut x: Vec<f32> = logits.iter().map(|&v| (v - shift) / temperature).collect();
-    let max = max_ignoring_nan(&x);
+/// What the logits are shifted by before scaling: a temperature so small that `logit / t`
+/// overflows (t = 1e-40 is a valid f32) would make the softmax `inf - inf`, so there the logits
+/// are shifted by their maximum first (the same distribution; other temperatures keep the
+/// unshifted, bit-stable form).
+fn softmax_shift(logits: &[f32], temperature: f32) -> f32 {
+    shift_for(max_ignoring_nan(logits), temperature)
+}
+
+/// [`softmax_shift`] of logits whose largest value that is not NaN is `top`.
+fn shift_for(top: f32, temperature: f32) -> f32 {
+    if top.is_finite() && !(top / temperature).is_finite() {
+        top
+    } else {
+        0.0
+    }
+}
+
+/// The untruncated distribution's masses in token order: softmax of `(logits - shift) /
+/// temperature`, NaN where the logit is NaN (those tokens have no mass); `None` when the maximum
+/// is not finite (greedy's point mass, as the general path of [`Sampler::distribution`]).
+/// Bit for bit what the general path computes (the same operations per token, the same
+/// token-keyed blocked sum, [`draw::total`]), in passes over plain arrays that vectorize: this
+/// runs for every sampled row, over a 49k-150k vocabulary.
+fn softmax_in_token_order(logits: &[f32], temperature: f32) -> Option<Vec<f32>> {
+    let top = max_ignoring_nan(logits);
+    let shift = shift_for(top, temperature);
+    // The scaled values' maximum: subtracting, dividing by a positive number and rounding never
+    // change the order.
+    let max = (top - shift) / temperature;
     if !max.is_finite() {
-        return vec![(argmax(logits), 1.0)];
+        return None;
     }
-    exp_shifted(&mut x, max);
-    let kept = |i: usize| !logits[i].is_nan();
-    // In token order, in a register (a sum whose address a closure takes lives in memory, a
-    // store and a load per token).
-    let sum = x
-        .iter()
-        .enumerate()
-        .filter(|&(i, _)| kept(i))
-        .fold(0.0f64, |s, (_, &v)| s + v as f64);
+    // [vocab] the scaled logits, then their masses.
+    let mut x = Vec::with_capacity(logits.len());
+    scale(logits, shift, temperature, &mut x);
+    crate::backend::simd::exp_sub(&mut x, max);
+    // The exponential's lanes and its scalar tail agree on normal results only (see
+    // `exp_shifted`), and it need not keep a NaN.
+    flush_masked(&mut x, logits);
+    let sum = draw::total(&x);
+    normalize(&mut x, sum);
+    Some(x)
+}
+
+widened! {
+    /// [`flush_subnormal`], then NaN wherever the logit is NaN (no mass).
+    fn flush_masked(x: &mut [f32], logits: &[f32]) -> () = flush_masked_of;
+}
+
+#[inline(always)]
+fn flush_masked_of(x: &mut [f32], logits: &[f32]) {
+    for (v, l) in x.iter_mut().zip(logits) {
+        *v = if l.is_nan() {
+            f32::NAN
+        } else if *v < f32::MIN_POSITIVE {
+            0.0
+        } else {
+            *v
+        };
+    }
+}
+
+widened! {
+    /// `x = (logits - shift) / temperature`, element by element.
+    fn scale(logits: &[f32], shift: f32, temperature: f32, x: &mut Vec<f32>) -> () = scale_of;
+}
+
+#[inline(always)]
+fn scale_of(logits: &[f32], shift: f32, temperature: f32, x: &mut Vec<f32>) {
+    x.clear();
+    x.extend(logits.iter().map(|&v| (v - shift) / temperature));
+}
+
+widened! {
+    /// `x[i] = x[i] / sum` as [`normalized`] computes it.
+    fn normalize(x: &mut [f32], sum: f64) -> () = normalize_of;
+}
+
+#[inline(always)]
+fn normalize_of(x: &mut [f32], sum: f64) {
+    let inv = 1.0 / sum;
     for v in x.iter_mut() {
-        *v = (*v as f64 / sum) as f32;
+        *v = normalized(*v, inv);
     }
-    let mut out = Vec::with_capacity(x.len());
+}
+
+/// A mass divided by the total whose reciprocal is `inv`: in f64, rounded to f32 (a multiply:
+/// an f64 division per token cost a third of a sampled row).
+#[inline(always)]
+fn normalized(v: f32, inv: f64) -> f32 {
+    (f64::from(v) * inv) as f32
+}
+
+/// The (token, mass) pairs of masses in token order, NaN ones left out.
+fn pairs_in_token_order(m: &[f32]) -> Vec<(u32, f32)> {
+    let mut out = Vec::with_capacity(m.len());
     out.extend(
-        x.iter()
+        m.iter()
             .enumerate()
-            .filter(|&(i, _)| kept(i))
+            .filter(|(_, v)| !v.is_nan())
             .map(|(i, &v)| (i as u32, v)),
     );
     out
@@ -150,12 +226,90 @@ fn softmax_in_token_order(logits: &[f32], shift: f32, temperature: f32) -> Vec<(
 /// differently). `-inf` gives exactly 0.
 fn exp_shifted(x: &mut [f32], max: f32) {
     crate::backend::simd::exp_sub(x, max);
+    flush_subnormal(x);
+}
+
+widened! {
+    /// Values below the smallest normal float (not NaN) become 0.
+    fn flush_subnormal(x: &mut [f32]) -> () = flush_subnormal_of;
+}
+
+#[inline(always)]
+fn flush_subnormal_of(x: &mut [f32]) {
     for v in x.iter_mut() {
         if *v < f32::MIN_POSITIVE {
             *v = 0.0;
         }
     }
 }
+
+/// One row's untruncated distribution ([`Sampler::untruncated_masses`]).
+pub(crate) enum RowMasses {
+    /// All the mass on one token.
+    Point(u32),
+    /// `[vocab]` masses in token order, NaN where a token has none.
+    Dense(Vec<f32>),
+}
+
+impl RowMasses {
+    /// The inverse-CDF draw of uniform `r` ([`draw::draw_dense`]; a point mass gives its token):
+    /// bit for bit the draw from the distribution's (token, probability) pairs.
+    pub(crate) fn draw(&self, r: f64) -> u32 {
+        match self {
+            RowMasses::Point(t) => *t,
+            RowMasses::Dense(m) => draw::draw_dense(m, r),
+        }
+    }
+}
+
+/// Descending probability, then ascending token id: a total order.
+fn by_prob(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
+    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+}
+
+/// Top-p (nucleus) of the untruncated masses `m` (token order, NaN for no mass): the most likely
+/// tokens, in [`by_prob`] order, up to the first whose running f64 sum reaches `top_p`,
+/// renormalized over themselves. Only that head is sorted: the [`NUCLEUS_HEAD`] most likely
+/// tokens are selected in O(V) and sorted, four times as many while their mass falls short (a
+/// full sort of a 150k-token vocabulary per sampled row cost ~4 ms). The result is what a full
+/// sort gives.
+fn nucleus(m: &[f32], top_p: f32) -> Vec<(u32, f32)> {
+    let mut cand: Vec<(u32, f32)> = Vec::with_capacity(m.len());
+    cand.extend(
+        m.iter()
+            .enumerate()
+            .filter(|(_, v)| **v > 0.0)
+            .map(|(i, &v)| (i as u32, v)),
+    );
+    let mut head = NUCLEUS_HEAD.min(cand.len());
+    let keep = loop {
+        if head < cand.len() {
+            cand.select_nth_unstable_by(head - 1, by_prob);
+        }
+        cand[..head].sort_by(by_prob);
+        // In f64: over a vocabulary of 150 k, an f32 running sum drops tail tokens below half
+        // its ulp and the cut lands early or late.
+        let mut acc = 0.0f64;
+        let cut = cand[..head].iter().position(|c| {
+            acc += f64::from(c.1);
+            acc >= f64::from(top_p)
+        });
+        match cut {
+            Some(i) => break i + 1,
+            None if head == cand.len() => break head,
+            None => head = (head * 4).min(cand.len()),
+        }
+    };
+    cand.truncate(keep);
+    let s: f64 = cand.iter().map(|c| f64::from(c.1)).sum();
+    for c in cand.iter_mut() {
+        c.1 = (f64::from(c.1) / s) as f32;
+    }
+    cand
+}
+
+/// Tokens sorted first when looking for a nucleus ([`nucleus`]).
+const NUCLEUS_HEAD: usize = 256;
 
 /// A stateful sampler (owns its RNG stream).
 #[derive(Clone, Debug)]
@@ -180,22 +334,20 @@ impl Sampler {
     /// truncates it; without truncation in token order (no O(V log V) sort per token over a
     /// 150k-token vocabulary). Greedy gives one pair.
     pub fn distribution(&self, logits: &[f32]) -> Vec<(u32, f32)> {
+        match self.untruncated_masses(logits) {
+            Some(RowMasses::Point(t)) => return vec![(t, 1.0)],
+            Some(RowMasses::Dense(m)) => return pairs_in_token_order(&m),
+            None => {}
+        }
         let p = &self.params;
-        if p.is_greedy() {
-            return vec![(argmax(logits), 1.0)];
+        if p.top_k == 0 || p.top_k >= logits.len() {
+            // Top-p alone.
+            return match softmax_in_token_order(logits, p.temperature) {
+                Some(m) => nucleus(&m, p.top_p),
+                None => vec![(argmax(logits), 1.0)],
+            };
         }
-        // A temperature so small that `logit / t` overflows (t = 1e-40 is a valid f32) would
-        // make the softmax `inf - inf`: there the logits are shifted by their maximum first
-        // (the same distribution; other temperatures keep the unshifted, bit-stable form).
-        let top = max_ignoring_nan(logits);
-        let shift = if top.is_finite() && !(top / p.temperature).is_finite() {
-            top
-        } else {
-            0.0
-        };
-        if (p.top_k == 0 || p.top_k >= logits.len()) && p.top_p >= 1.0 {
-            return softmax_in_token_order(logits, shift, p.temperature);
-        }
+        let shift = softmax_shift(logits, p.temperature);
         // Sized once (a filtered iterator's `collect` grows the vector by doubling: ~8 copies
         // of a 150k-token vocabulary's pairs per sampled row).
         let mut cand: Vec<(u32, f32)> = Vec::with_capacity(logits.len());
@@ -206,15 +358,18 @@ impl Sampler {
                 .filter(|(_, v)| !v.is_nan())
                 .map(|(i, &v)| (i as u32, (v - shift) / p.temperature)),
         );
-        let by_prob = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-        if p.top_k > 0 && p.top_k < cand.len() {
+        let sorted = if p.top_k > 0 && p.top_k < cand.len() {
             // The same k tokens a full sort would keep (a total order), in O(V + k log k).
             cand.select_nth_unstable_by(p.top_k - 1, by_prob);
             cand.truncate(p.top_k);
             cand.sort_by(by_prob);
+            true
         } else if p.top_p < 1.0 {
             cand.sort_by(by_prob);
-        }
+            true
+        } else {
+            false
+        };
         let max = cand.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
         if !max.is_finite() {
             // A +inf logit (the softmax would be `inf - inf` = NaN everywhere) or no finite one:
@@ -224,13 +379,19 @@ impl Sampler {
         }
         let mut e: Vec<f32> = cand.iter().map(|c| c.1).collect();
         exp_shifted(&mut e, max);
-        let mut sum = 0.0f64;
         for (c, e) in cand.iter_mut().zip(e) {
             c.1 = e;
-            sum += c.1 as f64;
         }
+        // In token order (nothing truncated: the untruncated path's bits) the token-keyed sum,
+        // sorted by probability eight running sums in that order.
+        let sum = if sorted {
+            draw::total_in_sequence(cand.iter().map(|c| f64::from(c.1)))
+        } else {
+            draw::total_in_order(cand.iter().map(|c| (c.0, f64::from(c.1))))
+        };
+        let inv = 1.0 / sum;
         for c in cand.iter_mut() {
-            c.1 = (c.1 as f64 / sum) as f32;
+            c.1 = normalized(c.1, inv);
         }
         if p.top_p < 1.0 {
             // In f64: over a vocabulary of 150 k, an f32 running sum drops tail tokens below
@@ -253,17 +414,52 @@ impl Sampler {
         cand
     }
 
-    /// Draw the next token.
+    /// The distribution of one row as masses in token order where nothing truncates it (greedy,
+    /// or no top-k / top-p cut): [`Sampler::distribution`] without its pairs; `None` where top-k
+    /// or top-p truncate.
+    pub(crate) fn untruncated_masses(&self, logits: &[f32]) -> Option<RowMasses> {
+        let p = &self.params;
+        if p.is_greedy() {
+            return Some(RowMasses::Point(argmax(logits)));
+        }
+        if !self.untruncated(logits.len()) {
+            return None;
+        }
+        Some(match softmax_in_token_order(logits, p.temperature) {
+            Some(m) => RowMasses::Dense(m),
+            None => RowMasses::Point(argmax(logits)),
+        })
+    }
+
+    /// Whether [`Sampler::distribution`] keeps every token of a `vocab`-token row (no top-k or
+    /// top-p cut).
+    fn untruncated(&self, vocab: usize) -> bool {
+        let p = &self.params;
+        (p.top_k == 0 || p.top_k >= vocab) && p.top_p >= 1.0
+    }
+
+    /// Draw the next token: `draw(&distribution(logits))`, bit for bit and with the same
+    /// random stream, without building the (token, probability) pairs where nothing truncates.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         if self.params.is_greedy() {
             return argmax(logits);
         }
-        let dist = self.distribution(logits);
-        self.draw(&dist)
+        match self.untruncated_masses(logits) {
+            Some(m) => m.draw(self.rng.next_f64()),
+            None => {
+                let dist = self.distribution(logits);
+                self.draw(&dist)
+            }
+        }
     }
 
-    /// Draw from an explicit sparse distribution (probabilities summing to ~1).
+    /// Draw from an explicit sparse distribution (probabilities summing to ~1). In strictly
+    /// increasing token order (an untruncated distribution) the draw runs on blocked sums
+    /// ([`draw::draw_in_order`]); otherwise (sorted by probability) it scans in the given order.
     pub fn draw(&mut self, dist: &[(u32, f32)]) -> u32 {
+        if dist.windows(2).all(|w| w[0].0 < w[1].0) {
+            return draw::draw_in_order(dist, self.rng.next_f64());
+        }
         let total: f64 = dist.iter().map(|d| d.1 as f64).sum();
         let mut u = self.rng.next_f64() * total;
         for &(tok, p) in dist {
@@ -511,6 +707,108 @@ mod tests {
             assert!(d.iter().all(|c| c.1.is_finite()), "t = {t}: {d:?}");
             for _ in 0..20 {
                 assert_eq!(s.sample(&logits), 1, "t = {t}");
+            }
+        }
+    }
+
+    /// Random logits with NaNs, `-inf`s and values whose masses underflow.
+    fn rough_logits(rng: &mut Rng, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|_| match rng.next_u64() % 50 {
+                0 => f32::NAN,
+                1 => f32::NEG_INFINITY,
+                2 => -120.0,
+                _ => (rng.next_f64() as f32 - 0.5) * 30.0,
+            })
+            .collect()
+    }
+
+    /// `sample` (masses drawn without building pairs) is `draw(&distribution(..))` bit for bit,
+    /// on the same random stream, truncated or not, at any temperature.
+    #[test]
+    fn sample_is_the_draw_from_the_distribution() {
+        let mut rng = Rng::new(9);
+        for case in 0..40u64 {
+            let n = 1 + (rng.next_u64() % 5000) as usize;
+            let mut logits = rough_logits(&mut rng, n);
+            if case % 5 == 0 {
+                logits[(rng.next_u64() % n as u64) as usize] = f32::INFINITY; // a point mass
+            }
+            for (temperature, top_k, top_p) in [
+                (1.0f32, 0, 1.0f32),
+                (0.7, 0, 1.0),
+                (1e-40, 0, 1.0),
+                (1.0, 50, 1.0),
+                (0.8, 0, 0.9),
+            ] {
+                let params = SamplingParams {
+                    temperature,
+                    top_k,
+                    top_p,
+                    seed: case,
+                };
+                let mut a = Sampler::new(params.clone()).unwrap();
+                let mut b = Sampler::new(params).unwrap();
+                for _ in 0..10 {
+                    let d = b.distribution(&logits);
+                    assert_eq!(
+                        a.sample(&logits),
+                        b.draw(&d),
+                        "case {case}, T {temperature}"
+                    );
+                }
+                assert_eq!(a.rng.next_u64(), b.rng.next_u64(), "case {case}");
+            }
+        }
+    }
+
+    /// The nucleus found by sorting only its head is the one a full sort gives, bit for bit:
+    /// peaked rows (a nucleus of a few tokens), flat ones (most of the vocabulary: the head
+    /// grows several times), ties, and `top_p` reached exactly or never (rounding).
+    #[test]
+    fn nucleus_is_the_full_sorts_nucleus() {
+        let mut rng = Rng::new(21);
+        for case in 0..60 {
+            let n = 1 + (rng.next_u64() % 6000) as usize;
+            let spread = [0.5f32, 4.0, 30.0][case % 3];
+            let mut logits: Vec<f32> = (0..n)
+                .map(|_| ((rng.next_f64() as f32 - 0.5) * spread * 8.0).round() / 8.0)
+                .collect();
+            if case % 4 == 0 {
+                logits[(rng.next_u64() % n as u64) as usize] = f32::NAN;
+            }
+            for top_p in [0.3f32, 0.9, 0.999, 1.0 - f32::EPSILON] {
+                let s = Sampler::new(SamplingParams {
+                    temperature: 0.9,
+                    top_k: 0,
+                    top_p,
+                    seed: 0,
+                })
+                .unwrap();
+                let m = softmax_in_token_order(&logits, 0.9).unwrap();
+                let mut full: Vec<(u32, f32)> = pairs_in_token_order(&m);
+                full.retain(|c| c.1 > 0.0);
+                full.sort_by(by_prob);
+                let mut acc = 0.0f64;
+                let keep = full
+                    .iter()
+                    .position(|c| {
+                        acc += f64::from(c.1);
+                        acc >= f64::from(top_p)
+                    })
+                    .map_or(full.len(), |i| i + 1);
+                full.truncate(keep);
+                let total: f64 = full.iter().map(|c| f64::from(c.1)).sum();
+                let want: Vec<(u32, u32)> = full
+                    .iter()
+                    .map(|c| (c.0, ((f64::from(c.1) / total) as f32).to_bits()))
+                    .collect();
+                let got: Vec<(u32, u32)> = s
+                    .distribution(&logits)
+                    .iter()
+                    .map(|c| (c.0, c.1.to_bits()))
+                    .collect();
+                assert_eq!(got, want, "case {case}, n {n}, top_p {top_p}");
             }
         }
     }

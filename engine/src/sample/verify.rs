@@ -20,7 +20,8 @@
 use std::fmt;
 use std::str::FromStr;
 
-use super::{argmax, Rng, Sampler, SamplingParams};
+use super::draw::{self, Mass};
+use super::{argmax, Rng, RowMasses, Sampler, SamplingParams};
 use crate::error::{EngineError, Result};
 use crate::tree::{DrafterId, DrawKind, SparseDist, TokenTree};
 
@@ -166,8 +167,17 @@ pub fn verify_naive(
 ) -> Result<VerifyOutcome> {
     check(tree, logits, vocab)?;
     Ok(walk(tree, |node| {
-        draw_sparse(&sampler.distribution(row(logits, vocab, node)), vocab, rng)
+        draw_row(sampler, row(logits, vocab, node), vocab, rng)
     }))
+}
+
+/// `draw_sparse(&sampler.distribution(logits), vocab, rng)`, bit for bit and with the same
+/// random stream, without building the distribution's pairs where nothing truncates it.
+fn draw_row(sampler: &Sampler, logits: &[f32], vocab: usize, rng: &mut Rng) -> u32 {
+    match sampler.untruncated_masses(logits) {
+        Some(m) => m.draw(rng.next_f64()),
+        None => draw_sparse(&sampler.distribution(logits), vocab, rng),
+    }
 }
 
 /// Probability of token `x` under the sparse distribution `q`.
@@ -216,7 +226,6 @@ pub fn verify_mss(
     let mut p: Vec<f64> = Vec::new();
     let mut cands: Vec<(usize, Option<&SparseDist>)> = Vec::new(); // (child, q; None = point mass)
     loop {
-        let dist = sampler.distribution(row(logits, vocab, node));
         cands.clear();
         for &c in tree.children(node) {
             let props = &tree.node(c).proposals;
@@ -248,12 +257,12 @@ pub fn verify_mss(
             return Ok(VerifyOutcome {
                 accepted,
                 tokens,
-                bonus: draw_sparse(&dist, vocab, rng),
+                bonus: draw_row(sampler, row(logits, vocab, node), vocab, rng),
                 broken_drafters: broken,
             });
         }
         p.resize(vocab, 0.0);
-        dense(&dist, &mut p);
+        dense_row(sampler, row(logits, vocab, node), &mut p);
         // Random order, independent of the drawn values: i.i.d. draws stay i.i.d. in such an order
         // (grouped by child they would not).
         for i in (1..cands.len()).rev() {
@@ -307,11 +316,26 @@ fn residual(p: &mut [f64], q: Option<&SparseDist>, x: u32) {
         }
         None => next[x as usize] = (next[x as usize] - 1.0).max(0.0),
     }
-    let s: f64 = next.iter().sum();
+    let s = draw::total(&next);
     if s > 1e-9 {
         for (d, v) in p.iter_mut().zip(next) {
             *d = v / s;
         }
+    }
+}
+
+/// `dense(&sampler.distribution(logits), out)`, bit for bit, without the distribution's pairs
+/// where nothing truncates it.
+fn dense_row(sampler: &Sampler, logits: &[f32], out: &mut [f64]) {
+    match sampler.untruncated_masses(logits) {
+        Some(RowMasses::Dense(m)) => {
+            out.fill(0.0);
+            for (d, &v) in out.iter_mut().zip(&m) {
+                *d = v.mass();
+            }
+        }
+        Some(RowMasses::Point(t)) => dense(&[(t, 1.0)], out),
+        None => dense(&sampler.distribution(logits), out),
     }
 }
 
@@ -333,7 +357,7 @@ fn draw_sparse(dist: &[(u32, f32)], vocab: usize, rng: &mut Rng) -> u32 {
     let in_order = dist.windows(2).all(|w| w[0].0 < w[1].0)
         && dist.last().is_none_or(|e| (e.0 as usize) < vocab);
     if in_order {
-        return draw_in_order(dist.iter().map(|&(t, pr)| (t, f64::from(pr))), rng);
+        return draw_in_order(dist, rng);
     }
     // Token order, equal tokens summed in their order (as `dense` does), ids beyond the
     // vocabulary dropped.
@@ -350,41 +374,18 @@ fn draw_sparse(dist: &[(u32, f32)], vocab: usize, rng: &mut Rng) -> u32 {
             _ => merged.push((t, f64::from(pr))),
         }
     }
-    draw_in_order(merged.into_iter(), rng)
+    draw_in_order(&merged, rng)
 }
 
-/// [`draw_dense`] over the nonzero entries of a dense distribution, given in token order.
-fn draw_in_order(entries: impl Iterator<Item = (u32, f64)> + Clone, rng: &mut Rng) -> u32 {
-    let total: f64 = entries.clone().map(|e| e.1).sum();
-    let mut u = rng.next_f64() * total;
-    let mut last = 0;
-    for (t, v) in entries {
-        if v > 0.0 {
-            last = t;
-            u -= v;
-            if u < 0.0 {
-                return t;
-            }
-        }
-    }
-    last
+/// [`draw_dense`] over the entries of a dense distribution, given in strictly increasing token
+/// order ([`draw::draw_in_order`]).
+fn draw_in_order<T: Mass>(entries: &[(u32, T)], rng: &mut Rng) -> u32 {
+    draw::draw_in_order(entries, rng.next_f64())
 }
 
-/// One draw from a dense distribution (any positive total).
+/// One draw from a dense distribution (any positive total; [`draw::draw_dense`]).
 fn draw_dense(p: &[f64], rng: &mut Rng) -> u32 {
-    let total: f64 = p.iter().sum();
-    let mut u = rng.next_f64() * total;
-    let mut last = 0;
-    for (i, &v) in p.iter().enumerate() {
-        if v > 0.0 {
-            last = i;
-            u -= v;
-            if u < 0.0 {
-                return i as u32;
-            }
-        }
-    }
-    last as u32
+    draw::draw_dense(p, rng.next_f64())
 }
 
 /// A verification rule with its sampling parameters and random stream (seeded: deterministic).
@@ -461,6 +462,47 @@ mod tests {
             }
         }
         q[q.len() - 1].0
+    }
+
+    /// A row's draw and dense copy from its masses (untruncated) are those from its
+    /// distribution's pairs, bit for bit and on the same stream; truncated rows take the pairs.
+    #[test]
+    fn row_draws_are_the_distributions_draws() {
+        let mut gen = Rng::new(13);
+        for case in 0..30u64 {
+            let vocab = 1 + (gen.next_u64() % 3000) as usize;
+            let logits: Vec<f32> = (0..vocab)
+                .map(|_| match gen.next_u64() % 40 {
+                    0 => f32::NAN,
+                    1 => f32::NEG_INFINITY,
+                    _ => (gen.next_f64() as f32 - 0.5) * 20.0,
+                })
+                .collect();
+            for (temperature, top_k) in [(1.0f32, 0), (0.6, 0), (0.0, 0), (1.0, 7)] {
+                let sampler = Sampler::new(SamplingParams {
+                    temperature,
+                    top_k,
+                    top_p: 1.0,
+                    seed: 0,
+                })
+                .unwrap();
+                let dist = sampler.distribution(&logits);
+                let (mut a, mut b) = (Rng::new(case), Rng::new(case));
+                for _ in 0..8 {
+                    assert_eq!(
+                        draw_row(&sampler, &logits, vocab, &mut a),
+                        draw_sparse(&dist, vocab, &mut b),
+                        "case {case}, T {temperature}, top-k {top_k}"
+                    );
+                }
+                assert_eq!(a.next_u64(), b.next_u64(), "case {case}");
+                let (mut p, mut q) = (vec![7.0; vocab], vec![7.0; vocab]);
+                dense_row(&sampler, &logits, &mut p);
+                dense(&dist, &mut q);
+                let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&p), bits(&q), "case {case}, T {temperature}");
+            }
+        }
     }
 
     /// The sparse draw (leaves' bonus tokens, naive verification) is the dense draw bit for bit:
