@@ -222,7 +222,7 @@ pub fn verify_mss(
     let (mut accepted, mut tokens) = (Vec::new(), Vec::new());
     let mut node = 0;
     // [vocab] the LLM's (residual) distribution at `node` (allocated at the first node with
-    // candidates: a leaf's bonus token is drawn from the sparse distribution).
+    // candidates: a leaf's bonus token is drawn by `draw_row` without it).
     let mut p: Vec<f64> = Vec::new();
     let mut cands: Vec<(usize, Option<&SparseDist>)> = Vec::new(); // (child, q; None = point mass)
     loop {
@@ -350,9 +350,8 @@ fn dense(dist: &[(u32, f32)], out: &mut [f64]) {
 }
 
 /// One draw from a sparse distribution over `vocab` tokens, bit for bit the draw [`draw_dense`]
-/// makes from its dense copy (the same sums in token order), without a `[vocab]` buffer: the
-/// bonus token of every leaf, and every plain sampled row, costs one pass over the distribution
-/// instead of three over the vocabulary.
+/// makes from its dense copy (the same token-keyed sums), without a `[vocab]` buffer: the draws
+/// from truncated rows ([`draw_row`] takes untruncated ones from their masses).
 fn draw_sparse(dist: &[(u32, f32)], vocab: usize, rng: &mut Rng) -> u32 {
     let in_order = dist.windows(2).all(|w| w[0].0 < w[1].0)
         && dist.last().is_none_or(|e| (e.0 as usize) < vocab);
@@ -511,7 +510,7 @@ mod tests {
     /// underflowing masses.
     #[test]
     fn sparse_draw_is_the_dense_draw() {
-        let vocab = 50;
+        let vocab = 200; // several blocks of the blocked draw
         let mut gen = Rng::new(11);
         for case in 0..400u64 {
             let n = 1 + (gen.next_u64() % 60) as usize;
