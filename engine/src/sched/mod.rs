@@ -10,6 +10,8 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
+use rayon::prelude::*;
+
 pub use adaptive::{
     catch_up_weight, choose_depths, drafting_pays, nodes_upto, row_costs, useful_budget,
     Acceptance, DepthOptions, DraftBackoff, GainCalibration, StepBase, StepCost,
@@ -22,7 +24,7 @@ use crate::error::{EngineError, Result};
 use crate::generate::{FinishReason, GenerateParams, TokenSink};
 use crate::kv::{KvCache, KvPool, BLOCK_SLOTS};
 use crate::model::{Model, SeqBatch};
-use crate::sample::verify::{Verifier, VerifyMode};
+use crate::sample::verify::{Verifier, VerifyMode, VerifyOutcome};
 use crate::sample::Sampler;
 use crate::shared::Shared;
 use crate::spec::{draft_trees, DraftJobRef, SpecMetrics};
@@ -512,6 +514,38 @@ impl Request<'_> {
             .capacity
             .saturating_sub(self.cache.as_ref().map_or(0, KvCache::len) + 1);
         sp.budget.min(room)
+    }
+}
+
+/// One slot's draw of a step, made ahead of the step's bookkeeping ([`Scheduler::draw_rows`]).
+enum Drawn {
+    Sampled(u32),
+    Verified(Result<VerifyOutcome>),
+}
+
+/// What a slot's draw needs: its request's sampler or verifier, and its logits.
+enum DrawWork<'s> {
+    Sample {
+        sampler: &'s mut Sampler,
+        logits: &'s [f32],
+    },
+    Verify {
+        verifier: &'s mut Verifier,
+        tree: &'s TokenTree,
+        logits: &'s [f32],
+    },
+}
+
+impl DrawWork<'_> {
+    fn draw(self, vocab: usize) -> Drawn {
+        match self {
+            DrawWork::Sample { sampler, logits } => Drawn::Sampled(sampler.sample(logits)),
+            DrawWork::Verify {
+                verifier,
+                tree,
+                logits,
+            } => Drawn::Verified(verifier.verify(tree, logits, vocab)),
+        }
     }
 }
 
@@ -1072,14 +1106,19 @@ impl<'a> Scheduler<'a> {
         self.stats.rows += n_rows as u64;
         // Verify or sample, stream, stop.
         let vocab = self.model.config.vocab_size;
+        let mut drawn = self.draw_rows(backend, &plan, &logits);
         let mut finished = Vec::new();
-        for ((sl, x), lg) in plan.iter().zip(&inputs).zip(&logits) {
+        for (((sl, x), lg), drawn) in plan.iter().zip(&inputs).zip(&logits).zip(&mut drawn) {
             let r = &mut self.running[sl.idx];
             let emitted: Vec<u32> = match (&sl.tree, r.spec.as_mut()) {
                 (Some(tree), Some(sp)) => {
                     let cache = r.cache.as_mut().expect("running requests have a cache");
                     // An error here is this request's alone: it fails, the others go on.
-                    let verified = sp.verifier.verify(tree, lg, vocab).and_then(|o| {
+                    let verified = match drawn.take() {
+                        Some(Drawn::Verified(v)) => v,
+                        _ => sp.verifier.verify(tree, lg, vocab),
+                    };
+                    let verified = verified.and_then(|o| {
                         match &device {
                             Some(d) => d.commit_rows(cache, x.positions[0], &o.kv_rows())?,
                             None => cache.commit_rows(x.positions[0], &o.kv_rows())?,
@@ -1157,7 +1196,10 @@ impl<'a> Scheduler<'a> {
                     }
                 }
                 _ if lg.is_empty() => Vec::new(),
-                _ => vec![r.sampler.sample(lg)],
+                _ => match drawn.take() {
+                    Some(Drawn::Sampled(t)) => vec![t],
+                    _ => vec![r.sampler.sample(lg)],
+                },
             };
             if let (Some(c), true) = (r.cache.as_mut(), self.config.prefix_caching) {
                 c.register_prefix(&r.seq);
@@ -1582,6 +1624,60 @@ impl<'a> Scheduler<'a> {
             }
         }
         Ok(())
+    }
+
+    /// Every plain row's sample and every tree's verification of this step, per plan slot,
+    /// drawn on the backend's threads, a request per task (each request's sampler and verifier
+    /// own their random streams, so the draws are those the slots would make in turn). `None`
+    /// for the slots the step handles otherwise (prefill chunks collecting candidates, rows
+    /// without logits), and for all of them in a step with fewer than two draws to make.
+    fn draw_rows<B: Backend>(
+        &mut self,
+        backend: &B,
+        plan: &[Slot],
+        logits: &[Vec<f32>],
+    ) -> Vec<Option<Drawn>> {
+        let vocab = self.model.config.vocab_size;
+        // (plan position, the work): the plan is in running order, one slot per request.
+        let mut work: Vec<(usize, DrawWork<'_>)> = Vec::with_capacity(plan.len());
+        let mut slots = plan.iter().zip(logits).enumerate().peekable();
+        for (i, r) in self.running.iter_mut().enumerate() {
+            let Some((k, (sl, lg))) = slots.next_if(|(_, (sl, _))| sl.idx == i) else {
+                continue;
+            };
+            match (&sl.tree, r.spec.as_mut()) {
+                (Some(tree), Some(sp)) => work.push((
+                    k,
+                    DrawWork::Verify {
+                        verifier: &mut sp.verifier,
+                        tree,
+                        logits: lg,
+                    },
+                )),
+                _ if sl.prefill > 0 && sl.candidates > 0 => {}
+                _ if lg.is_empty() => {}
+                _ => work.push((
+                    k,
+                    DrawWork::Sample {
+                        sampler: &mut r.sampler,
+                        logits: lg,
+                    },
+                )),
+            }
+        }
+        let mut drawn: Vec<Option<Drawn>> = (0..plan.len()).map(|_| None).collect();
+        if work.len() < 2 {
+            return drawn;
+        }
+        let done: Vec<(usize, Drawn)> = backend.scope(|| {
+            work.into_par_iter()
+                .map(|(k, w)| (k, w.draw(vocab)))
+                .collect()
+        });
+        for (k, d) in done {
+            drawn[k] = Some(d);
+        }
+        drawn
     }
 
     /// The rows one slot feeds.
