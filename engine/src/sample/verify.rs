@@ -305,9 +305,9 @@ pub fn verify_mss(
 
 /// p <- norm(max(0, p - q)) for q = `q` or a point mass on `x`. When the residual has no mass
 /// (p == q up to rounding: a rejection had probability ~0) p is left unchanged. In place: the
-/// entries `q` touches are saved and put back in that case (a `[vocab]` copy per rejection cost
-/// qwen's 151,936-token rows more than the rest), and the normalization multiplies by the
-/// reciprocal of the token-keyed total.
+/// entries `q` touches are saved and put back in that case (no `[vocab]` copy per rejection: 1.2
+/// MB on qwen's 151,936-token rows), and the normalization multiplies by the reciprocal of the
+/// token-keyed total.
 fn residual(p: &mut [f64], q: Option<&SparseDist>, x: u32) {
     // (index, value before), in the order written.
     let mut saved: Vec<(usize, f64)> = Vec::new();
@@ -321,7 +321,10 @@ fn residual(p: &mut [f64], q: Option<&SparseDist>, x: u32) {
         Some(q) => q
             .iter()
             .for_each(|&(t, qt)| sub(t as usize, f64::from(qt), p)),
-        None => sub(x as usize, 1.0, p),
+        None => {
+            debug_assert!((x as usize) < p.len(), "a tree token within the vocabulary");
+            sub(x as usize, 1.0, p)
+        }
     }
     let s = draw::total(p);
     if s > 1e-9 {

@@ -1116,7 +1116,10 @@ impl<'a> Scheduler<'a> {
                     // An error here is this request's alone: it fails, the others go on.
                     let verified = match drawn.take() {
                         Some(Drawn::Verified(v)) => v,
-                        _ => sp.verifier.verify(tree, lg, vocab),
+                        other => {
+                            debug_assert!(other.is_none(), "draw_rows drew another kind here");
+                            sp.verifier.verify(tree, lg, vocab)
+                        }
                     };
                     let verified = verified.and_then(|o| {
                         match &device {
@@ -1198,7 +1201,10 @@ impl<'a> Scheduler<'a> {
                 _ if lg.is_empty() => Vec::new(),
                 _ => match drawn.take() {
                     Some(Drawn::Sampled(t)) => vec![t],
-                    _ => vec![r.sampler.sample(lg)],
+                    other => {
+                        debug_assert!(other.is_none(), "draw_rows drew another kind here");
+                        vec![r.sampler.sample(lg)]
+                    }
                 },
             };
             if let (Some(c), true) = (r.cache.as_mut(), self.config.prefix_caching) {
