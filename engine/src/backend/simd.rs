@@ -5,8 +5,9 @@ use std::sync::OnceLock;
 
 use half::f16;
 
+/// This module's kernel level; [`widened!`] functions run at its width too.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Level {
+pub(crate) enum Level {
     Portable,
     #[cfg(target_arch = "x86_64")]
     Avx2,
@@ -14,7 +15,7 @@ enum Level {
     Avx512,
 }
 
-fn level() -> Level {
+pub(crate) fn level() -> Level {
     static L: OnceLock<Level> = OnceLock::new();
     *L.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
@@ -124,29 +125,9 @@ pub fn exp_sub(x: &mut [f32], sub: f32) {
     exp_sub_sum(x, sub);
 }
 
-/// The vector width [`widened!`] functions run at (the level of this module's kernels).
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Width {
-    Portable,
-    #[cfg(target_arch = "x86_64")]
-    Avx2,
-    #[cfg(target_arch = "x86_64")]
-    Avx512,
-}
-
-pub(crate) fn width() -> Width {
-    match level() {
-        Level::Portable => Width::Portable,
-        #[cfg(target_arch = "x86_64")]
-        Level::Avx2 => Width::Avx2,
-        #[cfg(target_arch = "x86_64")]
-        Level::Avx512 => Width::Avx512,
-    }
-}
-
 /// `widened! { fn name<T: Bound>(a: A, ...) -> R = body; }` defines `name`, which calls the
 /// `#[inline(always)]` function `body` compiled for AVX-512F, for AVX2 or for neither, as
-/// [`width`] says: its loops vectorize at the machine's width. Only for code whose results do
+/// [`level`] says: its loops vectorize at the machine's width. Only for code whose results do
 /// not depend on the width: element-wise IEEE operations and sums whose order the code fixes
 /// itself (Rust never fuses a multiply and an add on its own).
 macro_rules! widened {
@@ -163,13 +144,13 @@ macro_rules! widened {
             unsafe fn wide256 $(<$($g: $b),*>)? ($($a: $t),*) -> $r {
                 $body($($a),*)
             }
-            match $crate::backend::simd::width() {
-                // SAFETY: the width was chosen from CPUID.
+            match $crate::backend::simd::level() {
+                // SAFETY: the level was chosen from CPUID.
                 #[cfg(target_arch = "x86_64")]
-                $crate::backend::simd::Width::Avx512 => unsafe { wide512($($a),*) },
+                $crate::backend::simd::Level::Avx512 => unsafe { wide512($($a),*) },
                 #[cfg(target_arch = "x86_64")]
-                $crate::backend::simd::Width::Avx2 => unsafe { wide256($($a),*) },
-                $crate::backend::simd::Width::Portable => $body($($a),*),
+                $crate::backend::simd::Level::Avx2 => unsafe { wide256($($a),*) },
+                $crate::backend::simd::Level::Portable => $body($($a),*),
             }
         }
     };

@@ -305,25 +305,37 @@ fn nucleus(m: &[f32], top_p: f32) -> Vec<(u32, f32)> {
             cand.select_nth_unstable_by(head - 1, by_prob);
         }
         cand[..head].sort_by(by_prob);
-        // In f64: over a vocabulary of 150 k, an f32 running sum drops tail tokens below half
-        // its ulp and the cut lands early or late.
-        let mut acc = 0.0f64;
-        let cut = cand[..head].iter().position(|c| {
-            acc += f64::from(c.1);
-            acc >= f64::from(top_p)
-        });
-        match cut {
-            Some(i) => break i + 1,
+        match nucleus_len(&cand[..head], top_p) {
+            Some(n) => break n,
             None if head == cand.len() => break head,
             None => head = (head * 4).min(cand.len()),
         }
     };
     cand.truncate(keep);
+    renormalize(&mut cand);
+    cand
+}
+
+/// How many of `sorted` (by [`by_prob`]) top-p keeps: up to the first whose running sum reaches
+/// `top_p` (`None` when none does). In f64: over a vocabulary of 150 k, an f32 running sum drops
+/// tail tokens below half its ulp and the cut lands early or late.
+fn nucleus_len(sorted: &[(u32, f32)], top_p: f32) -> Option<usize> {
+    let mut acc = 0.0f64;
+    sorted
+        .iter()
+        .position(|c| {
+            acc += f64::from(c.1);
+            acc >= f64::from(top_p)
+        })
+        .map(|i| i + 1)
+}
+
+/// Kept probabilities divided by their sum (in f64, in order).
+fn renormalize(cand: &mut [(u32, f32)]) {
     let s: f64 = cand.iter().map(|c| f64::from(c.1)).sum();
     for c in cand.iter_mut() {
         c.1 = (f64::from(c.1) / s) as f32;
     }
-    cand
 }
 
 /// Tokens sorted first when looking for a nucleus ([`nucleus`]).
@@ -412,22 +424,9 @@ impl Sampler {
             c.1 = normalized(c.1, inv);
         }
         if p.top_p < 1.0 {
-            // In f64: over a vocabulary of 150 k, an f32 running sum drops tail tokens below
-            // half its ulp and the cut lands early or late.
-            let mut acc = 0.0f64;
-            let mut keep = cand.len();
-            for (i, c) in cand.iter().enumerate() {
-                acc += f64::from(c.1);
-                if acc >= f64::from(p.top_p) {
-                    keep = i + 1;
-                    break;
-                }
-            }
+            let keep = nucleus_len(&cand, p.top_p).unwrap_or(cand.len());
             cand.truncate(keep);
-            let s: f64 = cand.iter().map(|c| f64::from(c.1)).sum();
-            for c in cand.iter_mut() {
-                c.1 = (f64::from(c.1) / s) as f32;
-            }
+            renormalize(&mut cand);
         }
         cand
     }

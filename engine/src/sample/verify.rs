@@ -354,10 +354,11 @@ fn scale_all_of(p: &mut [f64], k: f64) {
 fn dense_row(sampler: &Sampler, logits: &[f32], out: &mut [f64]) {
     match sampler.untruncated_masses(logits) {
         Some(RowMasses::Dense(m)) => {
-            out.fill(0.0);
+            let n = m.len().min(out.len());
             for (d, &v) in out.iter_mut().zip(&m) {
                 *d = v.mass();
             }
+            out[n..].fill(0.0);
         }
         Some(RowMasses::Point(t)) => dense(&[(t, 1.0)], out),
         None => dense(&sampler.distribution(logits), out),
