@@ -142,6 +142,10 @@ pub struct BatchBench {
     pub prompt_tokens: usize,
     pub tokens: usize,
     pub temperature: f32,
+    /// Top-k of every request (0: off).
+    pub top_k: usize,
+    /// Top-p of every request (1: off).
+    pub top_p: f32,
     pub kv_block_bytes: usize,
     /// Runs of every mode per concurrency, alternated (the figures sum them).
     pub rounds: usize,
@@ -210,7 +214,7 @@ pub fn batch_bench(
     prompts: &str,
     prompt_tokens: usize,
     tokens: usize,
-    temperature: f32,
+    sampling: &SamplingParams,
     kv_memory: usize,
     draft: &BenchDraft,
     budget: usize,
@@ -263,7 +267,7 @@ pub fn batch_bench(
                 &set,
                 c,
                 tokens,
-                temperature,
+                sampling,
                 kv_memory,
                 mode,
                 (kind, draft),
@@ -304,7 +308,9 @@ pub fn batch_bench(
         prompts: prompts.to_string(),
         prompt_tokens,
         tokens,
-        temperature,
+        temperature: sampling.temperature,
+        top_k: sampling.top_k,
+        top_p: sampling.top_p,
         kv_block_bytes: KvPool::block_bytes(model.config.kv_dim(), model.config.n_layers),
         rounds,
         draft: format!(
@@ -372,7 +378,7 @@ fn run_mode(
     set: &[Vec<u32>],
     c: usize,
     tokens: usize,
-    temperature: f32,
+    sampling: &SamplingParams,
     kv_memory: usize,
     mode: Mode,
     (kind, draft): (DraftKind, &BenchDraft),
@@ -401,9 +407,8 @@ fn run_mode(
         let params = GenerateParams {
             max_tokens: tokens,
             sampling: SamplingParams {
-                temperature,
                 seed: i as u64,
-                ..SamplingParams::default()
+                ..sampling.clone()
             },
             stop: Vec::new(),
             ignore_eos: true,
@@ -525,7 +530,7 @@ fn run_mode(
 
 pub fn format_table(r: &BatchBench) -> String {
     let mut s = format!(
-        "model: {}  cpu: {}  threads: {}  prompts: {} ({} tokens)  tokens: {}  T: {}\n\
+        "model: {}  cpu: {}  threads: {}  prompts: {} ({} tokens)  tokens: {}  T: {}  top-k: {}  top-p: {}\n\
          fixed/adaptive: --draft {} budget {}; tok/s over the decode phase, steady while all decode, e2e from submission; \
          {} round(s), modes alternated\n\
          {:>5} {:>9} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8} {:>7} {:>8} {:>5}\n",
@@ -536,6 +541,8 @@ pub fn format_table(r: &BatchBench) -> String {
         r.prompt_tokens,
         r.tokens,
         r.temperature,
+        r.top_k,
+        r.top_p,
         r.draft,
         r.budget,
         r.rounds,

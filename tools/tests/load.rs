@@ -500,6 +500,8 @@ fn out_of_range_numbers_are_refused_naming_the_flag_not_a_panic() {
         (&["--drain", "1e20"], "--drain"),
         (&["--drain=-1"], "--drain"),
         (&["--requests", "100000000000"], "--requests"),
+        (&["--top-p", "1.5"], "--top-p"),
+        (&["--top-p", "0"], "--top-p"),
         (&["--input-len", "100000000000"], "--input-len"),
         (&["--per-connection", "0"], "--per-connection"),
         (
@@ -813,6 +815,57 @@ fn fake_server(finals: Vec<&'static str>) -> std::net::SocketAddr {
         }
     });
     addr
+}
+
+/// Sampled requests carry the run's temperature, seed, top-k and top-p; greedy ones none of
+/// them (the server's defaults).
+#[test]
+fn sampled_requests_carry_top_k_and_top_p() {
+    use std::io::{BufRead, BufReader, Write};
+    let lines = Arc::new(parking_lot::Mutex::new(Vec::<serde_json::Value>::new()));
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let seen = Arc::clone(&lines);
+    std::thread::spawn(move || {
+        for s in l.incoming().flatten() {
+            let mut w = s.try_clone().unwrap();
+            for line in BufReader::new(s).lines() {
+                let Ok(line) = line else { break };
+                let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
+                let id = v["id"].clone();
+                seen.lock().push(v);
+                let _ = writeln!(
+                    w,
+                    "{}",
+                    serde_json::json!({"id": id, "done": true, "finish_reason": "length", "usage": {"prompt_tokens": 1, "completion_tokens": 0}})
+                );
+            }
+        }
+    });
+    for temperature in [0.8, 0.0] {
+        lines.lock().clear();
+        let mut o = LoadOptions::new(&format!("arbor://{addr}"));
+        o.arrivals = Arrivals::Closed { concurrency: 1 };
+        o.requests = Some(2);
+        o.temperature = temperature;
+        o.top_k = Some(40);
+        o.top_p = Some(0.95);
+        rt().block_on(run(&o, None)).expect("run");
+        let got = lines.lock().clone();
+        assert_eq!(got.len(), 2);
+        for v in got {
+            if temperature > 0.0 {
+                assert_eq!(v["temperature"], 0.8, "{v}");
+                assert_eq!(v["top_k"], 40, "{v}");
+                assert_eq!(v["top_p"], 0.95, "{v}");
+                assert!(v["seed"].is_u64(), "{v}");
+            } else {
+                for k in ["temperature", "top_k", "top_p", "seed"] {
+                    assert!(v.get(k).is_none(), "{k} in {v}");
+                }
+            }
+        }
+    }
 }
 
 #[test]

@@ -374,6 +374,12 @@ enum BenchCmd {
         tokens: usize,
         #[arg(long, default_value_t = 0.0)]
         temperature: f32,
+        /// Top-k of every request (0 = off).
+        #[arg(long, default_value_t = 0)]
+        top_k: usize,
+        /// Top-p of every request (1 = off).
+        #[arg(long, default_value_t = 1.0)]
+        top_p: f32,
         /// KV pool size, e.g. 2GiB, 512MiB; auto = a quarter of the available memory, at most 4GiB.
         #[arg(long, default_value = "auto")]
         kv_memory: String,
@@ -515,6 +521,8 @@ fn run(cli: Cli) -> Result<()> {
                 prompt_tokens,
                 tokens,
                 temperature,
+                top_k,
+                top_p,
                 kv_memory,
                 draft,
                 speculate_tree,
@@ -525,6 +533,13 @@ fn run(cli: Cli) -> Result<()> {
                 format,
             } => {
                 let kv = parse_bytes(&kv_memory)?;
+                let sampling = SamplingParams {
+                    temperature,
+                    top_k,
+                    top_p,
+                    ..SamplingParams::default()
+                };
+                sampling.validate()?;
                 let (m, tok, backend, _) = load(&model)?;
                 let r = arbor_tools::batch_bench::batch_bench(
                     &m,
@@ -535,7 +550,7 @@ fn run(cli: Cli) -> Result<()> {
                     &prompts,
                     prompt_tokens,
                     tokens,
-                    temperature,
+                    &sampling,
                     kv,
                     &arbor_tools::batch_bench::BenchDraft {
                         spec: draft.clone(),

@@ -108,6 +108,12 @@ pub struct LoadArgs {
     pub ignore_eos: bool,
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f64,
+    /// Top-k of every sampled request (sent only with a temperature above 0).
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// Top-p of every sampled request (sent only with a temperature above 0).
+    #[arg(long)]
+    pub top_p: Option<f64>,
     /// Arbor's per-request `speculation` object, as JSON (e.g. '{"draft":"ngram","adaptive":false}').
     #[arg(long, conflicts_with = "no_speculation")]
     pub speculation: Option<String>,
@@ -172,6 +178,8 @@ impl LoadArgs {
         o.output_range = self.output_range;
         o.ignore_eos = self.ignore_eos;
         o.temperature = self.temperature;
+        o.top_k = self.top_k;
+        o.top_p = self.top_p;
         o.speculation = match (&self.speculation, self.no_speculation) {
             (Some(s), _) => {
                 let v: Value = serde_json::from_str(s).context("--speculation is not JSON")?;

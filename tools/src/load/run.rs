@@ -45,6 +45,9 @@ pub struct LoadOptions {
     pub output_range: f64,
     pub ignore_eos: bool,
     pub temperature: f64,
+    /// Top-k and top-p of sampled requests (not sent when `None`).
+    pub top_k: Option<usize>,
+    pub top_p: Option<f64>,
     /// Arbor's per-request `speculation` object.
     pub speculation: Option<Value>,
     #[serde(skip)]
@@ -130,6 +133,8 @@ impl LoadOptions {
             output_range: 0.0,
             ignore_eos: false,
             temperature: 0.0,
+            top_k: None,
+            top_p: None,
             speculation: None,
             auth_token: None,
             model: None,
@@ -198,6 +203,13 @@ impl LoadOptions {
                 "--temperature must be a number from 0, got {}",
                 self.temperature
             )));
+        }
+        if let Some(p) = self.top_p {
+            if !(p > 0.0 && p <= 1.0) {
+                return Err(LoadError::Invalid(format!(
+                    "--top-p must be in (0, 1], got {p}"
+                )));
+            }
         }
         if !(0.0..1.0).contains(&self.output_range) {
             return Err(LoadError::Invalid(
@@ -275,6 +287,8 @@ struct Plan {
     picks: Vec<(usize, usize)>,
     ignore_eos: bool,
     temperature: f64,
+    top_k: Option<usize>,
+    top_p: Option<f64>,
     seed: u64,
     speculation: Option<Value>,
 }
@@ -296,6 +310,8 @@ impl Plan {
             picks,
             ignore_eos: opts.ignore_eos,
             temperature: opts.temperature,
+            top_k: opts.top_k,
+            top_p: opts.top_p,
             seed: opts.seed,
             speculation: opts.speculation.clone(),
         }
@@ -309,6 +325,8 @@ impl Plan {
             max_tokens,
             ignore_eos: self.ignore_eos,
             temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
             seed: self.seed.wrapping_add(i as u64),
             speculation: self.speculation.clone(),
         };

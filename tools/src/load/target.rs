@@ -115,9 +115,24 @@ pub struct Outgoing {
     pub max_tokens: usize,
     pub ignore_eos: bool,
     pub temperature: f64,
+    /// Top-k and top-p, sent with a temperature above 0.
+    pub top_k: Option<usize>,
+    pub top_p: Option<f64>,
     pub seed: u64,
     /// Arbor's `speculation` object, passed through unchanged.
     pub speculation: Option<Value>,
+}
+
+impl Outgoing {
+    /// `top_k` and `top_p` into a request body where given (both protocols name them so).
+    fn truncation(&self, body: &mut Value) {
+        if let Some(k) = self.top_k {
+            body["top_k"] = json!(k);
+        }
+        if let Some(p) = self.top_p {
+            body["top_p"] = json!(p);
+        }
+    }
 }
 
 /// What came back for one request.
@@ -413,6 +428,7 @@ impl ArborClient {
         if req.temperature > 0.0 {
             body["temperature"] = json!(req.temperature);
             body["seed"] = json!(req.seed);
+            req.truncation(&mut body);
         }
         if let Some(s) = &req.speculation {
             body["speculation"] = s.clone();
@@ -618,6 +634,9 @@ impl OpenAiClient {
         body["stream_options"] = json!({"include_usage": true});
         body["temperature"] = json!(req.temperature);
         body["seed"] = json!(req.seed);
+        if req.temperature > 0.0 {
+            req.truncation(&mut body);
+        }
         if req.ignore_eos {
             body["ignore_eos"] = json!(true);
         }
