@@ -52,6 +52,7 @@ fn sampling(temperature: f32, top_k: usize, top_p: f32) -> SamplingParams {
         temperature,
         top_k,
         top_p,
+        min_p: 0.0,
         seed: 0,
     }
 }
@@ -300,6 +301,19 @@ fn mss_with_top_k_top_p_temperature_and_picked_children_matches_llm() {
     let mut b = synthetic_drafter("2,1,1", ExpandMode::TopK, 9, 12, 1.0);
     let (c1, c3, _) = speculative_counts(VerifyMode::Mss, &params, &mut [&mut a, &mut b], 20);
     assert_matches_llm("mss, top-k/top-p, sampled + picked", &params, &c1, &c3);
+}
+
+#[test]
+fn mss_with_min_p_matches_llm() {
+    // Min-p cuts p_LLM's tail (then top-p on what is left); the sampled drafter's own
+    // distribution keeps its tail, so its draws there are always rejected.
+    let params = SamplingParams {
+        min_p: 0.15,
+        ..sampling(0.9, 0, 0.95)
+    };
+    let mut a = synthetic_drafter("2,2,1", ExpandMode::Sample, 14, 15, 2.0);
+    let (c1, c3, _) = speculative_counts(VerifyMode::Mss, &params, &mut [&mut a], 20);
+    assert_matches_llm("mss, min-p + top-p", &params, &c1, &c3);
 }
 
 #[test]

@@ -336,6 +336,14 @@ fn hostile_lines() -> Vec<(Vec<u8>, &'static str)> {
             "invalid_argument",
         ),
         (
+            l(r#"{"id": "b7m", "prompt": "hi", "min_p": 1.5}"#),
+            "invalid_argument",
+        ),
+        (
+            l(r#"{"id": "b7n", "prompt": "hi", "min_p": -0.1}"#),
+            "invalid_argument",
+        ),
+        (
             l(r#"{"id": "b8", "prompt": "hi", "deadline_ms": 0}"#),
             "invalid_argument",
         ),

@@ -1533,6 +1533,7 @@ mod tests {
                 temperature: 0.9,
                 top_k: 20,
                 top_p: 0.95,
+                min_p: 0.0,
                 seed,
             };
             let v = Verifier::new(mode, p).unwrap();
@@ -1576,6 +1577,7 @@ mod tests {
             temperature: 1.0,
             top_k: 0,
             top_p: 1.0,
+            min_p: 0.0,
             seed: 1,
         };
         let v = Verifier::new(VerifyMode::Mss, p).unwrap();

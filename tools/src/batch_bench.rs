@@ -146,6 +146,8 @@ pub struct BatchBench {
     pub top_k: usize,
     /// Top-p of every request (1: off).
     pub top_p: f32,
+    /// Min-p of every request (0: off).
+    pub min_p: f32,
     pub kv_block_bytes: usize,
     /// Runs of every mode per concurrency, alternated (the figures sum them).
     pub rounds: usize,
@@ -311,6 +313,7 @@ pub fn batch_bench(
         temperature: sampling.temperature,
         top_k: sampling.top_k,
         top_p: sampling.top_p,
+        min_p: sampling.min_p,
         kv_block_bytes: KvPool::block_bytes(model.config.kv_dim(), model.config.n_layers),
         rounds,
         draft: format!(
@@ -530,7 +533,7 @@ fn run_mode(
 
 pub fn format_table(r: &BatchBench) -> String {
     let mut s = format!(
-        "model: {}  cpu: {}  threads: {}  prompts: {} ({} tokens)  tokens: {}  T: {}  top-k: {}  top-p: {}\n\
+        "model: {}  cpu: {}  threads: {}  prompts: {} ({} tokens)  tokens: {}  T: {}  top-k: {}  top-p: {}  min-p: {}\n\
          fixed/adaptive: --draft {} budget {}; tok/s over the decode phase, steady while all decode, e2e from submission; \
          {} round(s), modes alternated\n\
          {:>5} {:>9} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8} {:>7} {:>8} {:>5}\n",
@@ -543,6 +546,7 @@ pub fn format_table(r: &BatchBench) -> String {
         r.temperature,
         r.top_k,
         r.top_p,
+        r.min_p,
         r.draft,
         r.budget,
         r.rounds,

@@ -684,6 +684,7 @@ pub fn suite_bench(
                 temperature: temp,
                 top_k: 0,
                 top_p: 1.0,
+                min_p: 0.0,
                 seed: 7,
             },
             ..GenerateParams::default()

@@ -502,6 +502,9 @@ fn out_of_range_numbers_are_refused_naming_the_flag_not_a_panic() {
         (&["--requests", "100000000000"], "--requests"),
         (&["--top-p", "1.5"], "--top-p"),
         (&["--top-p", "0"], "--top-p"),
+        (&["--top-k", "100000000000"], "--top-k"),
+        (&["--min-p", "1.5"], "--min-p"),
+        (&["--min-p=-0.1"], "--min-p"),
         (&["--input-len", "100000000000"], "--input-len"),
         (&["--per-connection", "0"], "--per-connection"),
         (
@@ -817,10 +820,10 @@ fn fake_server(finals: Vec<&'static str>) -> std::net::SocketAddr {
     addr
 }
 
-/// Sampled requests carry the run's temperature, seed, top-k and top-p; greedy ones none of
+/// Sampled requests carry the run's temperature, seed, top-k, top-p and min-p; greedy ones none of
 /// them (the server's defaults).
 #[test]
-fn sampled_requests_carry_top_k_and_top_p() {
+fn sampled_requests_carry_top_k_top_p_and_min_p() {
     use std::io::{BufRead, BufReader, Write};
     let lines = Arc::new(parking_lot::Mutex::new(Vec::<serde_json::Value>::new()));
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -850,6 +853,7 @@ fn sampled_requests_carry_top_k_and_top_p() {
         o.temperature = temperature;
         o.top_k = Some(40);
         o.top_p = Some(0.95);
+        o.min_p = Some(0.05);
         rt().block_on(run(&o, None)).expect("run");
         let got = lines.lock().clone();
         assert_eq!(got.len(), 2);
@@ -858,9 +862,10 @@ fn sampled_requests_carry_top_k_and_top_p() {
                 assert_eq!(v["temperature"], 0.8, "{v}");
                 assert_eq!(v["top_k"], 40, "{v}");
                 assert_eq!(v["top_p"], 0.95, "{v}");
+                assert_eq!(v["min_p"], 0.05, "{v}");
                 assert!(v["seed"].is_u64(), "{v}");
             } else {
-                for k in ["temperature", "top_k", "top_p", "seed"] {
+                for k in ["temperature", "top_k", "top_p", "min_p", "seed"] {
                     assert!(v.get(k).is_none(), "{k} in {v}");
                 }
             }

@@ -35,7 +35,7 @@ pub struct LineError {
     pub error: ServeError,
 }
 
-const REQUEST_FIELDS: [&str; 14] = [
+const REQUEST_FIELDS: [&str; 15] = [
     "id",
     "prompt",
     "messages",
@@ -45,6 +45,7 @@ const REQUEST_FIELDS: [&str; 14] = [
     "temperature",
     "top_p",
     "top_k",
+    "min_p",
     "seed",
     "stop",
     "stream",
@@ -274,6 +275,16 @@ fn request(obj: &Map<String, Value>) -> Result<(bool, Request), ServeError> {
                 sampling.top_p = p as f32;
             }
             "top_k" => sampling.top_k = uint(k, v, u32::MAX as u64)? as usize,
+            "min_p" => {
+                let p = float(k, v)?;
+                if !(0.0..=1.0).contains(&p) {
+                    return Err(err(
+                        codes::INVALID_ARGUMENT,
+                        format!("'min_p' must be in [0, 1], got {p}"),
+                    ));
+                }
+                sampling.min_p = p as f32;
+            }
             "seed" => sampling.seed = uint(k, v, u64::MAX)?,
             "stop" => req.stop = strings(k, v)?,
             "stream" => stream = boolean(k, v)?,

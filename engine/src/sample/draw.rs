@@ -27,13 +27,10 @@ pub trait Mass: Copy {
 }
 
 impl Mass for f32 {
+    /// Widened exactly (a NaN stays NaN, so it has no mass either).
     #[inline(always)]
     fn mass(self) -> f64 {
-        if self.is_nan() {
-            0.0
-        } else {
-            f64::from(self)
-        }
+        f64::from(self).mass()
     }
 }
 

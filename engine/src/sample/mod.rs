@@ -15,6 +15,9 @@ pub struct SamplingParams {
     pub top_k: usize,
     /// Keep the smallest set of tokens whose probability mass reaches p; 1.0 disables.
     pub top_p: f32,
+    /// Keep only tokens at least this share of the most likely one's probability (min-p, as
+    /// llama.cpp and vLLM: after the temperature, before top-k and top-p); 0.0 disables.
+    pub min_p: f32,
     pub seed: u64,
 }
 
@@ -24,6 +27,7 @@ impl Default for SamplingParams {
             temperature: 0.0,
             top_k: 0,
             top_p: 1.0,
+            min_p: 0.0,
             seed: 0,
         }
     }
@@ -50,6 +54,12 @@ impl SamplingParams {
             return Err(EngineError::InvalidArgument(format!(
                 "top_p must be in (0, 1], got {}",
                 self.top_p
+            )));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(EngineError::InvalidArgument(format!(
+                "min_p must be in [0, 1], got {}",
+                self.min_p
             )));
         }
         Ok(())
@@ -80,7 +90,7 @@ impl Rng {
 }
 
 /// Index of the largest logit (the first one on ties; NaN ignored; 0 when none is above
-/// `-inf`): the largest value in sixteen running maxima, then its first position, two passes
+/// `-inf`): the largest value in 64 running maxima, then its first position, two passes
 /// that vectorize (a compare-and-branch per token did not: 15-60 us per row, and greedy
 /// verification takes one per tree row).
 pub fn argmax(logits: &[f32]) -> u32 {
@@ -110,7 +120,7 @@ fn first_equal_of(v: &[f32], x: f32) -> usize {
 }
 
 widened! {
-    /// The largest value that is not NaN (`-inf` when none): sixteen running maxima, so the loop
+    /// The largest value that is not NaN (`-inf` when none): 64 running maxima, so the loop
     /// vectorizes (the maximum is exact in any order).
     fn max_ignoring_nan(v: &[f32]) -> f32 = max_ignoring_nan_of;
 }
@@ -313,6 +323,29 @@ fn by_prob(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
     b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
 }
 
+/// Min-p on normalized masses in token order (NaN for no mass): tokens below `min_p` times the
+/// largest mass lose theirs (NaN), and the rest are normalized again.
+fn min_p_cut(m: &mut [f32], min_p: f32) {
+    let floor = min_p * max_ignoring_nan(m);
+    below_to_nan(m, floor);
+    let sum = draw::total(m);
+    normalize(m, sum);
+}
+
+widened! {
+    /// NaN (no mass) wherever a value is below `floor`.
+    fn below_to_nan(m: &mut [f32], floor: f32) -> () = below_to_nan_of;
+}
+
+#[inline(always)]
+fn below_to_nan_of(m: &mut [f32], floor: f32) {
+    for v in m.iter_mut() {
+        if *v < floor {
+            *v = f32::NAN;
+        }
+    }
+}
+
 /// Top-p (nucleus) of the untruncated masses `m` (token order, NaN for no mass): the most likely
 /// tokens, in [`by_prob`] order, up to the first whose running f64 sum reaches `top_p`,
 /// renormalized over themselves. Only that head is sorted: the [`NUCLEUS_HEAD`] most likely
@@ -499,9 +532,18 @@ impl Sampler {
         }
         let p = &self.params;
         if p.top_k == 0 || p.top_k >= logits.len() {
-            // Top-p alone.
+            // Min-p and top-p, no top-k.
             return match softmax_in_token_order(logits, p.temperature) {
-                Some(m) => nucleus(&m, p.top_p),
+                Some(mut m) => {
+                    if p.min_p > 0.0 {
+                        min_p_cut(&mut m, p.min_p);
+                    }
+                    if p.top_p < 1.0 {
+                        nucleus(&m, p.top_p)
+                    } else {
+                        pairs_in_token_order(&m)
+                    }
+                }
                 None => vec![(argmax(logits), 1.0)],
             };
         }
@@ -547,6 +589,11 @@ impl Sampler {
         for (c, e) in cand.iter_mut().zip(e) {
             c.1 = e;
         }
+        if p.min_p > 0.0 {
+            // Against the largest mass before normalizing (the ratio is the same).
+            let floor = p.min_p * cand.iter().fold(0.0f32, |a, c| a.max(c.1));
+            cand.retain(|c| c.1 >= floor);
+        }
         // In token order (nothing truncated: the untruncated path's bits) the token-keyed sum,
         // sorted by probability eight running sums in that order.
         let sum = if sorted {
@@ -583,11 +630,11 @@ impl Sampler {
         })
     }
 
-    /// Whether [`Sampler::distribution`] keeps every token of a `vocab`-token row (no top-k or
-    /// top-p cut).
+    /// Whether [`Sampler::distribution`] keeps every token of a `vocab`-token row (no top-k,
+    /// top-p or min-p cut).
     fn untruncated(&self, vocab: usize) -> bool {
         let p = &self.params;
-        (p.top_k == 0 || p.top_k >= vocab) && p.top_p >= 1.0
+        (p.top_k == 0 || p.top_k >= vocab) && p.top_p >= 1.0 && p.min_p <= 0.0
     }
 
     /// Draw the next token: `draw(&distribution(logits))`, bit for bit and with the same
@@ -681,6 +728,7 @@ mod tests {
                 temperature: 1.0,
                 top_k: 0,
                 top_p,
+                min_p: 0.0,
                 seed: 1,
             })
             .unwrap();
@@ -707,6 +755,7 @@ mod tests {
                 temperature: 1.0,
                 top_k,
                 top_p,
+                min_p: 0.0,
                 seed: 0,
             })
             .unwrap();
@@ -740,6 +789,7 @@ mod tests {
             temperature: 1.0,
             top_k: 0,
             top_p: 0.75,
+            min_p: 0.0,
             seed: 1,
         })
         .unwrap();
@@ -756,6 +806,7 @@ mod tests {
             temperature: 1.0,
             top_k: 2,
             top_p: 1.0,
+            min_p: 0.0,
             seed: 1,
         })
         .unwrap();
@@ -765,6 +816,7 @@ mod tests {
             temperature: 1.0,
             top_k: 0,
             top_p: 0.5,
+            min_p: 0.0,
             seed: 1,
         })
         .unwrap();
@@ -786,6 +838,7 @@ mod tests {
                 temperature: 0.7,
                 top_k: k,
                 top_p: 1.0,
+                min_p: 0.0,
                 seed: 0,
             })
             .unwrap();
@@ -803,6 +856,7 @@ mod tests {
             temperature: 0.7,
             top_k: 0,
             top_p: 1.0,
+            min_p: 0.0,
             seed: 0,
         })
         .unwrap();
@@ -841,6 +895,7 @@ mod tests {
                     temperature,
                     top_k,
                     top_p: 1.0,
+                    min_p: 0.0,
                     seed: 0,
                 };
                 let fast = Sampler::new(params(0)).unwrap().distribution(&logits);
@@ -860,6 +915,7 @@ mod tests {
             temperature: 1.0,
             top_k: 0,
             top_p: 1.0,
+            min_p: 0.0,
             seed: 42,
         })
         .unwrap();
@@ -900,7 +956,6 @@ mod tests {
         }
     }
 
-    /// Random logits with NaNs, `-inf`s and values whose masses underflow.
     /// `top_k_head` gives every token selection over all tokens gives (the same pairs, bit for
     /// bit, in `by_prob` order) and declines only where top-k does not truncate: ties within and
     /// across blocks, NaN, ±inf, signed zeros, scalings that round distinct logits to one value,
@@ -908,9 +963,7 @@ mod tests {
     #[test]
     fn top_k_head_is_the_selection_over_every_token() {
         let mut rng = Rng::new(11);
-        let mut fast = 0;
-        let mut cases = 0;
-        for case in 0..8 {
+        for case in 0..9 {
             for n in [1000usize, 4097, 64 * 40] {
                 let mut logits: Vec<f32> = match case {
                     0 => rough_logits(&mut rng, n),
@@ -929,7 +982,7 @@ mod tests {
                     3 => (0..n)
                         .map(|_| 1.0e8 + 8.0 * (rng.next_u64() % 64) as f32)
                         .collect(),
-                    // Mostly NaN: exactly 40 or 41 tokens left.
+                    // Mostly NaN: 39 or 40 tokens left.
                     4 | 5 => {
                         let mut v = vec![f32::NAN; n];
                         for i in 0..(35 + case) {
@@ -942,6 +995,11 @@ mod tests {
                         v[n / 2] = f32::INFINITY;
                         v
                     }
+                    // Only zeros of both signs and -1: the bound is a zero, and some blocks
+                    // report -0.0 while holding +0.0.
+                    7 => (0..n)
+                        .map(|_| [0.0, -0.0, -1.0][(rng.next_u64() % 3) as usize])
+                        .collect(),
                     _ => (0..n).map(|_| rng.next_f64() as f32 * 20.0).collect(),
                 };
                 if case == 3 {
@@ -959,15 +1017,12 @@ mod tests {
                     all.sort_by(by_prob);
                     let blocks = n.div_ceil(MAX_BLOCK);
                     for k in [1usize, 2, 5, 39, 40, 41, blocks - 1, blocks, blocks + 1] {
-                        cases += 1;
                         let head = top_k_head(&logits, k, scaled);
                         let at = format!("case {case} n {n} t {temperature} k {k}");
-                        if k >= all.len() {
-                            assert!(head.is_none(), "{at}: top-k does not truncate");
-                            continue;
-                        }
+                        // It declines exactly where top-k keeps every token or there are fewer
+                        // blocks than k.
+                        assert_eq!(head.is_some(), k < all.len() && k <= blocks, "{at}");
                         let Some(head) = head else { continue };
-                        fast += 1;
                         let bits = |v: &[(u32, f32)]| -> Vec<(u32, u32)> {
                             v.iter().map(|&(t, x)| (t, x.to_bits())).collect()
                         };
@@ -976,9 +1031,6 @@ mod tests {
                 }
             }
         }
-        // The fast path answers wherever it can (here: all but k past the block count and the
-        // cases where top-k keeps everything).
-        assert!(fast * 10 >= cases * 6, "{fast} of {cases}");
     }
 
     /// Top-k then top-p: the k most likely, normalized, cut at the first token whose running sum
@@ -997,6 +1049,7 @@ mod tests {
                     temperature: 0.8,
                     top_k: k,
                     top_p,
+                    min_p: 0.0,
                     seed: 0,
                 };
                 let whole = Sampler::new(params(1.0)).unwrap().distribution(&logits);
@@ -1027,6 +1080,7 @@ mod tests {
         assert!(cut >= 24, "top-p cut inside the top-k in {cut} of 48");
     }
 
+    /// Random logits with NaNs, `-inf`s and values whose masses underflow.
     fn rough_logits(rng: &mut Rng, n: usize) -> Vec<f32> {
         (0..n)
             .map(|_| match rng.next_u64() % 50 {
@@ -1060,6 +1114,7 @@ mod tests {
                     temperature,
                     top_k,
                     top_p,
+                    min_p: 0.0,
                     seed: case,
                 };
                 let mut a = Sampler::new(params.clone()).unwrap();
@@ -1093,11 +1148,21 @@ mod tests {
             if case % 4 == 0 {
                 logits[(rng.next_u64() % n as u64) as usize] = f32::NAN;
             }
+            if case % 10 == 9 {
+                // Fewer than 256 tokens with mass: zero masses inside the head.
+                let len = 16_321 + case;
+                logits = vec![-1000.0; len];
+                for i in 0..(50 + 4 * case) {
+                    logits[(i * 331) % len] = (i % 7) as f32;
+                }
+            }
+            let n = logits.len();
             for top_p in [0.3f32, 0.9, 0.999, 1.0 - f32::EPSILON] {
                 let s = Sampler::new(SamplingParams {
                     temperature: 0.9,
                     top_k: 0,
                     top_p,
+                    min_p: 0.0,
                     seed: 0,
                 })
                 .unwrap();
@@ -1136,6 +1201,7 @@ mod tests {
             temperature: 0.8,
             top_k: 40,
             top_p: 0.95,
+            min_p: 0.0,
             seed: 7,
         };
         let mut a = Sampler::new(p.clone()).unwrap();
@@ -1147,14 +1213,90 @@ mod tests {
 
     #[test]
     fn invalid_params_are_errors() {
-        for (t, p) in [(-1.0, 1.0), (f32::NAN, 1.0), (1.0, 0.0), (1.0, 1.5)] {
+        for (t, p, m) in [
+            (-1.0, 1.0, 0.0),
+            (f32::NAN, 1.0, 0.0),
+            (1.0, 0.0, 0.0),
+            (1.0, 1.5, 0.0),
+            (1.0, 1.0, -0.1),
+            (1.0, 1.0, 1.5),
+            (1.0, 1.0, f32::NAN),
+        ] {
             let r = Sampler::new(SamplingParams {
                 temperature: t,
                 top_k: 0,
                 top_p: p,
+                min_p: m,
                 seed: 0,
             });
-            assert!(r.is_err());
+            assert!(r.is_err(), "{t} {p} {m}");
+        }
+    }
+
+    /// Min-p keeps the tokens whose probability is at least `min_p` of the largest, in
+    /// proportion, on the paths without top-k (token order) and with it (by probability); it
+    /// cuts before top-p, which then sees the remaining mass renormalized.
+    #[test]
+    fn min_p_keeps_the_tokens_near_the_top_and_cuts_before_top_p() {
+        let mut rng = Rng::new(9);
+        for n in [300usize, 20_000] {
+            // Softmax probabilities at T = 1 whose ratios to the largest stay clear of 0.1.
+            let logits: Vec<f32> = (0..n)
+                .map(|_| match rng.next_u64() % 4 {
+                    0 => 5.0 + (rng.next_f64() as f32),
+                    1 => 4.0 + (rng.next_f64() as f32) * 0.5,
+                    _ => (rng.next_f64() as f32) * 2.0,
+                })
+                .collect();
+            let top = logits.iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
+            let ratio = |v: f32| f64::from(v - top).exp();
+            let mut want: Vec<u32> = (0..n as u32)
+                .filter(|&i| ratio(logits[i as usize]) >= 0.1)
+                .collect();
+            assert!(
+                logits.iter().all(|&v| (ratio(v) - 0.1).abs() > 1e-3),
+                "a token sits on the cut"
+            );
+            let kept: f64 = want.iter().map(|&i| ratio(logits[i as usize])).sum();
+            for top_k in [0usize, n - 1] {
+                let s = Sampler::new(SamplingParams {
+                    temperature: 1.0,
+                    top_k,
+                    top_p: 1.0,
+                    min_p: 0.1,
+                    seed: 0,
+                })
+                .unwrap();
+                let d = s.distribution(&logits);
+                let mut got: Vec<u32> = d.iter().map(|c| c.0).collect();
+                got.sort_unstable();
+                want.sort_unstable();
+                assert_eq!(got, want, "n {n} top-k {top_k}");
+                for &(t, p) in &d {
+                    let exact = ratio(logits[t as usize]) / kept;
+                    assert!(
+                        (f64::from(p) - exact).abs() < 1e-5,
+                        "token {t}: {p} vs {exact}"
+                    );
+                }
+            }
+        }
+        // Masses 0.4, 0.3, 0.2 and a tail of 0.1 below min-p 0.1 (each under 0.04): after the
+        // cut 0.44, 0.33, 0.22, so top-p 0.75 keeps two; top-p first would keep three.
+        let mut p = vec![0.4f64, 0.3, 0.2];
+        p.extend(std::iter::repeat_n(0.1 / 50.0, 50));
+        let logits: Vec<f32> = p.iter().map(|&x| x.ln() as f32).collect();
+        for top_k in [0usize, 52] {
+            let s = Sampler::new(SamplingParams {
+                temperature: 1.0,
+                top_k,
+                top_p: 0.75,
+                min_p: 0.1,
+                seed: 0,
+            })
+            .unwrap();
+            let got: Vec<u32> = s.distribution(&logits).iter().map(|c| c.0).collect();
+            assert_eq!(got, vec![0, 1], "top-k {top_k}");
         }
     }
 }

@@ -468,6 +468,7 @@ mod tests {
             temperature: 1.0,
             top_k: 0,
             top_p: 1.0,
+            min_p: 0.0,
             seed,
         }
     }
@@ -560,6 +561,7 @@ mod tests {
                     temperature,
                     top_k,
                     top_p: 1.0,
+                    min_p: 0.0,
                     seed: 0,
                 })
                 .unwrap();

@@ -39,7 +39,7 @@ enum Cmd {
     /// Serve the model over TCP (line-delimited JSON, docs/protocol.md) until SIGINT/SIGTERM.
     Serve(ServeArgs),
     /// Load-test a server (arbor:// or openai://): TTFT, TPOT, ITL, E2E, throughput, goodput.
-    Load(arbor_tools::load::cli::LoadCommand),
+    Load(Box<arbor_tools::load::cli::LoadCommand>),
     /// Benchmarks that print figures.
     Bench {
         #[command(subcommand)]
@@ -180,6 +180,9 @@ struct GenerateArgs {
     /// 0 = off.
     #[arg(long, default_value_t = 0)]
     top_k: usize,
+    /// Keep tokens at least this share of the most likely one's probability (0 = off).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    min_p: f32,
     /// Sampling seed (0 when not given). Given explicitly, it also makes `--speculate-policy
     /// auto` verify fixed trees, so the same seed gives the same text with drafters too.
     #[arg(long)]
@@ -380,6 +383,9 @@ enum BenchCmd {
         /// Top-p of every request (1 = off).
         #[arg(long, default_value_t = 1.0)]
         top_p: f32,
+        /// Min-p of every request (0 = off).
+        #[arg(long, default_value_t = 0.0)]
+        min_p: f32,
         /// KV pool size, e.g. 2GiB, 512MiB; auto = a quarter of the available memory, at most 4GiB.
         #[arg(long, default_value = "auto")]
         kv_memory: String,
@@ -512,7 +518,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Generate(a) => cmd_generate(a),
         Cmd::Models { cmd } => cmd_models(cmd),
         Cmd::Serve(a) => cmd_serve(a),
-        Cmd::Load(a) => arbor_tools::load::cli::main(a),
+        Cmd::Load(a) => arbor_tools::load::cli::main(*a),
         Cmd::Bench { cmd } => match cmd {
             BenchCmd::Batch {
                 model,
@@ -523,6 +529,7 @@ fn run(cli: Cli) -> Result<()> {
                 temperature,
                 top_k,
                 top_p,
+                min_p,
                 kv_memory,
                 draft,
                 speculate_tree,
@@ -537,6 +544,7 @@ fn run(cli: Cli) -> Result<()> {
                     temperature,
                     top_k,
                     top_p,
+                    min_p,
                     ..SamplingParams::default()
                 };
                 sampling.validate()?;
@@ -932,6 +940,7 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
             temperature: a.temperature,
             top_k: a.top_k,
             top_p: a.top_p,
+            min_p: a.min_p,
             seed: a.seed.unwrap_or(0),
         },
         stop: a.stop.clone(),

@@ -114,6 +114,9 @@ pub struct LoadArgs {
     /// Top-p of every sampled request (sent only with a temperature above 0).
     #[arg(long)]
     pub top_p: Option<f64>,
+    /// Min-p of every sampled request (sent only with a temperature above 0).
+    #[arg(long)]
+    pub min_p: Option<f64>,
     /// Arbor's per-request `speculation` object, as JSON (e.g. '{"draft":"ngram","adaptive":false}').
     #[arg(long, conflicts_with = "no_speculation")]
     pub speculation: Option<String>,
@@ -180,6 +183,7 @@ impl LoadArgs {
         o.temperature = self.temperature;
         o.top_k = self.top_k;
         o.top_p = self.top_p;
+        o.min_p = self.min_p;
         o.speculation = match (&self.speculation, self.no_speculation) {
             (Some(s), _) => {
                 let v: Value = serde_json::from_str(s).context("--speculation is not JSON")?;

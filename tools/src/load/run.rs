@@ -48,6 +48,7 @@ pub struct LoadOptions {
     /// Top-k and top-p of sampled requests (not sent when `None`).
     pub top_k: Option<usize>,
     pub top_p: Option<f64>,
+    pub min_p: Option<f64>,
     /// Arbor's per-request `speculation` object.
     pub speculation: Option<Value>,
     #[serde(skip)]
@@ -135,6 +136,7 @@ impl LoadOptions {
             temperature: 0.0,
             top_k: None,
             top_p: None,
+            min_p: None,
             speculation: None,
             auth_token: None,
             model: None,
@@ -204,10 +206,23 @@ impl LoadOptions {
                 self.temperature
             )));
         }
+        if self.top_k.is_some_and(|k| k > u32::MAX as usize) {
+            return Err(LoadError::Invalid(format!(
+                "--top-k must be at most {}",
+                u32::MAX
+            )));
+        }
         if let Some(p) = self.top_p {
             if !(p > 0.0 && p <= 1.0) {
                 return Err(LoadError::Invalid(format!(
                     "--top-p must be in (0, 1], got {p}"
+                )));
+            }
+        }
+        if let Some(p) = self.min_p {
+            if !(0.0..=1.0).contains(&p) {
+                return Err(LoadError::Invalid(format!(
+                    "--min-p must be in [0, 1], got {p}"
                 )));
             }
         }
@@ -289,6 +304,7 @@ struct Plan {
     temperature: f64,
     top_k: Option<usize>,
     top_p: Option<f64>,
+    min_p: Option<f64>,
     seed: u64,
     speculation: Option<Value>,
 }
@@ -312,6 +328,7 @@ impl Plan {
             temperature: opts.temperature,
             top_k: opts.top_k,
             top_p: opts.top_p,
+            min_p: opts.min_p,
             seed: opts.seed,
             speculation: opts.speculation.clone(),
         }
@@ -327,6 +344,7 @@ impl Plan {
             temperature: self.temperature,
             top_k: self.top_k,
             top_p: self.top_p,
+            min_p: self.min_p,
             seed: self.seed.wrapping_add(i as u64),
             speculation: self.speculation.clone(),
         };

@@ -115,22 +115,27 @@ pub struct Outgoing {
     pub max_tokens: usize,
     pub ignore_eos: bool,
     pub temperature: f64,
-    /// Top-k and top-p, sent with a temperature above 0.
+    /// Top-k, top-p and min-p, sent with a temperature above 0.
     pub top_k: Option<usize>,
     pub top_p: Option<f64>,
+    pub min_p: Option<f64>,
     pub seed: u64,
     /// Arbor's `speculation` object, passed through unchanged.
     pub speculation: Option<Value>,
 }
 
 impl Outgoing {
-    /// `top_k` and `top_p` into a request body where given (both protocols name them so).
+    /// `top_k`, `top_p` and `min_p` into a request body where given (both protocols name
+    /// them so: OpenAI's API has `top_p`; vLLM and llama-server take the other two as well).
     fn truncation(&self, body: &mut Value) {
         if let Some(k) = self.top_k {
             body["top_k"] = json!(k);
         }
         if let Some(p) = self.top_p {
             body["top_p"] = json!(p);
+        }
+        if let Some(p) = self.min_p {
+            body["min_p"] = json!(p);
         }
     }
 }
