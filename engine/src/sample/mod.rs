@@ -299,7 +299,7 @@ fn flush_subnormal_of(x: &mut [f32]) {
     }
 }
 
-/// One row's untruncated distribution ([`Sampler::untruncated_masses`]).
+/// One row's distribution in token order ([`Sampler::dense_masses`]).
 pub(crate) enum RowMasses {
     /// All the mass on one token.
     Point(u32),
@@ -525,24 +525,20 @@ impl Sampler {
     /// truncates it; without truncation in token order (no O(V log V) sort per token over a
     /// 150k-token vocabulary). Greedy gives one pair.
     pub fn distribution(&self, logits: &[f32]) -> Vec<(u32, f32)> {
-        match self.untruncated_masses(logits) {
+        match self.dense_masses(logits) {
             Some(RowMasses::Point(t)) => return vec![(t, 1.0)],
             Some(RowMasses::Dense(m)) => return pairs_in_token_order(&m),
             None => {}
         }
         let p = &self.params;
         if p.top_k == 0 || p.top_k >= logits.len() {
-            // Min-p and top-p, no top-k.
+            // Top-p (after min-p), no top-k.
             return match softmax_in_token_order(logits, p.temperature) {
                 Some(mut m) => {
                     if p.min_p > 0.0 {
                         min_p_cut(&mut m, p.min_p);
                     }
-                    if p.top_p < 1.0 {
-                        nucleus(&m, p.top_p)
-                    } else {
-                        pairs_in_token_order(&m)
-                    }
+                    nucleus(&m, p.top_p)
                 }
                 None => vec![(argmax(logits), 1.0)],
             };
@@ -613,28 +609,33 @@ impl Sampler {
         cand
     }
 
-    /// The distribution of one row as masses in token order where nothing truncates it (greedy,
-    /// or no top-k / top-p cut): [`Sampler::distribution`] without its pairs; `None` where top-k
-    /// or top-p truncate.
-    pub(crate) fn untruncated_masses(&self, logits: &[f32]) -> Option<RowMasses> {
+    /// The distribution of one row as masses in token order where it comes in token order
+    /// (greedy, no cut, or min-p's alone): [`Sampler::distribution`] without its pairs; `None`
+    /// where top-k or top-p truncate.
+    pub(crate) fn dense_masses(&self, logits: &[f32]) -> Option<RowMasses> {
         let p = &self.params;
         if p.is_greedy() {
             return Some(RowMasses::Point(argmax(logits)));
         }
-        if !self.untruncated(logits.len()) {
+        if !self.in_token_order(logits.len()) {
             return None;
         }
         Some(match softmax_in_token_order(logits, p.temperature) {
-            Some(m) => RowMasses::Dense(m),
+            Some(mut m) => {
+                if p.min_p > 0.0 {
+                    min_p_cut(&mut m, p.min_p);
+                }
+                RowMasses::Dense(m)
+            }
             None => RowMasses::Point(argmax(logits)),
         })
     }
 
-    /// Whether [`Sampler::distribution`] keeps every token of a `vocab`-token row (no top-k,
-    /// top-p or min-p cut).
-    fn untruncated(&self, vocab: usize) -> bool {
+    /// Whether [`Sampler::distribution`] keeps a `vocab`-token row in token order: no top-k or
+    /// top-p cut (a min-p cut leaves the order).
+    fn in_token_order(&self, vocab: usize) -> bool {
         let p = &self.params;
-        (p.top_k == 0 || p.top_k >= vocab) && p.top_p >= 1.0 && p.min_p <= 0.0
+        (p.top_k == 0 || p.top_k >= vocab) && p.top_p >= 1.0
     }
 
     /// Draw the next token: `draw(&distribution(logits))`, bit for bit and with the same
@@ -644,7 +645,7 @@ impl Sampler {
         if self.params.is_greedy() {
             return argmax(logits);
         }
-        match self.untruncated_masses(logits) {
+        match self.dense_masses(logits) {
             Some(m) => m.draw(self.rng.next_f64()),
             None => {
                 let dist = self.distribution(logits);
@@ -1103,18 +1104,20 @@ mod tests {
             if case % 5 == 0 {
                 logits[(rng.next_u64() % n as u64) as usize] = f32::INFINITY; // a point mass
             }
-            for (temperature, top_k, top_p) in [
-                (1.0f32, 0, 1.0f32),
-                (0.7, 0, 1.0),
-                (1e-40, 0, 1.0),
-                (1.0, 50, 1.0),
-                (0.8, 0, 0.9),
+            for (temperature, top_k, top_p, min_p) in [
+                (1.0f32, 0, 1.0f32, 0.0f32),
+                (0.7, 0, 1.0, 0.0),
+                (1e-40, 0, 1.0, 0.0),
+                (1.0, 50, 1.0, 0.0),
+                (0.8, 0, 0.9, 0.0),
+                (1.0, 0, 1.0, 0.01),
+                (0.7, 50, 0.9, 0.05),
             ] {
                 let params = SamplingParams {
                     temperature,
                     top_k,
                     top_p,
-                    min_p: 0.0,
+                    min_p,
                     seed: case,
                 };
                 let mut a = Sampler::new(params.clone()).unwrap();

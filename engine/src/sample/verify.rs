@@ -175,7 +175,7 @@ pub fn verify_naive(
 /// `draw_sparse(&sampler.distribution(logits), vocab, rng)`, bit for bit and with the same
 /// random stream, without building the distribution's pairs where nothing truncates it.
 fn draw_row(sampler: &Sampler, logits: &[f32], vocab: usize, rng: &mut Rng) -> u32 {
-    match sampler.untruncated_masses(logits) {
+    match sampler.dense_masses(logits) {
         Some(m) => m.draw(rng.next_f64()),
         None => draw_sparse(&sampler.distribution(logits), vocab, rng),
     }
@@ -352,7 +352,7 @@ fn scale_all_of(p: &mut [f64], k: f64) {
 /// `dense(&sampler.distribution(logits), out)`, bit for bit, without the distribution's pairs
 /// where nothing truncates it.
 fn dense_row(sampler: &Sampler, logits: &[f32], out: &mut [f64]) {
-    match sampler.untruncated_masses(logits) {
+    match sampler.dense_masses(logits) {
         Some(RowMasses::Dense(m)) => {
             let n = m.len().min(out.len());
             for (d, &v) in out.iter_mut().zip(&m) {
@@ -542,8 +542,9 @@ mod tests {
         }
     }
 
-    /// A row's draw and dense copy from its masses (untruncated) are those from its
-    /// distribution's pairs, bit for bit and on the same stream; truncated rows take the pairs.
+    /// A row's draw and dense copy from its masses (untruncated or cut by min-p alone) are those
+    /// from its distribution's pairs, bit for bit and on the same stream; truncated rows take the
+    /// pairs.
     #[test]
     fn row_draws_are_the_distributions_draws() {
         let mut gen = Rng::new(13);
@@ -556,12 +557,19 @@ mod tests {
                     _ => (gen.next_f64() as f32 - 0.5) * 20.0,
                 })
                 .collect();
-            for (temperature, top_k) in [(1.0f32, 0), (0.6, 0), (0.0, 0), (1.0, 7)] {
+            for (temperature, top_k, min_p) in [
+                (1.0f32, 0, 0.0f32),
+                (0.6, 0, 0.0),
+                (0.0, 0, 0.0),
+                (1.0, 7, 0.0),
+                (1.0, 0, 0.02),
+                (1.0, 7, 0.3),
+            ] {
                 let sampler = Sampler::new(SamplingParams {
                     temperature,
                     top_k,
                     top_p: 1.0,
-                    min_p: 0.0,
+                    min_p,
                     seed: 0,
                 })
                 .unwrap();
