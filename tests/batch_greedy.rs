@@ -36,6 +36,7 @@ fn batched_requests_equal_generate_alone_on_smollm2() {
                     stop: if i == 2 { vec!["\n".into()] } else { vec![] },
                     ignore_eos: false,
                     min_tokens: 0,
+                    logprobs: false,
                 };
                 (m.tok.encode(p, true).expect("encode"), params)
             })

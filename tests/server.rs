@@ -1353,3 +1353,73 @@ mod fuzz {
         }
     }
 }
+
+/// `"logprobs": true`: every streamed line carries one log-probability per token, the final
+/// line of a request that does not stream has them all, and greedy speculation (prompt lookup)
+/// gives the same values bit for bit as plain decoding; a request that does not ask gets none.
+#[test]
+fn logprobs_come_one_per_token_and_do_not_depend_on_speculation() {
+    let server = TestServer::start(
+        engine_config(vec![DrafterFactory::ngram(3).expect("ngram")]),
+        ServerConfig::default(),
+    );
+    let mut c = server.client();
+    let prompt = PROMPTS[2];
+    let p = params(32, 0.0, 0);
+    let mut runs = Vec::new();
+    for (n, (spec, logprobs)) in [
+        (json!({"draft": []}), true),
+        (json!({"draft": ["ngram"], "adaptive": false}), true),
+        (json!({"draft": []}), false),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut req = request(json!(format!("lp{n}")), prompt, &p);
+        req["speculation"] = spec;
+        req["logprobs"] = json!(logprobs);
+        let (events, fin) = c.run(&req);
+        assert_eq!(fin["done"], true, "{fin}");
+        let mut lps = Vec::new();
+        for ev in &events {
+            let n_tok = ev["tokens"].as_array().map_or(0, |t| t.len());
+            match ev.get("logprobs") {
+                Some(l) => {
+                    assert!(logprobs, "{ev}");
+                    let l = l.as_array().expect("an array");
+                    assert_eq!(l.len(), n_tok, "{ev}");
+                    lps.extend(l.iter().map(|x| x.as_f64().expect("a number")));
+                }
+                None => assert!(!logprobs || n_tok == 0, "{ev}"),
+            }
+        }
+        if logprobs {
+            assert_eq!(lps.len(), p.max_tokens);
+            assert!(lps.iter().all(|&l| l <= 0.0), "{lps:?}");
+        }
+        runs.push((streamed(&events).1, lps, fin["spec"].clone()));
+    }
+    assert_eq!(runs[0].0, runs[1].0, "greedy tokens");
+    assert_eq!(
+        runs[0].1, runs[1].1,
+        "log-probabilities with and without speculation"
+    );
+    assert!(
+        runs[1].2["accepted"].as_u64().unwrap_or(0) > 0,
+        "{}",
+        runs[1].2
+    );
+    // Not streamed: the final line has them all.
+    let mut req = request(json!("lp-final"), prompt, &p);
+    req["logprobs"] = json!(true);
+    req["stream"] = json!(false);
+    req["speculation"] = json!({"draft": []});
+    let (_, fin) = c.run(&req);
+    let all: Vec<f64> = fin["logprobs"]
+        .as_array()
+        .expect("logprobs on the final line")
+        .iter()
+        .map(|x| x.as_f64().expect("a number"))
+        .collect();
+    assert_eq!(all, runs[0].1);
+}

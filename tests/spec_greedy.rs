@@ -39,6 +39,7 @@ fn params(max_tokens: usize) -> GenerateParams {
         max_tokens,
         ignore_eos: true,
         min_tokens: 0,
+        logprobs: false,
         ..GenerateParams::default()
     }
 }

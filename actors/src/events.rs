@@ -73,6 +73,8 @@ pub struct Completion {
     pub text: String,
     /// Every generated token id.
     pub tokens: Vec<u32>,
+    /// Their log-probabilities when the request asked (`Request::logprobs`); empty otherwise.
+    pub logprobs: Vec<f32>,
     pub usage: Usage,
     pub spec: Option<SpecSummary>,
     pub timing: Timing,
@@ -87,6 +89,8 @@ pub enum Event {
     Tokens {
         id: RequestId,
         tokens: Vec<u32>,
+        /// One per token when the request asked for log-probabilities; empty otherwise.
+        logprobs: Vec<f32>,
         text: String,
     },
     /// Final: the request ended.

@@ -46,10 +46,13 @@ struct Entry {
     prompt_tokens: usize,
     /// What the consumer was sent.
     tokens: Vec<u32>,
+    /// Their log-probabilities (when asked).
+    logprobs: Vec<f32>,
     text: String,
-    /// Tokens of steps that ran after an early end was asked for (cancel, deadline, shutdown):
-    /// dropped if the early end takes effect, streamed if the request finishes on its own first.
-    held: (Vec<u32>, String),
+    /// Tokens (with their log-probabilities) of steps that ran after an early end was asked for
+    /// (cancel, deadline, shutdown): dropped if the early end takes effect, streamed if the
+    /// request finishes on its own first.
+    held: (Vec<u32>, Vec<f32>, String),
 }
 
 impl Entry {
@@ -342,21 +345,29 @@ impl Intake {
             // Tokens of steps after an early end was asked for are held back, so an early final
             // line reports exactly what the consumer got; a request that finishes on its own
             // first sends them with its last step's (its final line has the whole output).
-            let (mut tokens, mut text) = (ev.tokens, ev.text);
+            let (mut tokens, mut logprobs, mut text) = (ev.tokens, ev.logprobs, ev.text);
             if e.state != EntryState::Active {
                 e.held.0.append(&mut tokens);
-                e.held.1.push_str(&text);
+                e.held.1.append(&mut logprobs);
+                e.held.2.push_str(&text);
                 if matches!(ev.finish, Some(Finish::Done { .. })) {
-                    (tokens, text) = std::mem::take(&mut e.held);
+                    (tokens, logprobs, text) = std::mem::take(&mut e.held);
                 } else {
                     text.clear();
                 }
             }
             if !tokens.is_empty() {
                 e.tokens.extend_from_slice(&tokens);
+                e.logprobs.extend_from_slice(&logprobs);
                 e.text.push_str(&text);
                 e.first_token.get_or_insert(now);
-                if let Err(err) = e.sink.send(Event::Tokens { id, tokens, text }) {
+                let ev = Event::Tokens {
+                    id,
+                    tokens,
+                    logprobs,
+                    text,
+                };
+                if let Err(err) = e.sink.send(ev) {
                     self.sink_failed(id, err, ctx);
                 }
             }
@@ -371,7 +382,7 @@ impl Intake {
                     preemptions,
                     spec,
                 }) => {
-                    let Some(e) = self.entries.remove(&id) else {
+                    let Some(mut e) = self.entries.remove(&id) else {
                         continue;
                     };
                     let spec = spec.map(|m| self.spec_summary(&m));
@@ -395,6 +406,7 @@ impl Intake {
                         },
                         text,
                         tokens,
+                        logprobs: std::mem::take(&mut e.logprobs),
                         spec,
                         timing: e.timing(now),
                         preemptions,
@@ -505,6 +517,7 @@ impl Intake {
                     },
                     text: e.text.clone(),
                     tokens: e.tokens.clone(),
+                    logprobs: e.logprobs.clone(),
                     spec: stats.spec.map(|m| act.spec_summary(&m)),
                     timing: e.timing(Instant::now()),
                     preemptions: stats.preemptions,
@@ -672,7 +685,8 @@ impl Handler<Submit> for Intake {
                 prompt_tokens: 0,
                 tokens: Vec::new(),
                 text: String::new(),
-                held: (Vec::new(), String::new()),
+                logprobs: Vec::new(),
+                held: (Vec::new(), Vec::new(), String::new()),
             },
         );
         // Tokenized on the PromptTokenizer's thread, then queued on the Verifier's.

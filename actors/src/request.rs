@@ -43,6 +43,9 @@ pub struct Request {
     pub ignore_eos: bool,
     pub sampling: SamplingParams,
     pub stop: Vec<String>,
+    /// Report each generated token's log-probability under the model (before temperature and
+    /// truncation) with the token.
+    pub logprobs: bool,
     /// End the request (finish reason `deadline`) this long after submission.
     pub deadline: Option<Duration>,
     /// `None`: the engine's default (speculate with every drafter it has).
@@ -63,6 +66,7 @@ impl Request {
             ignore_eos: false,
             sampling: SamplingParams::default(),
             stop: Vec::new(),
+            logprobs: false,
             deadline: None,
             speculation: None,
         }
@@ -165,6 +169,7 @@ impl ValidRequest {
                 stop: req.stop,
                 ignore_eos: req.ignore_eos,
                 min_tokens: req.min_tokens,
+                logprobs: req.logprobs,
             },
             deadline,
             speculation,

@@ -23,6 +23,10 @@ pub struct GenerateParams {
     /// End-of-generation tokens do not end generation before this many tokens (they are kept
     /// as generated tokens, not masked; stop strings still apply).
     pub min_tokens: usize,
+    /// Report each generated token's log-probability under the model
+    /// ([`crate::sample::log_softmax_at`] of the row it was drawn from: before temperature and
+    /// truncation) with the token.
+    pub logprobs: bool,
 }
 
 impl Default for GenerateParams {
@@ -33,6 +37,7 @@ impl Default for GenerateParams {
             stop: Vec::new(),
             ignore_eos: false,
             min_tokens: 0,
+            logprobs: false,
         }
     }
 }

@@ -35,13 +35,14 @@ pub struct LineError {
     pub error: ServeError,
 }
 
-const REQUEST_FIELDS: [&str; 15] = [
+const REQUEST_FIELDS: [&str; 16] = [
     "id",
     "prompt",
     "messages",
     "max_tokens",
     "min_tokens",
     "ignore_eos",
+    "logprobs",
     "temperature",
     "top_p",
     "top_k",
@@ -254,6 +255,7 @@ fn request(obj: &Map<String, Value>) -> Result<(bool, Request), ServeError> {
             "max_tokens" => req.max_tokens = uint(k, v, u32::MAX as u64)? as usize,
             "min_tokens" => req.min_tokens = uint(k, v, u32::MAX as u64)? as usize,
             "ignore_eos" => req.ignore_eos = boolean(k, v)?,
+            "logprobs" => req.logprobs = boolean(k, v)?,
             "temperature" => {
                 let t = float(k, v)?;
                 if !(0.0..=100.0).contains(&t) {
@@ -372,11 +374,20 @@ fn speculation(v: &Value) -> Result<SpeculationRequest, ServeError> {
 /// request that does not stream).
 pub fn event_line(id: &Value, ev: &Event, stream: bool) -> Option<String> {
     let v = match ev {
-        Event::Tokens { tokens, text, .. } => {
+        Event::Tokens {
+            tokens,
+            logprobs,
+            text,
+            ..
+        } => {
             if !stream {
                 return None;
             }
-            json!({"id": id, "text": text, "tokens": tokens})
+            let mut v = json!({"id": id, "text": text, "tokens": tokens});
+            if !logprobs.is_empty() {
+                v["logprobs"] = json!(logprobs);
+            }
+            v
         }
         Event::Done(c) => {
             let mut v = json!({
@@ -403,6 +414,9 @@ pub fn event_line(id: &Value, ev: &Event, stream: bool) -> Option<String> {
             if !stream {
                 v["text"] = Value::String(c.text.clone());
                 v["tokens"] = json!(c.tokens);
+                if !c.logprobs.is_empty() {
+                    v["logprobs"] = json!(c.logprobs);
+                }
             }
             v
         }

@@ -168,6 +168,25 @@ fn lanes_max<const N: usize>(mut acc: [f32; N]) -> f32 {
     acc[0]
 }
 
+/// `ln softmax(logits)[tok]`: the model's log-probability of `tok` (temperature 1, nothing
+/// truncated), `logit − max − ln Σ exp(logit − max)` with the engine's exponential and
+/// token-keyed sum, so a row gives the same value wherever it was computed (NaN logits carry no
+/// mass; `-inf` for a token without mass; NaN when the row has no finite maximum).
+pub fn log_softmax_at(logits: &[f32], tok: u32) -> f32 {
+    let max = max_ignoring_nan(logits);
+    let Some(&v) = logits.get(tok as usize) else {
+        return f32::NAN;
+    };
+    if !max.is_finite() {
+        return f32::NAN;
+    }
+    let mut e = logits.to_vec();
+    crate::backend::simd::exp_sub(&mut e, max);
+    flush_masked(&mut e, logits);
+    let sum = draw::total(&e);
+    (f64::from(v - max) - sum.ln()) as f32
+}
+
 /// What the logits are shifted by before scaling: a temperature so small that `logit / t`
 /// overflows (t = 1e-40 is a valid f32) would make the softmax `inf - inf`, so there the logits
 /// are shifted by their maximum first (the same distribution; other temperatures keep the

@@ -62,6 +62,9 @@ pub struct StepEvent {
     pub id: u64,
     /// Tokens generated this step (at most one without speculation).
     pub tokens: Vec<u32>,
+    /// Their log-probabilities under the model, one per token, when the request asked
+    /// ([`GenerateParams::logprobs`]); empty otherwise.
+    pub logprobs: Vec<f32>,
     /// Text that became final this step.
     pub text: String,
     /// Set on the request's last event.
@@ -376,6 +379,7 @@ fn failed(id: u64, e: EngineError) -> StepEvent {
     StepEvent {
         id,
         tokens: Vec::new(),
+        logprobs: Vec::new(),
         text: String::new(),
         finish: Some(Finish::Failed(e)),
     }
@@ -837,6 +841,7 @@ impl<'a> Scheduler<'a> {
                 events.push(StepEvent {
                     id: req.id,
                     tokens: Vec::new(),
+                    logprobs: Vec::new(),
                     text: String::new(),
                     finish: Some(Finish::Done {
                         reason: FinishReason::Length,
@@ -1110,7 +1115,9 @@ impl<'a> Scheduler<'a> {
         let mut finished = Vec::new();
         for (((sl, x), lg), drawn) in plan.iter().zip(&inputs).zip(&logits).zip(&mut drawn) {
             let r = &mut self.running[sl.idx];
-            let emitted: Vec<u32> = match (&sl.tree, r.spec.as_mut()) {
+            // The tokens this step emits for the request and the row of `lg` each was drawn
+            // from (for log-probabilities).
+            let (emitted, rows): (Vec<u32>, Vec<usize>) = match (&sl.tree, r.spec.as_mut()) {
                 (Some(tree), Some(sp)) => {
                     let cache = r.cache.as_mut().expect("running requests have a cache");
                     // An error here is this request's alone: it fails, the others go on.
@@ -1158,6 +1165,7 @@ impl<'a> Scheduler<'a> {
                         }
                         d.accept(&o.tokens, o.bonus);
                     });
+                    let rows = o.kv_rows();
                     if sp.external {
                         self.commits.push(Commit {
                             id: r.id,
@@ -1167,7 +1175,7 @@ impl<'a> Scheduler<'a> {
                             prefill: false,
                         });
                     }
-                    emitted
+                    (emitted, rows)
                 }
                 _ if sl.prefill > 0 && sl.candidates > 0 => {
                     // Every prompt row's candidates (warm start), then the first token from the
@@ -1192,18 +1200,19 @@ impl<'a> Scheduler<'a> {
                         }
                     }
                     match sl.prefill.checked_sub(1) {
-                        Some(last) if sl.logits => {
-                            vec![r.sampler.sample(&lg[last * vocab..(last + 1) * vocab])]
-                        }
-                        _ => Vec::new(),
+                        Some(last) if sl.logits => (
+                            vec![r.sampler.sample(&lg[last * vocab..(last + 1) * vocab])],
+                            vec![last],
+                        ),
+                        _ => (Vec::new(), Vec::new()),
                     }
                 }
-                _ if lg.is_empty() => Vec::new(),
+                _ if lg.is_empty() => (Vec::new(), Vec::new()),
                 _ => match drawn.take() {
-                    Some(Drawn::Sampled(t)) => vec![t],
+                    Some(Drawn::Sampled(t)) => (vec![t], vec![lg.len() / vocab - 1]),
                     other => {
                         debug_assert!(other.is_none(), "draw_rows drew another kind here");
-                        vec![r.sampler.sample(lg)]
+                        (vec![r.sampler.sample(lg)], vec![lg.len() / vocab - 1])
                     }
                 },
             };
@@ -1216,12 +1225,18 @@ impl<'a> Scheduler<'a> {
             let mut ev = StepEvent {
                 id: r.id,
                 tokens: Vec::new(),
+                logprobs: Vec::new(),
                 text: String::new(),
                 finish: None,
             };
             let mut reason = None;
-            for tok in emitted {
+            for (tok, row) in emitted.into_iter().zip(rows) {
                 ev.tokens.push(tok);
+                if r.params.logprobs {
+                    let at = row * vocab;
+                    ev.logprobs
+                        .push(crate::sample::log_softmax_at(&lg[at..at + vocab], tok));
+                }
                 if let Some(sink) = r.sink.as_mut() {
                     let before = sink.text().len();
                     reason = sink.push(tok);

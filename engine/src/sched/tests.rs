@@ -1622,3 +1622,70 @@ fn trees_over_their_drafters_bound_are_cut_to_it() {
         alone(&model, &be, &prompt, &params)
     );
 }
+
+/// Log-probabilities reported with the tokens: one per token, the log-softmax of the row the
+/// token was drawn from, bit for bit the same whether the tokens came from plain decoding or
+/// from verified trees (tree rows equal rows computed alone), and equal to those of incremental
+/// decoding's rows; a request that does not ask gets none.
+#[test]
+fn logprobs_are_the_rows_log_softmax_with_and_without_speculation() {
+    let be = CpuBackend::new(2).unwrap();
+    let (model, prompt, params, want) = greedy_case(&be, 21, 40, 3, 24);
+    // Incremental decoding's log-probabilities.
+    let mut cache = KvCache::new(&model.config, prompt.len() + want.len());
+    let pos: Vec<usize> = (0..prompt.len()).collect();
+    let mut logits = model
+        .forward(
+            &be,
+            &mut cache,
+            &prompt,
+            &pos,
+            BatchMask::Causal,
+            &[prompt.len() - 1],
+        )
+        .unwrap();
+    let mut want_lp = Vec::new();
+    for &t in &want {
+        want_lp.push(crate::sample::log_softmax_at(&logits, t));
+        let p = cache.len();
+        logits = model
+            .forward(&be, &mut cache, &[t], &[p], BatchMask::Causal, &[0])
+            .unwrap();
+    }
+    assert!(want_lp.iter().all(|&l| l <= 0.0 && l.is_finite()));
+    let vocab = model.config.vocab_size as u32;
+    for (speculate, logprobs) in [(false, true), (true, true), (true, false)] {
+        let pool = KvPool::new(&model.config, model.config.n_layers, 64);
+        let mut s = Scheduler::new(&model, None, pool, SchedConfig::default()).unwrap();
+        let p = GenerateParams {
+            logprobs,
+            ..params.clone()
+        };
+        let sp = speculate.then(|| ngram_spec(SpecPolicy::Fixed, 8));
+        s.submit_spec(prompt.clone(), p, sp).unwrap();
+        // A second request without logprobs shares the steps.
+        s.submit(repetitive(vocab, 30, 5), params.clone()).unwrap();
+        let (mut tokens, mut lps, mut multi) = (Vec::new(), Vec::new(), false);
+        while !s.is_idle() {
+            for ev in s.step(&be).unwrap() {
+                if ev.id == 0 {
+                    let n = if logprobs { ev.tokens.len() } else { 0 };
+                    assert_eq!(ev.logprobs.len(), n, "one per token when asked");
+                    multi |= ev.tokens.len() > 1;
+                    tokens.extend(ev.tokens);
+                    lps.extend(ev.logprobs);
+                } else {
+                    assert!(ev.logprobs.is_empty());
+                }
+            }
+        }
+        assert_eq!(tokens, want, "speculate {speculate}");
+        if speculate {
+            assert!(multi, "a step accepted drafts");
+        }
+        if logprobs {
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&lps), bits(&want_lp), "speculate {speculate}");
+        }
+    }
+}

@@ -946,6 +946,7 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         stop: a.stop.clone(),
         ignore_eos: a.ignore_eos,
         min_tokens: a.min_tokens,
+        logprobs: false,
     };
     params.sampling.validate()?;
     a.spec.validate()?;
