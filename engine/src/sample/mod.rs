@@ -180,10 +180,7 @@ pub fn log_softmax_at(logits: &[f32], tok: u32) -> f32 {
     if !max.is_finite() {
         return f32::NAN;
     }
-    let mut e = logits.to_vec();
-    crate::backend::simd::exp_sub(&mut e, max);
-    flush_masked(&mut e, logits);
-    let sum = draw::total(&e);
+    let sum = exp_total(&mut logits.to_vec(), logits, max);
     (f64::from(v - max) - sum.ln()) as f32
 }
 
@@ -223,13 +220,19 @@ fn softmax_in_token_order(logits: &[f32], temperature: f32) -> Option<Vec<f32>> 
     // [vocab] the scaled logits, then their masses.
     let mut x = Vec::with_capacity(logits.len());
     scale(logits, shift, temperature, &mut x);
-    crate::backend::simd::exp_sub(&mut x, max);
-    // The exponential's lanes and its scalar tail agree on normal results only (see
-    // `exp_shifted`), and it need not keep a NaN.
-    flush_masked(&mut x, logits);
-    let sum = draw::total(&x);
+    let sum = exp_total(&mut x, logits, max);
     normalize(&mut x, sum);
     Some(x)
+}
+
+/// `x[i] = exp(x[i] − max)` (subnormal results 0, NaN where `logits[i]` is NaN) and their
+/// token-keyed total: the unnormalized masses of a row whose scaled values are `x`.
+fn exp_total(x: &mut [f32], logits: &[f32], max: f32) -> f64 {
+    crate::backend::simd::exp_sub(x, max);
+    // The exponential's lanes and its scalar tail agree on normal results only (see
+    // `exp_shifted`), and it need not keep a NaN.
+    flush_masked(x, logits);
+    draw::total(x)
 }
 
 widened! {
@@ -552,13 +555,8 @@ impl Sampler {
         let p = &self.params;
         if p.top_k == 0 || p.top_k >= logits.len() {
             // Top-p (after min-p), no top-k.
-            return match softmax_in_token_order(logits, p.temperature) {
-                Some(mut m) => {
-                    if p.min_p > 0.0 {
-                        min_p_cut(&mut m, p.min_p);
-                    }
-                    nucleus(&m, p.top_p)
-                }
+            return match self.masses_in_token_order(logits) {
+                Some(m) => nucleus(&m, p.top_p),
                 None => vec![(argmax(logits), 1.0)],
             };
         }
@@ -639,15 +637,21 @@ impl Sampler {
         if !self.in_token_order(logits.len()) {
             return None;
         }
-        Some(match softmax_in_token_order(logits, p.temperature) {
-            Some(mut m) => {
-                if p.min_p > 0.0 {
-                    min_p_cut(&mut m, p.min_p);
-                }
-                RowMasses::Dense(m)
-            }
+        Some(match self.masses_in_token_order(logits) {
+            Some(m) => RowMasses::Dense(m),
             None => RowMasses::Point(argmax(logits)),
         })
+    }
+
+    /// The softmax at the temperature in token order, min-p's cut applied
+    /// ([`softmax_in_token_order`]'s `None` where the maximum is not finite).
+    fn masses_in_token_order(&self, logits: &[f32]) -> Option<Vec<f32>> {
+        let p = &self.params;
+        let mut m = softmax_in_token_order(logits, p.temperature)?;
+        if p.min_p > 0.0 {
+            min_p_cut(&mut m, p.min_p);
+        }
+        Some(m)
     }
 
     /// Whether [`Sampler::distribution`] keeps a `vocab`-token row in token order: no top-k or

@@ -1208,11 +1208,12 @@ impl<'a> Scheduler<'a> {
                     }
                 }
                 _ if lg.is_empty() => (Vec::new(), Vec::new()),
+                // One decoding row: the slot's logits are that row.
                 _ => match drawn.take() {
-                    Some(Drawn::Sampled(t)) => (vec![t], vec![lg.len() / vocab - 1]),
+                    Some(Drawn::Sampled(t)) => (vec![t], vec![0]),
                     other => {
                         debug_assert!(other.is_none(), "draw_rows drew another kind here");
-                        (vec![r.sampler.sample(lg)], vec![lg.len() / vocab - 1])
+                        (vec![r.sampler.sample(lg)], vec![0])
                     }
                 },
             };
