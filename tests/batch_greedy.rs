@@ -36,7 +36,7 @@ fn batched_requests_equal_generate_alone_on_smollm2() {
                     stop: if i == 2 { vec!["\n".into()] } else { vec![] },
                     ignore_eos: false,
                     min_tokens: 0,
-                    logprobs: false,
+                    ..GenerateParams::default()
                 };
                 (m.tok.encode(p, true).expect("encode"), params)
             })

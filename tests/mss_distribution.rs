@@ -13,6 +13,7 @@ use arbor_engine::draft::{
     early_exit, DistDrafter, DraftSampling, Drafter, ModelDrafter, NgramDrafter, RecycleDrafter,
     SpaceDrafter, SpaceMode,
 };
+use arbor_engine::sample::penalty::{Penalties, PenaltyHistory};
 use arbor_engine::sample::verify::{Verifier, VerifyMode, VerifyOutcome};
 use arbor_engine::sample::{Rng, Sampler, SamplingParams};
 use arbor_engine::spec::{self, SpecSession};
@@ -66,11 +67,26 @@ fn logits_after(model: &Model, be: &CpuBackend, ctx: &[u32]) -> Vec<f32> {
         .unwrap()
 }
 
-/// The exact distribution (after temperature / top-k / top-p) of the LLM's next token after `ctx`.
-fn llm_dist(model: &Model, be: &CpuBackend, p: &SamplingParams, ctx: &[u32]) -> [f64; VOCAB] {
+/// The exact distribution (after `pen`, temperature / top-k / top-p) of the LLM's next token
+/// after `ctx` (PROMPT then generated tokens).
+fn llm_dist(
+    model: &Model,
+    be: &CpuBackend,
+    p: &SamplingParams,
+    pen: &Penalties,
+    ctx: &[u32],
+) -> [f64; VOCAB] {
     let s = Sampler::new(p.clone()).unwrap();
+    let mut logits = logits_after(model, be, ctx);
+    if !pen.is_off() {
+        let mut h = PenaltyHistory::new(*pen, &PROMPT);
+        for &t in &ctx[PROMPT.len()..] {
+            h.push(t);
+        }
+        h.penalize_row(&mut logits, &[]);
+    }
     let mut out = [0.0; VOCAB];
-    for (t, pr) in s.distribution(&logits_after(model, be, ctx)) {
+    for (t, pr) in s.distribution(&logits) {
         out[t as usize] += pr as f64;
     }
     out
@@ -78,7 +94,17 @@ fn llm_dist(model: &Model, be: &CpuBackend, p: &SamplingParams, ctx: &[u32]) -> 
 
 /// Exact probabilities of (next token) and of (3-token continuation, index t1*64 + t2*8 + t3).
 fn exact(model: &Model, be: &CpuBackend, p: &SamplingParams) -> (Vec<f64>, Vec<f64>) {
-    let p1 = llm_dist(model, be, p, &PROMPT);
+    exact_penalized(model, be, p, &Penalties::default())
+}
+
+/// [`exact`] with penalties.
+fn exact_penalized(
+    model: &Model,
+    be: &CpuBackend,
+    p: &SamplingParams,
+    pen: &Penalties,
+) -> (Vec<f64>, Vec<f64>) {
+    let p1 = llm_dist(model, be, p, pen, &PROMPT);
     let mut p3 = vec![0.0; VOCAB * VOCAB * VOCAB];
     for a in 0..VOCAB {
         if p1[a] == 0.0 {
@@ -86,13 +112,13 @@ fn exact(model: &Model, be: &CpuBackend, p: &SamplingParams) -> (Vec<f64>, Vec<f
         }
         let mut ctx = PROMPT.to_vec();
         ctx.push(a as u32);
-        let p2 = llm_dist(model, be, p, &ctx);
+        let p2 = llm_dist(model, be, p, pen, &ctx);
         for b in 0..VOCAB {
             if p2[b] == 0.0 {
                 continue;
             }
             ctx.push(b as u32);
-            let pc = llm_dist(model, be, p, &ctx);
+            let pc = llm_dist(model, be, p, pen, &ctx);
             ctx.pop();
             for c in 0..VOCAB {
                 p3[a * 64 + b * 8 + c] = p1[a] * p2[b] * pc[c];
@@ -204,6 +230,17 @@ fn speculative_counts(
     drafters: &mut [&mut dyn Drafter],
     budget: usize,
 ) -> (Vec<usize>, Vec<usize>, f64) {
+    speculative_counts_penalized(mode, params, &Penalties::default(), drafters, budget)
+}
+
+/// [`speculative_counts`] with penalties (PROMPT is the prompt).
+fn speculative_counts_penalized(
+    mode: VerifyMode,
+    params: &SamplingParams,
+    pen: &Penalties,
+    drafters: &mut [&mut dyn Drafter],
+    budget: usize,
+) -> (Vec<usize>, Vec<usize>, f64) {
     let model = llm();
     let be = backend();
     let base = prefix_cache(&model, &be);
@@ -221,6 +258,7 @@ fn speculative_counts(
     for _ in 0..SAMPLES {
         let mut s =
             SpecSession::new(&model, &be, base.clone(), PROMPT.to_vec(), verifier, budget).unwrap();
+        s.set_penalties(*pen, PROMPT.len()).unwrap();
         while s.tokens().len() < PROMPT.len() + 3 {
             s.step(drafters, 4).unwrap();
         }
@@ -235,9 +273,19 @@ fn speculative_counts(
 }
 
 fn assert_matches_llm(name: &str, params: &SamplingParams, c1: &[usize], c3: &[usize]) {
+    assert_matches_llm_penalized(name, params, &Penalties::default(), c1, c3)
+}
+
+fn assert_matches_llm_penalized(
+    name: &str,
+    params: &SamplingParams,
+    pen: &Penalties,
+    c1: &[usize],
+    c3: &[usize],
+) {
     let model = llm();
     let be = backend();
-    let (p1, p3) = exact(&model, &be, params);
+    let (p1, p3) = exact_penalized(&model, &be, params, pen);
     let (x1, df1, pv1) = chi_square(c1, &p1);
     let (x3, df3, pv3) = chi_square(c3, &p3);
     eprintln!(
@@ -314,6 +362,35 @@ fn mss_with_min_p_matches_llm() {
     let mut a = synthetic_drafter("2,2,1", ExpandMode::Sample, 14, 15, 2.0);
     let (c1, c3, _) = speculative_counts(VerifyMode::Mss, &params, &mut [&mut a], 20);
     assert_matches_llm("mss, min-p + top-p", &params, &c1, &c3);
+}
+
+#[test]
+fn mss_with_penalties_matches_the_penalized_llm() {
+    // Repetition, frequency and presence penalties reshape every row by its own history: the
+    // tree's rows by their paths. The drafter knows nothing of them.
+    let params = sampling(0.9, 0, 1.0);
+    let pen = Penalties {
+        repetition: 1.6,
+        frequency: 0.6,
+        presence: 0.4,
+    };
+    let mut a = synthetic_drafter("2,2,1", ExpandMode::Sample, 16, 17, 2.0);
+    let mut b = synthetic_drafter("2,1,1", ExpandMode::TopK, 18, 19, 1.0);
+    let (c1, c3, acc) =
+        speculative_counts_penalized(VerifyMode::Mss, &params, &pen, &mut [&mut a, &mut b], 20);
+    assert!(acc > 0.3, "drafts were accepted ({acc} per step)");
+    assert_matches_llm_penalized("mss, penalties", &params, &pen, &c1, &c3);
+    // The penalties change the distribution these counts must match.
+    let model = llm();
+    let (_, plain) = exact(&model, &backend(), &params);
+    let (_, penalized) = exact_penalized(&model, &backend(), &params, &pen);
+    let tv: f64 = plain
+        .iter()
+        .zip(&penalized)
+        .map(|(a, b)| (a - b).abs())
+        .sum::<f64>()
+        / 2.0;
+    assert!(tv > 0.1, "penalties move the 3-token distribution ({tv})");
 }
 
 #[test]

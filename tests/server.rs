@@ -344,6 +344,18 @@ fn hostile_lines() -> Vec<(Vec<u8>, &'static str)> {
             "invalid_argument",
         ),
         (
+            l(r#"{"id": "b7r", "prompt": "hi", "repetition_penalty": 0}"#),
+            "invalid_argument",
+        ),
+        (
+            l(r#"{"id": "b7f", "prompt": "hi", "frequency_penalty": 2.5}"#),
+            "invalid_argument",
+        ),
+        (
+            l(r#"{"id": "b7p", "prompt": "hi", "presence_penalty": "high"}"#),
+            "invalid_type",
+        ),
+        (
             l(r#"{"id": "b8", "prompt": "hi", "deadline_ms": 0}"#),
             "invalid_argument",
         ),
@@ -1422,4 +1434,62 @@ fn logprobs_come_one_per_token_and_do_not_depend_on_speculation() {
         .map(|x| x.as_f64().expect("a number"))
         .collect();
     assert_eq!(all, runs[0].1);
+}
+
+/// Repetition, frequency and presence penalties through the server: the tokens of
+/// `arbor generate` (plain, and `--draft ngram` through `spec::generate`) whether the server
+/// decodes plainly or verifies prompt-lookup trees, greedy and sampled; and they change the
+/// output of a prompt that repeats itself.
+#[test]
+fn penalties_through_the_server_equal_generate_with_and_without_speculation() {
+    let server = TestServer::start(
+        engine_config(vec![DrafterFactory::ngram(3).expect("ngram")]),
+        ServerConfig::default(),
+    );
+    let mut c = server.client();
+    let prompt = PROMPTS[2];
+    let penalties = arbor_engine::Penalties {
+        repetition: 1.3,
+        frequency: 0.4,
+        presence: 0.3,
+    };
+    for (n, (temperature, spec)) in [
+        (0.0f32, None),
+        (0.0, Some(true)),
+        (0.0, Some(false)),
+        (0.8, None),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let p = GenerateParams {
+            penalties,
+            ..params(32, temperature, 5)
+        };
+        let mut req = request(json!(format!("pen{n}")), prompt, &p);
+        req["repetition_penalty"] = json!(penalties.repetition);
+        req["frequency_penalty"] = json!(penalties.frequency);
+        req["presence_penalty"] = json!(penalties.presence);
+        req["speculation"] = match spec {
+            None => json!({"draft": []}),
+            Some(adaptive) => json!({"draft": ["ngram"], "adaptive": adaptive}),
+        };
+        let (events, fin) = c.run(&req);
+        assert_eq!(fin["done"], true, "{fin}");
+        let (_, toks) = streamed(&events);
+        let (_, want) = reference(prompt, &p, spec);
+        assert_eq!(toks, want, "t={temperature} spec={spec:?}");
+        if spec.is_some() {
+            // Greedy: the plain reference too.
+            assert_eq!(toks, reference(prompt, &p, None).1, "spec={spec:?}");
+        }
+        if temperature == 0.0 {
+            let plain = params(32, 0.0, 5);
+            assert_ne!(
+                toks,
+                reference(prompt, &plain, None).1,
+                "penalties change the output"
+            );
+        }
+    }
 }

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use arbor_engine::sample::verify::VerifyMode;
-use arbor_engine::{ChatMessage, GenerateParams, SamplingParams};
+use arbor_engine::{ChatMessage, GenerateParams, Penalties, SamplingParams};
 
 use crate::config::Limits;
 use crate::error::{codes, Result, ServeError};
@@ -42,9 +42,11 @@ pub struct Request {
     pub min_tokens: usize,
     pub ignore_eos: bool,
     pub sampling: SamplingParams,
+    /// Repetition, frequency and presence penalties (off by default).
+    pub penalties: Penalties,
     pub stop: Vec<String>,
-    /// Report each generated token's log-probability under the model (before temperature and
-    /// truncation) with the token.
+    /// Report each generated token's log-probability under the model (after the penalties,
+    /// before temperature and truncation) with the token.
     pub logprobs: bool,
     /// End the request (finish reason `deadline`) this long after submission.
     pub deadline: Option<Duration>,
@@ -65,6 +67,7 @@ impl Request {
             min_tokens: 0,
             ignore_eos: false,
             sampling: SamplingParams::default(),
+            penalties: Penalties::default(),
             stop: Vec::new(),
             logprobs: false,
             deadline: None,
@@ -142,6 +145,7 @@ impl ValidRequest {
             return Err(ServeError::invalid("min_tokens must not exceed max_tokens"));
         }
         req.sampling.validate().map_err(ServeError::from)?;
+        req.penalties.validate().map_err(ServeError::from)?;
         if req.stop.len() > limits.max_stop {
             return Err(ServeError::invalid(format!(
                 "at most {} stop strings",
@@ -170,6 +174,7 @@ impl ValidRequest {
                 ignore_eos: req.ignore_eos,
                 min_tokens: req.min_tokens,
                 logprobs: req.logprobs,
+                penalties: req.penalties,
             },
             deadline,
             speculation,

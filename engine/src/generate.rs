@@ -6,6 +6,7 @@ use crate::backend::{Backend, BatchMask};
 use crate::error::{EngineError, Result};
 use crate::kv::{KvCache, KvPool, BLOCK_SLOTS};
 use crate::model::Model;
+use crate::sample::penalty::Penalties;
 use crate::sample::SamplingParams;
 use crate::sched::{Finish, SchedConfig, Scheduler};
 use crate::shared::Shared;
@@ -24,9 +25,12 @@ pub struct GenerateParams {
     /// as generated tokens, not masked; stop strings still apply).
     pub min_tokens: usize,
     /// Report each generated token's log-probability under the model
-    /// ([`crate::sample::log_softmax_at`] of the row it was drawn from: before temperature and
-    /// truncation) with the token.
+    /// ([`crate::sample::log_softmax_at`] of the row it was drawn from: after the penalties,
+    /// before temperature and truncation) with the token.
     pub logprobs: bool,
+    /// Repetition, frequency and presence penalties ([`crate::sample::penalty`]), applied
+    /// before the sampling parameters; off by default.
+    pub penalties: Penalties,
 }
 
 impl Default for GenerateParams {
@@ -38,6 +42,7 @@ impl Default for GenerateParams {
             ignore_eos: false,
             min_tokens: 0,
             logprobs: false,
+            penalties: Penalties::default(),
         }
     }
 }

@@ -20,6 +20,7 @@ use crate::generate::{
 };
 use crate::kv::KvCache;
 use crate::model::Model;
+use crate::sample::penalty::{Penalties, PenaltyHistory};
 use crate::sample::verify::{Verifier, VerifyMode, VerifyOutcome};
 use crate::sample::Sampler;
 use crate::sched::adaptive::{
@@ -159,7 +160,10 @@ pub struct VerifiedStep {
 /// dropped. Returns the outcome, per group its logits `[len, vocab]` when the group hangs
 /// off the last accepted node (the only ones a drafter can use; the others' output head is
 /// skipped), and with `candidates = (k, before)`, `k > 0`, the top `k` tokens of every tree row
-/// (Token Recycling; `before`, the sequence before the root, is the rows' context).
+/// (Token Recycling; `before`, the sequence before the root, is the rows' context). With
+/// `penalties` (the history up to the root), the tree's rows are penalized before anything
+/// reads them.
+#[allow(clippy::too_many_arguments)]
 pub fn verify_step<B: Backend>(
     model: &Model,
     backend: &B,
@@ -167,6 +171,7 @@ pub fn verify_step<B: Backend>(
     tree: &TokenTree,
     groups: &[&PlaceholderGroup],
     verifier: &mut Verifier,
+    penalties: Option<&PenaltyHistory>,
     candidates: (usize, &[u32]),
 ) -> Result<VerifiedStep> {
     let base = cache.len();
@@ -202,7 +207,10 @@ pub fn verify_step<B: Backend>(
         let hidden =
             model.forward_hidden(backend, cache, &tokens, &positions, mask.as_batch_mask())?;
         let rows: Vec<usize> = (0..t).collect();
-        let logits = model.logits_of(backend, &hidden, &rows)?;
+        let mut logits = model.logits_of(backend, &hidden, &rows)?; // [t, vocab]
+        if let Some(h) = penalties {
+            h.penalize_tree(tree, &mut logits, vocab);
+        }
         let o = verifier.verify(tree, &logits, vocab)?;
         let (k, before) = candidates;
         let cands = (k > 0).then(|| PassCandidates::of_tree(tree, before, &logits, vocab, k));
@@ -696,6 +704,8 @@ pub struct SpecSession<'m, B: Backend> {
     verifier: Verifier,
     budget: usize,
     metrics: SpecMetrics,
+    /// The tokens the penalties weigh (None without penalties).
+    penalties: Option<PenaltyHistory>,
 }
 
 impl<'m, B: Backend> SpecSession<'m, B> {
@@ -723,7 +733,23 @@ impl<'m, B: Backend> SpecSession<'m, B> {
             verifier,
             budget,
             metrics: SpecMetrics::default(),
+            penalties: None,
         })
+    }
+
+    /// Penalize every row this session verifies from now on: `tokens[..prompt_len]` are the
+    /// prompt, the rest generated (off penalties clear them).
+    pub fn set_penalties(&mut self, penalties: Penalties, prompt_len: usize) -> Result<()> {
+        penalties.validate()?;
+        let prompt_len = prompt_len.min(self.tokens.len());
+        self.penalties = (!penalties.is_off()).then(|| {
+            let mut h = PenaltyHistory::new(penalties, &self.tokens[..prompt_len]);
+            for &t in &self.tokens[prompt_len..] {
+                h.push(t);
+            }
+            h
+        });
+        Ok(())
     }
 
     pub fn tokens(&self) -> &[u32] {
@@ -826,6 +852,7 @@ impl<'m, B: Backend> SpecSession<'m, B> {
             tree,
             &refs,
             &mut self.verifier,
+            self.penalties.as_ref(),
             // The root is the sequence's last token.
             (wanted, &self.tokens[..self.tokens.len().saturating_sub(1)]),
         )?;
@@ -833,7 +860,13 @@ impl<'m, B: Backend> SpecSession<'m, B> {
         if !groups.is_empty() {
             self.metrics.placeholder_rows += extra;
         }
-        self.tokens.extend(o.emitted());
+        let emitted = o.emitted();
+        if let Some(h) = self.penalties.as_mut() {
+            for &t in &emitted {
+                h.push(t);
+            }
+        }
+        self.tokens.extend(emitted);
         let vocab = self.model.config.vocab_size;
         for (i, d) in drafters.iter_mut().enumerate() {
             let seen = groups
@@ -929,6 +962,7 @@ pub fn generate<B: Backend>(
     on_text: impl FnMut(&str),
 ) -> Result<SpecOutput> {
     check_prompt(model, prompt)?;
+    params.penalties.validate()?;
     let limit = model.config.context_length;
     let mode = spec.mode.unwrap_or(VerifyMode::auto(&params.sampling));
     if mode == VerifyMode::Greedy && !params.sampling.is_greedy() {
@@ -965,9 +999,14 @@ pub fn generate<B: Backend>(
         prefill(model, backend, &mut cache, prompt)?
     };
     let t1 = Instant::now();
+    let penalties = (!params.penalties.is_off()).then_some(params.penalties);
     let first = if params.max_tokens == 0 {
         None
     } else {
+        let mut logits = logits;
+        if let Some(p) = penalties {
+            PenaltyHistory::new(p, prompt).penalize_row(&mut logits, &[]);
+        }
         Some(sampler.sample(&logits))
     };
     let mut seq = prompt.to_vec();
@@ -999,6 +1038,9 @@ pub fn generate<B: Backend>(
     // drafters are asked for their whole depth, since a deeper draft costs no drafter passes.
     let mut cheap_drafting = false;
     let mut session = SpecSession::new(model, backend, cache, seq, verifier, spec.budget)?;
+    if let Some(p) = penalties {
+        session.set_penalties(p, prompt.len())?;
+    }
     let mut pending: Vec<u32> = first.into_iter().collect();
     let mut finish_reason = FinishReason::Length;
     'gen: loop {

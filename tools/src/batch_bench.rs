@@ -416,7 +416,7 @@ fn run_mode(
             stop: Vec::new(),
             ignore_eos: true,
             min_tokens: 0,
-            logprobs: false,
+            ..GenerateParams::default()
         };
         let spec = match mode {
             Mode::None => None,

@@ -821,7 +821,7 @@ fn fake_server(finals: Vec<&'static str>) -> std::net::SocketAddr {
 }
 
 /// Sampled requests carry the run's temperature, seed, top-k, top-p and min-p; greedy ones none of
-/// them (the server's defaults).
+/// them (the server's defaults); both carry the penalties given.
 #[test]
 fn sampled_requests_carry_top_k_top_p_and_min_p() {
     use std::io::{BufRead, BufReader, Write};
@@ -854,6 +854,8 @@ fn sampled_requests_carry_top_k_top_p_and_min_p() {
         o.top_k = Some(40);
         o.top_p = Some(0.95);
         o.min_p = Some(0.05);
+        o.penalties.repetition = Some(1.1);
+        o.penalties.presence = Some(-0.5);
         rt().block_on(run(&o, None)).expect("run");
         let got = lines.lock().clone();
         assert_eq!(got.len(), 2);
@@ -869,6 +871,11 @@ fn sampled_requests_carry_top_k_top_p_and_min_p() {
                     assert!(v.get(k).is_none(), "{k} in {v}");
                 }
             }
+            // Penalties go with greedy requests too; those not given are not sent.
+            assert_eq!(v["repetition_penalty"], 1.1, "{v}");
+            assert_eq!(v["presence_penalty"], -0.5, "{v}");
+            assert!(v.get("frequency_penalty").is_none(), "{v}");
+            assert!(v.get("repeat_penalty").is_none(), "{v}");
         }
     }
 }

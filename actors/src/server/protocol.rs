@@ -35,7 +35,7 @@ pub struct LineError {
     pub error: ServeError,
 }
 
-const REQUEST_FIELDS: [&str; 16] = [
+const REQUEST_FIELDS: [&str; 19] = [
     "id",
     "prompt",
     "messages",
@@ -47,6 +47,9 @@ const REQUEST_FIELDS: [&str; 16] = [
     "top_p",
     "top_k",
     "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
     "seed",
     "stop",
     "stream",
@@ -286,6 +289,29 @@ fn request(obj: &Map<String, Value>) -> Result<(bool, Request), ServeError> {
                     ));
                 }
                 sampling.min_p = p as f32;
+            }
+            "repetition_penalty" => {
+                let r = float(k, v)?;
+                if !(r > 0.0 && r <= 100.0) {
+                    return Err(err(
+                        codes::INVALID_ARGUMENT,
+                        format!("'repetition_penalty' must be in (0, 100], got {r}"),
+                    ));
+                }
+                req.penalties.repetition = r as f32;
+            }
+            "frequency_penalty" | "presence_penalty" => {
+                let x = float(k, v)?;
+                if !(-2.0..=2.0).contains(&x) {
+                    return Err(err(
+                        codes::INVALID_ARGUMENT,
+                        format!("'{k}' must be in [-2, 2], got {x}"),
+                    ));
+                }
+                match k.as_str() {
+                    "frequency_penalty" => req.penalties.frequency = x as f32,
+                    _ => req.penalties.presence = x as f32,
+                }
             }
             "seed" => sampling.seed = uint(k, v, u64::MAX)?,
             "stop" => req.stop = strings(k, v)?,

@@ -24,6 +24,7 @@ use crate::error::{EngineError, Result};
 use crate::generate::{FinishReason, GenerateParams, TokenSink};
 use crate::kv::{KvCache, KvPool, BLOCK_SLOTS};
 use crate::model::{Model, SeqBatch};
+use crate::sample::penalty::PenaltyHistory;
 use crate::sample::verify::{Verifier, VerifyMode, VerifyOutcome};
 use crate::sample::Sampler;
 use crate::shared::Shared;
@@ -393,6 +394,8 @@ struct Request<'a> {
     prompt_len: usize,
     params: GenerateParams,
     sampler: Sampler,
+    /// The tokens the penalties weigh (None when the request has none).
+    penalties: Option<PenaltyHistory>,
     /// Text, end-of-generation tokens and stop strings (None without a tokenizer: tokens only).
     sink: Option<TokenSink<'a, fn(&str)>>,
     cache: Option<KvCache>,
@@ -728,6 +731,7 @@ impl<'a> Scheduler<'a> {
     ) -> Result<u64> {
         crate::generate::check_prompt(&self.model, &prompt)?;
         params.sampling.validate()?;
+        params.penalties.validate()?;
         let vocab = self.model.config.vocab_size;
         if let Some(&t) = prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(EngineError::InvalidArgument(format!(
@@ -790,8 +794,9 @@ impl<'a> Scheduler<'a> {
         self.waiting.push_back(Request {
             id,
             prompt_len: prompt.len(),
-            seq: prompt,
             sampler: Sampler::new(params.sampling.clone())?,
+            penalties: (!params.penalties.is_off())
+                .then(|| PenaltyHistory::new(params.penalties, &prompt)),
             sink: self
                 .tokenizer
                 .clone()
@@ -804,6 +809,7 @@ impl<'a> Scheduler<'a> {
             preemptions: 0,
             capacity,
             cap,
+            seq: prompt,
             spec,
         });
         Ok(id)
@@ -1109,8 +1115,25 @@ impl<'a> Scheduler<'a> {
         }
         self.stats.steps += 1;
         self.stats.rows += n_rows as u64;
-        // Verify or sample, stream, stop.
+        // Penalties: each row that is drawn from sees its request's history (a tree row, its
+        // path's tokens too) before anything reads it.
         let vocab = self.model.config.vocab_size;
+        let mut logits = logits;
+        for (sl, lg) in plan.iter().zip(logits.iter_mut()) {
+            let Some(h) = self.running[sl.idx].penalties.as_ref() else {
+                continue;
+            };
+            match &sl.tree {
+                Some(tree) => h.penalize_tree(tree, lg, vocab),
+                // The prompt's last row (a chunk that ends it) or the decoding row.
+                None if lg.len() >= vocab && (sl.prefill == 0 || sl.logits) => {
+                    let last = lg.len() - vocab;
+                    h.penalize_row(&mut lg[last..], &[]);
+                }
+                None => {}
+            }
+        }
+        // Verify or sample, stream, stop.
         let mut drawn = self.draw_rows(backend, &plan, &logits);
         let mut finished = Vec::new();
         for (((sl, x), lg), drawn) in plan.iter().zip(&inputs).zip(&logits).zip(&mut drawn) {
@@ -1245,6 +1268,9 @@ impl<'a> Scheduler<'a> {
                 }
                 // The cache holds `seq` but its last token: it is fed next step (if any).
                 r.seq.push(tok);
+                if let Some(h) = r.penalties.as_mut() {
+                    h.push(tok);
+                }
                 if reason.is_none() && (r.generated() >= r.params.max_tokens || r.seq.len() > r.cap)
                 {
                     reason = Some(FinishReason::Length);

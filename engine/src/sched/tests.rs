@@ -37,7 +37,7 @@ fn workload(vocab: u32) -> Vec<(Vec<u32>, usize)> {
     .collect()
 }
 
-/// Incremental decoding of one request with its own sampler: the reference.
+/// Incremental decoding of one request with its own sampler (and penalties): the reference.
 fn alone(model: &Model, be: &CpuBackend, prompt: &[u32], params: &GenerateParams) -> Vec<u32> {
     let mut cache = KvCache::new(&model.config, prompt.len() + params.max_tokens);
     let mut sampler = Sampler::new(params.sampling.clone()).unwrap();
@@ -52,9 +52,17 @@ fn alone(model: &Model, be: &CpuBackend, prompt: &[u32], params: &GenerateParams
             &[prompt.len() - 1],
         )
         .unwrap();
+    let mut history = (!params.penalties.is_off())
+        .then(|| crate::sample::penalty::PenaltyHistory::new(params.penalties, prompt));
     let mut out = Vec::new();
     while out.len() < params.max_tokens {
+        if let Some(h) = &history {
+            h.penalize_row(&mut logits, &[]);
+        }
         let t = sampler.sample(&logits);
+        if let Some(h) = history.as_mut() {
+            h.push(t);
+        }
         out.push(t);
         if out.len() == params.max_tokens {
             break;
@@ -1686,6 +1694,82 @@ fn logprobs_are_the_rows_log_softmax_with_and_without_speculation() {
         if logprobs {
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&lps), bits(&want_lp), "speculate {speculate}");
+        }
+    }
+}
+
+/// Penalties (repetition; frequency with presence): a request's greedy tokens are those of
+/// incremental decoding over its penalized rows, whether it decodes plainly or verifies trees
+/// (each tree row penalized with its own path), fixed or adaptive, batched with others and
+/// preempted; and the penalties change the outputs.
+#[test]
+fn penalized_outputs_equal_incremental_decoding_with_speculation() {
+    use crate::sample::penalty::Penalties;
+    let be = CpuBackend::new(2).unwrap();
+    let model = tiny_model(&spec("qwen2", GgmlType::Q8_0), 21).unwrap();
+    let vocab = model.config.vocab_size as u32;
+    for penalties in [
+        Penalties {
+            repetition: 1.2,
+            ..Penalties::default()
+        },
+        Penalties {
+            frequency: 0.3,
+            presence: 0.2,
+            ..Penalties::default()
+        },
+    ] {
+        let cases: Vec<(Vec<u32>, GenerateParams, Vec<u32>)> = (0..5u32)
+            .map(|i| {
+                let prompt = repetitive(vocab, 24 + 7 * i as usize, i);
+                let params = GenerateParams {
+                    max_tokens: 24,
+                    penalties,
+                    ..GenerateParams::default()
+                };
+                let want = alone(&model, &be, &prompt, &params);
+                (prompt, params, want)
+            })
+            .collect();
+        let changed = cases.iter().any(|(p, params, want)| {
+            let plain = GenerateParams {
+                penalties: Penalties::default(),
+                ..params.clone()
+            };
+            alone(&model, &be, p, &plain) != *want
+        });
+        assert!(changed, "{penalties:?} changes some output");
+        for blocks in [128usize, 12] {
+            let pool = KvPool::new(&model.config, model.config.n_layers, blocks);
+            let mut s = Scheduler::new(&model, None, pool.clone(), SchedConfig::default()).unwrap();
+            s.set_step_cost(StepCost::from_points(vec![(1, 0.010), (64, 0.012)]));
+            for (i, (p, params, _)) in cases.iter().enumerate() {
+                let sp = match i % 3 {
+                    0 => None,
+                    1 => Some(ngram_spec(SpecPolicy::Fixed, 8)),
+                    _ => Some(ngram_spec(SpecPolicy::Adaptive, 8)),
+                };
+                s.submit_spec(p.clone(), params.clone(), sp).unwrap();
+            }
+            let done = s.run_to_completion(&be).unwrap();
+            let mut accepted = 0;
+            for (id, f) in &done {
+                assert_eq!(
+                    done_tokens(f).0,
+                    &cases[*id as usize].2[..],
+                    "{penalties:?} pool {blocks} request {id}"
+                );
+                if id % 3 != 0 {
+                    let m = spec_metrics(f);
+                    eprintln!("{penalties:?} {blocks} {id}: {m:?}");
+                    accepted += m.accepted;
+                }
+            }
+            assert!(accepted > 0, "drafts were accepted");
+            if blocks == 12 {
+                assert!(s.stats().preemptions > 0);
+            }
+            assert_eq!(pool.stats().used, 0);
         }
     }
 }

@@ -11,7 +11,7 @@ use arbor_engine::draft::{DraftShape, Drafter, OracleDrafter, RandomDrafter};
 use arbor_engine::sample::verify::VerifyMode;
 use arbor_engine::spec::{self, SpecMetrics, SpecParams};
 use arbor_engine::{
-    generate, ChatMessage, CpuBackend, GenerateParams, Model, SamplingParams, Tokenizer,
+    generate, ChatMessage, CpuBackend, GenerateParams, Model, Penalties, SamplingParams, Tokenizer,
 };
 use arbor_tools::spec_bench::DraftSpec;
 use arbor_tools::{bench, fetch, spec_bench};
@@ -183,6 +183,16 @@ struct GenerateArgs {
     /// Keep tokens at least this share of the most likely one's probability (0 = off).
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     min_p: f32,
+    /// Divide positive (multiply negative) logits of tokens in the prompt or the output by this
+    /// (CTRL's repetition penalty; 1 = off).
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    repetition_penalty: f32,
+    /// Subtract this from a token's logit per time the output holds it (-2 to 2; 0 = off).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    frequency_penalty: f32,
+    /// Subtract this from the logit of every token the output holds (-2 to 2; 0 = off).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    presence_penalty: f32,
     /// Sampling seed (0 when not given). Given explicitly, it also makes `--speculate-policy
     /// auto` verify fixed trees, so the same seed gives the same text with drafters too.
     #[arg(long)]
@@ -837,6 +847,9 @@ fn cuda_generate(a: &GenerateArgs, params: &GenerateParams, ordinal: usize) -> R
         if params.sampling.temperature != 0.0 {
             bail!("--device cuda decodes greedily only so far: use --temperature 0");
         }
+        if !params.penalties.is_off() {
+            bail!("--device cuda applies no penalties yet: drop --repetition-penalty, --frequency-penalty and --presence-penalty");
+        }
         // Settings this path does not honour are refused, not ignored.
         if a.format != Format::Text {
             bail!("--device cuda prints text only so far: drop --format json");
@@ -947,8 +960,14 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         ignore_eos: a.ignore_eos,
         min_tokens: a.min_tokens,
         logprobs: false,
+        penalties: Penalties {
+            repetition: a.repetition_penalty,
+            frequency: a.frequency_penalty,
+            presence: a.presence_penalty,
+        },
     };
     params.sampling.validate()?;
+    params.penalties.validate()?;
     a.spec.validate()?;
     if let Device::Cuda(ordinal) = a.model.device {
         return cuda_generate(&a, &params, ordinal);

@@ -9,6 +9,7 @@ use serde_json::Value;
 
 use super::prompts::PromptSource;
 use super::run::{Arrivals, LoadOptions, DEFAULT_MAX_LINE_BYTES, DEFAULT_PER_CONNECTION};
+use super::target::PenaltyFields;
 use super::{plot, report, resolve_slo, sweep_into, ResultsFile, RunResult, SloSpec, SweepResult};
 
 /// `arbor load [OPTIONS]` or `arbor load sweep|compare ...`.
@@ -117,6 +118,15 @@ pub struct LoadArgs {
     /// Min-p of every sampled request (sent only with a temperature above 0).
     #[arg(long)]
     pub min_p: Option<f64>,
+    /// Repetition penalty of every request (`repetition_penalty`; 1 = off).
+    #[arg(long)]
+    pub repetition_penalty: Option<f64>,
+    /// Frequency penalty of every request (`frequency_penalty`, -2 to 2).
+    #[arg(long, allow_negative_numbers = true)]
+    pub frequency_penalty: Option<f64>,
+    /// Presence penalty of every request (`presence_penalty`, -2 to 2).
+    #[arg(long, allow_negative_numbers = true)]
+    pub presence_penalty: Option<f64>,
     /// Arbor's per-request `speculation` object, as JSON (e.g. '{"draft":"ngram","adaptive":false}').
     #[arg(long, conflicts_with = "no_speculation")]
     pub speculation: Option<String>,
@@ -184,6 +194,11 @@ impl LoadArgs {
         o.top_k = self.top_k;
         o.top_p = self.top_p;
         o.min_p = self.min_p;
+        o.penalties = PenaltyFields {
+            repetition: self.repetition_penalty,
+            frequency: self.frequency_penalty,
+            presence: self.presence_penalty,
+        };
         o.speculation = match (&self.speculation, self.no_speculation) {
             (Some(s), _) => {
                 let v: Value = serde_json::from_str(s).context("--speculation is not JSON")?;

@@ -14,7 +14,7 @@ use tokio::task::{Id as TaskId, JoinError, JoinSet};
 use super::metrics::{summarize, Counts, RequestRecord, Slo, Summary};
 use super::prompts::{self, LoadPrompt, PromptSource};
 use super::schedule::{choice_rng, uniform, ArrivalSchedule};
-use super::target::{AbortOnDrop, Client, ClientLimits, Outgoing, Target};
+use super::target::{AbortOnDrop, Client, ClientLimits, Outgoing, PenaltyFields, Target};
 use super::LoadError;
 
 /// How requests arrive.
@@ -49,6 +49,9 @@ pub struct LoadOptions {
     pub top_k: Option<usize>,
     pub top_p: Option<f64>,
     pub min_p: Option<f64>,
+    /// Repetition, frequency and presence penalties of every request.
+    #[serde(default)]
+    pub penalties: PenaltyFields,
     /// Arbor's per-request `speculation` object.
     pub speculation: Option<Value>,
     #[serde(skip)]
@@ -137,6 +140,7 @@ impl LoadOptions {
             top_k: None,
             top_p: None,
             min_p: None,
+            penalties: PenaltyFields::default(),
             speculation: None,
             auth_token: None,
             model: None,
@@ -226,6 +230,24 @@ impl LoadOptions {
                 )));
             }
         }
+        if let Some(r) = self.penalties.repetition {
+            if !(r > 0.0 && r <= 100.0) {
+                return Err(LoadError::Invalid(format!(
+                    "--repetition-penalty must be in (0, 100], got {r}"
+                )));
+            }
+        }
+        for (flag, v) in [
+            ("--frequency-penalty", self.penalties.frequency),
+            ("--presence-penalty", self.penalties.presence),
+        ] {
+            if v.is_some_and(|x| !(-2.0..=2.0).contains(&x)) {
+                return Err(LoadError::Invalid(format!(
+                    "{flag} must be in [-2, 2], got {}",
+                    v.unwrap_or_default()
+                )));
+            }
+        }
         if !(0.0..1.0).contains(&self.output_range) {
             return Err(LoadError::Invalid(
                 "--output-range must be in [0, 1)".into(),
@@ -305,6 +327,7 @@ struct Plan {
     top_k: Option<usize>,
     top_p: Option<f64>,
     min_p: Option<f64>,
+    penalties: PenaltyFields,
     seed: u64,
     speculation: Option<Value>,
 }
@@ -329,6 +352,7 @@ impl Plan {
             top_k: opts.top_k,
             top_p: opts.top_p,
             min_p: opts.min_p,
+            penalties: opts.penalties,
             seed: opts.seed,
             speculation: opts.speculation.clone(),
         }
@@ -345,6 +369,7 @@ impl Plan {
             top_k: self.top_k,
             top_p: self.top_p,
             min_p: self.min_p,
+            penalties: self.penalties,
             seed: self.seed.wrapping_add(i as u64),
             speculation: self.speculation.clone(),
         };

@@ -108,6 +108,34 @@ impl Target {
     }
 }
 
+/// Repetition, frequency and presence penalties of every request (not sent when `None`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PenaltyFields {
+    pub repetition: Option<f64>,
+    pub frequency: Option<f64>,
+    pub presence: Option<f64>,
+}
+
+impl PenaltyFields {
+    /// Into a request body: OpenAI's `frequency_penalty` and `presence_penalty`, and
+    /// `repetition_penalty` (Arbor's and vLLM's name; llama-server reads `repeat_penalty`, sent
+    /// too when `openai`).
+    fn write(&self, body: &mut Value, openai: bool) {
+        if let Some(r) = self.repetition {
+            body["repetition_penalty"] = json!(r);
+            if openai {
+                body["repeat_penalty"] = json!(r);
+            }
+        }
+        if let Some(f) = self.frequency {
+            body["frequency_penalty"] = json!(f);
+        }
+        if let Some(p) = self.presence {
+            body["presence_penalty"] = json!(p);
+        }
+    }
+}
+
 /// One request as the generator sends it.
 #[derive(Clone, Debug)]
 pub struct Outgoing {
@@ -119,6 +147,8 @@ pub struct Outgoing {
     pub top_k: Option<usize>,
     pub top_p: Option<f64>,
     pub min_p: Option<f64>,
+    /// Sent with greedy and sampled requests alike.
+    pub penalties: PenaltyFields,
     pub seed: u64,
     /// Arbor's `speculation` object, passed through unchanged.
     pub speculation: Option<Value>,
@@ -435,6 +465,7 @@ impl ArborClient {
             body["seed"] = json!(req.seed);
             req.truncation(&mut body);
         }
+        req.penalties.write(&mut body, false);
         if let Some(s) = &req.speculation {
             body["speculation"] = s.clone();
         }
@@ -642,6 +673,7 @@ impl OpenAiClient {
         if req.temperature > 0.0 {
             req.truncation(&mut body);
         }
+        req.penalties.write(&mut body, true);
         if req.ignore_eos {
             body["ignore_eos"] = json!(true);
         }
