@@ -348,6 +348,14 @@ fn hostile_lines() -> Vec<(Vec<u8>, &'static str)> {
             "invalid_argument",
         ),
         (
+            l(r#"{"id": "b7t", "prompt": "hi", "top_logprobs": 2}"#),
+            "invalid_argument",
+        ),
+        (
+            l(r#"{"id": "b7u", "prompt": "hi", "logprobs": true, "top_logprobs": 21}"#),
+            "invalid_argument",
+        ),
+        (
             l(r#"{"id": "b7f", "prompt": "hi", "frequency_penalty": 2.5}"#),
             "invalid_argument",
         ),
@@ -1366,9 +1374,11 @@ mod fuzz {
     }
 }
 
-/// `"logprobs": true`: every streamed line carries one log-probability per token, the final
-/// line of a request that does not stream has them all, and greedy speculation (prompt lookup)
-/// gives the same values bit for bit as plain decoding; a request that does not ask gets none.
+/// `"logprobs": true`: every streamed line carries one log-probability per token (and with
+/// `top_logprobs` that many alternatives, the token itself first under greedy decoding), the
+/// final line of a request that does not stream has them all, and greedy speculation (prompt
+/// lookup) gives the same values bit for bit as plain decoding; a request that does not ask gets
+/// none.
 #[test]
 fn logprobs_come_one_per_token_and_do_not_depend_on_speculation() {
     let server = TestServer::start(
@@ -1390,6 +1400,9 @@ fn logprobs_come_one_per_token_and_do_not_depend_on_speculation() {
         let mut req = request(json!(format!("lp{n}")), prompt, &p);
         req["speculation"] = spec;
         req["logprobs"] = json!(logprobs);
+        if logprobs {
+            req["top_logprobs"] = json!(3);
+        }
         let (events, fin) = c.run(&req);
         assert_eq!(fin["done"], true, "{fin}");
         let mut lps = Vec::new();
@@ -1400,9 +1413,23 @@ fn logprobs_come_one_per_token_and_do_not_depend_on_speculation() {
                     assert!(logprobs, "{ev}");
                     let l = l.as_array().expect("an array");
                     assert_eq!(l.len(), n_tok, "{ev}");
+                    let top = ev["top_logprobs"].as_array().expect("top_logprobs");
+                    assert_eq!(top.len(), n_tok, "{ev}");
+                    for ((alts, tok), lp) in top.iter().zip(ev["tokens"].as_array().unwrap()).zip(l)
+                    {
+                        let alts = alts.as_array().expect("alternatives");
+                        assert_eq!(alts.len(), 3, "{ev}");
+                        // Greedy: the best alternative is the token, with its log-probability.
+                        assert_eq!(alts[0]["token"], *tok, "{ev}");
+                        assert_eq!(alts[0]["logprob"], *lp, "{ev}");
+                        assert!(alts[1]["logprob"].as_f64() <= alts[0]["logprob"].as_f64());
+                    }
                     lps.extend(l.iter().map(|x| x.as_f64().expect("a number")));
                 }
-                None => assert!(!logprobs || n_tok == 0, "{ev}"),
+                None => {
+                    assert!(!logprobs || n_tok == 0, "{ev}");
+                    assert!(ev.get("top_logprobs").is_none(), "{ev}");
+                }
             }
         }
         if logprobs {
@@ -1424,6 +1451,7 @@ fn logprobs_come_one_per_token_and_do_not_depend_on_speculation() {
     // Not streamed: the final line has them all.
     let mut req = request(json!("lp-final"), prompt, &p);
     req["logprobs"] = json!(true);
+    req["top_logprobs"] = json!(2);
     req["stream"] = json!(false);
     req["speculation"] = json!({"draft": []});
     let (_, fin) = c.run(&req);
@@ -1434,6 +1462,13 @@ fn logprobs_come_one_per_token_and_do_not_depend_on_speculation() {
         .map(|x| x.as_f64().expect("a number"))
         .collect();
     assert_eq!(all, runs[0].1);
+    let top = fin["top_logprobs"]
+        .as_array()
+        .expect("top_logprobs on the final line");
+    assert_eq!(top.len(), all.len());
+    assert!(top
+        .iter()
+        .all(|a| a.as_array().is_some_and(|a| a.len() == 2)));
 }
 
 /// Repetition, frequency and presence penalties through the server: the tokens of

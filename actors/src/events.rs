@@ -75,6 +75,9 @@ pub struct Completion {
     pub tokens: Vec<u32>,
     /// Their log-probabilities when the request asked (`Request::logprobs`); empty otherwise.
     pub logprobs: Vec<f32>,
+    /// Per token, its most likely alternatives (token, log-probability) when the request asked
+    /// (`Request::top_logprobs`); empty otherwise.
+    pub top_logprobs: Vec<Vec<(u32, f32)>>,
     pub usage: Usage,
     pub spec: Option<SpecSummary>,
     pub timing: Timing,
@@ -91,6 +94,8 @@ pub enum Event {
         tokens: Vec<u32>,
         /// One per token when the request asked for log-probabilities; empty otherwise.
         logprobs: Vec<f32>,
+        /// One list of alternatives per token when the request asked (`top_logprobs`).
+        top_logprobs: Vec<Vec<(u32, f32)>>,
         text: String,
     },
     /// Final: the request ended.

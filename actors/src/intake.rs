@@ -46,13 +46,32 @@ struct Entry {
     prompt_tokens: usize,
     /// What the consumer was sent.
     tokens: Vec<u32>,
-    /// Their log-probabilities (when asked).
+    /// Their log-probabilities and alternatives (when asked).
     logprobs: Vec<f32>,
+    top_logprobs: Vec<Vec<(u32, f32)>>,
     text: String,
     /// Tokens (with their log-probabilities) of steps that ran after an early end was asked for
     /// (cancel, deadline, shutdown): dropped if the early end takes effect, streamed if the
     /// request finishes on its own first.
-    held: (Vec<u32>, Vec<f32>, String),
+    held: Emitted,
+}
+
+/// Tokens of one or more steps with what came with them.
+#[derive(Default)]
+struct Emitted {
+    tokens: Vec<u32>,
+    logprobs: Vec<f32>,
+    top_logprobs: Vec<Vec<(u32, f32)>>,
+    text: String,
+}
+
+impl Emitted {
+    fn append(&mut self, mut other: Emitted) {
+        self.tokens.append(&mut other.tokens);
+        self.logprobs.append(&mut other.logprobs);
+        self.top_logprobs.append(&mut other.top_logprobs);
+        self.text.push_str(&other.text);
+    }
 }
 
 impl Entry {
@@ -345,27 +364,32 @@ impl Intake {
             // Tokens of steps after an early end was asked for are held back, so an early final
             // line reports exactly what the consumer got; a request that finishes on its own
             // first sends them with its last step's (its final line has the whole output).
-            let (mut tokens, mut logprobs, mut text) = (ev.tokens, ev.logprobs, ev.text);
+            let mut out = Emitted {
+                tokens: ev.tokens,
+                logprobs: ev.logprobs,
+                top_logprobs: ev.top_logprobs,
+                text: ev.text,
+            };
             if e.state != EntryState::Active {
-                e.held.0.append(&mut tokens);
-                e.held.1.append(&mut logprobs);
-                e.held.2.push_str(&text);
-                if matches!(ev.finish, Some(Finish::Done { .. })) {
-                    (tokens, logprobs, text) = std::mem::take(&mut e.held);
+                e.held.append(out);
+                out = if matches!(ev.finish, Some(Finish::Done { .. })) {
+                    std::mem::take(&mut e.held)
                 } else {
-                    text.clear();
-                }
+                    Emitted::default()
+                };
             }
-            if !tokens.is_empty() {
-                e.tokens.extend_from_slice(&tokens);
-                e.logprobs.extend_from_slice(&logprobs);
-                e.text.push_str(&text);
+            if !out.tokens.is_empty() {
+                e.tokens.extend_from_slice(&out.tokens);
+                e.logprobs.extend_from_slice(&out.logprobs);
+                e.top_logprobs.extend_from_slice(&out.top_logprobs);
+                e.text.push_str(&out.text);
                 e.first_token.get_or_insert(now);
                 let ev = Event::Tokens {
                     id,
-                    tokens,
-                    logprobs,
-                    text,
+                    tokens: out.tokens,
+                    logprobs: out.logprobs,
+                    top_logprobs: out.top_logprobs,
+                    text: out.text,
                 };
                 if let Err(err) = e.sink.send(ev) {
                     self.sink_failed(id, err, ctx);
@@ -407,6 +431,7 @@ impl Intake {
                         text,
                         tokens,
                         logprobs: std::mem::take(&mut e.logprobs),
+                        top_logprobs: std::mem::take(&mut e.top_logprobs),
                         spec,
                         timing: e.timing(now),
                         preemptions,
@@ -518,6 +543,7 @@ impl Intake {
                     text: e.text.clone(),
                     tokens: e.tokens.clone(),
                     logprobs: e.logprobs.clone(),
+                    top_logprobs: e.top_logprobs.clone(),
                     spec: stats.spec.map(|m| act.spec_summary(&m)),
                     timing: e.timing(Instant::now()),
                     preemptions: stats.preemptions,
@@ -686,7 +712,8 @@ impl Handler<Submit> for Intake {
                 tokens: Vec::new(),
                 text: String::new(),
                 logprobs: Vec::new(),
-                held: (Vec::new(), Vec::new(), String::new()),
+                top_logprobs: Vec::new(),
+                held: Emitted::default(),
             },
         );
         // Tokenized on the PromptTokenizer's thread, then queued on the Verifier's.

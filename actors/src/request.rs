@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use arbor_engine::sample::verify::VerifyMode;
+use arbor_engine::sample::MAX_TOP_LOGPROBS;
 use arbor_engine::{ChatMessage, GenerateParams, Penalties, SamplingParams};
 
 use crate::config::Limits;
@@ -48,6 +49,8 @@ pub struct Request {
     /// Report each generated token's log-probability under the model (after the penalties,
     /// before temperature and truncation) with the token.
     pub logprobs: bool,
+    /// With `logprobs`: each token's this many most likely alternatives too (0 to 20).
+    pub top_logprobs: usize,
     /// End the request (finish reason `deadline`) this long after submission.
     pub deadline: Option<Duration>,
     /// `None`: the engine's default (speculate with every drafter it has).
@@ -70,6 +73,7 @@ impl Request {
             penalties: Penalties::default(),
             stop: Vec::new(),
             logprobs: false,
+            top_logprobs: 0,
             deadline: None,
             speculation: None,
         }
@@ -146,6 +150,14 @@ impl ValidRequest {
         }
         req.sampling.validate().map_err(ServeError::from)?;
         req.penalties.validate().map_err(ServeError::from)?;
+        if req.top_logprobs > MAX_TOP_LOGPROBS {
+            return Err(ServeError::invalid(format!(
+                "top_logprobs must be at most {MAX_TOP_LOGPROBS}"
+            )));
+        }
+        if req.top_logprobs > 0 && !req.logprobs {
+            return Err(ServeError::invalid("top_logprobs needs logprobs: true"));
+        }
         if req.stop.len() > limits.max_stop {
             return Err(ServeError::invalid(format!(
                 "at most {} stop strings",
@@ -174,6 +186,7 @@ impl ValidRequest {
                 ignore_eos: req.ignore_eos,
                 min_tokens: req.min_tokens,
                 logprobs: req.logprobs,
+                top_logprobs: req.top_logprobs,
                 penalties: req.penalties,
             },
             deadline,

@@ -28,6 +28,9 @@ pub struct GenerateParams {
     /// ([`crate::sample::log_softmax_at`] of the row it was drawn from: after the penalties,
     /// before temperature and truncation) with the token.
     pub logprobs: bool,
+    /// With `logprobs`: also each token's this many most likely alternatives (token,
+    /// log-probability; at most [`crate::sample::MAX_TOP_LOGPROBS`]), as OpenAI's API.
+    pub top_logprobs: usize,
     /// Repetition, frequency and presence penalties ([`crate::sample::penalty`]), applied
     /// before the sampling parameters; off by default.
     pub penalties: Penalties,
@@ -42,6 +45,7 @@ impl Default for GenerateParams {
             ignore_eos: false,
             min_tokens: 0,
             logprobs: false,
+            top_logprobs: 0,
             penalties: Penalties::default(),
         }
     }

@@ -35,7 +35,7 @@ pub struct LineError {
     pub error: ServeError,
 }
 
-const REQUEST_FIELDS: [&str; 19] = [
+const REQUEST_FIELDS: [&str; 20] = [
     "id",
     "prompt",
     "messages",
@@ -43,6 +43,7 @@ const REQUEST_FIELDS: [&str; 19] = [
     "min_tokens",
     "ignore_eos",
     "logprobs",
+    "top_logprobs",
     "temperature",
     "top_p",
     "top_k",
@@ -259,6 +260,7 @@ fn request(obj: &Map<String, Value>) -> Result<(bool, Request), ServeError> {
             "min_tokens" => req.min_tokens = uint(k, v, u32::MAX as u64)? as usize,
             "ignore_eos" => req.ignore_eos = boolean(k, v)?,
             "logprobs" => req.logprobs = boolean(k, v)?,
+            "top_logprobs" => req.top_logprobs = uint(k, v, u32::MAX as u64)? as usize,
             "temperature" => {
                 let t = float(k, v)?;
                 if !(0.0..=100.0).contains(&t) {
@@ -396,6 +398,17 @@ fn speculation(v: &Value) -> Result<SpeculationRequest, ServeError> {
     Ok(s)
 }
 
+/// Per token, its alternatives as `[{"token": id, "logprob": x}, ...]`.
+fn alternatives(top: &[Vec<(u32, f32)>]) -> Value {
+    top.iter()
+        .map(|alts| {
+            alts.iter()
+                .map(|&(t, l)| json!({"token": t, "logprob": l}))
+                .collect::<Value>()
+        })
+        .collect()
+}
+
 /// The line for an event of the request the client calls `id` (`None`: a token event of a
 /// request that does not stream).
 pub fn event_line(id: &Value, ev: &Event, stream: bool) -> Option<String> {
@@ -403,6 +416,7 @@ pub fn event_line(id: &Value, ev: &Event, stream: bool) -> Option<String> {
         Event::Tokens {
             tokens,
             logprobs,
+            top_logprobs,
             text,
             ..
         } => {
@@ -412,6 +426,9 @@ pub fn event_line(id: &Value, ev: &Event, stream: bool) -> Option<String> {
             let mut v = json!({"id": id, "text": text, "tokens": tokens});
             if !logprobs.is_empty() {
                 v["logprobs"] = json!(logprobs);
+            }
+            if !top_logprobs.is_empty() {
+                v["top_logprobs"] = alternatives(top_logprobs);
             }
             v
         }
@@ -442,6 +459,9 @@ pub fn event_line(id: &Value, ev: &Event, stream: bool) -> Option<String> {
                 v["tokens"] = json!(c.tokens);
                 if !c.logprobs.is_empty() {
                     v["logprobs"] = json!(c.logprobs);
+                }
+                if !c.top_logprobs.is_empty() {
+                    v["top_logprobs"] = alternatives(&c.top_logprobs);
                 }
             }
             v

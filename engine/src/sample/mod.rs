@@ -174,15 +174,40 @@ fn lanes_max<const N: usize>(mut acc: [f32; N]) -> f32 {
 /// token-keyed sum, so a row gives the same value wherever it was computed (NaN logits carry no
 /// mass; `-inf` for a token without mass; NaN when the row has no finite maximum).
 pub fn log_softmax_at(logits: &[f32], tok: u32) -> f32 {
+    log_softmax_top(logits, tok, 0).0
+}
+
+/// Most alternatives a request may ask for per token (`top_logprobs`, as OpenAI's API).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// [`log_softmax_at`] of `tok` and the `n` most likely tokens of the row with their
+/// log-probabilities (the same values `log_softmax_at` gives them), most likely first, ties by
+/// ascending token id; tokens without mass (NaN logits) are never among them. One exponential
+/// pass for all of them; the head is read from 64-token block maxima where it can be.
+pub fn log_softmax_top(logits: &[f32], tok: u32, n: usize) -> (f32, Vec<(u32, f32)>) {
     let max = max_ignoring_nan(logits);
-    let Some(&v) = logits.get(tok as usize) else {
-        return f32::NAN;
-    };
     if !max.is_finite() {
-        return f32::NAN;
+        return (f32::NAN, Vec::new());
     }
     let sum = exp_total(&mut logits.to_vec(), logits, max);
-    (f64::from(v - max) - sum.ln()) as f32
+    let ln_sum = sum.ln();
+    let lp = |v: f32| (f64::from(v - max) - ln_sum) as f32;
+    let at = logits.get(tok as usize).map_or(f32::NAN, |&v| lp(v));
+    if n == 0 {
+        return (at, Vec::new());
+    }
+    let head = top_k_head(logits, n, |v| v).unwrap_or_else(|| {
+        let mut all: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| !v.is_nan())
+            .map(|(i, &v)| (i as u32, v))
+            .collect();
+        all.sort_unstable_by(by_prob);
+        all.truncate(n);
+        all
+    });
+    (at, head.into_iter().map(|(t, v)| (t, lp(v))).collect())
 }
 
 /// What the logits are shifted by before scaling: a temperature so small that `logit / t`
@@ -1115,6 +1140,52 @@ mod tests {
                 _ => (rng.next_f64() as f32 - 0.5) * 30.0,
             })
             .collect()
+    }
+
+    /// `log_softmax_top`: the chosen token's value is `log_softmax_at`'s; the head is the `n`
+    /// best tokens of a full sort (descending logit, then token id; NaN never), each with its
+    /// `log_softmax_at` value bit for bit; the masses of a whole row sum to 1.
+    #[test]
+    fn top_log_probabilities_are_the_rows_best_tokens() {
+        let mut rng = Rng::new(5);
+        for case in 0..4 {
+            for n_tok in [7usize, 300, 4099] {
+                let logits: Vec<f32> = match case {
+                    0 => rough_logits(&mut rng, n_tok),
+                    // Ties: few distinct values.
+                    1 => (0..n_tok).map(|_| (rng.next_u64() % 4) as f32).collect(),
+                    // Mostly NaN: fewer tokens with mass than asked for.
+                    2 => (0..n_tok)
+                        .map(|i| if i % 400 == 3 { i as f32 } else { f32::NAN })
+                        .collect(),
+                    _ => (0..n_tok).map(|i| (i % 97) as f32 * 0.1).collect(),
+                };
+                let mut order: Vec<(u32, f32)> = logits
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, v)| !v.is_nan())
+                    .map(|(i, &v)| (i as u32, v))
+                    .collect();
+                order.sort_by(by_prob);
+                for n in [0usize, 1, 5, MAX_TOP_LOGPROBS] {
+                    let tok = (rng.next_u64() % n_tok as u64) as u32;
+                    let (lp, top) = log_softmax_top(&logits, tok, n);
+                    let want = log_softmax_at(&logits, tok);
+                    assert_eq!(lp.to_bits(), want.to_bits(), "case {case} n {n}");
+                    assert_eq!(top.len(), n.min(order.len()), "case {case} n {n}");
+                    for (&(t, l), &(ot, _)) in top.iter().zip(&order) {
+                        assert_eq!(t, ot, "case {case} n {n}");
+                        assert_eq!(l.to_bits(), log_softmax_at(&logits, t).to_bits());
+                    }
+                }
+                if case == 3 {
+                    let (_, all) = log_softmax_top(&logits, 0, n_tok);
+                    let mass: f64 = all.iter().map(|&(_, l)| (l as f64).exp()).sum();
+                    assert!((mass - 1.0).abs() < 1e-4, "{mass}");
+                }
+            }
+        }
+        assert!(log_softmax_top(&[f32::NAN; 4], 0, 2).1.is_empty());
     }
 
     /// `sample` (masses drawn without building pairs) is `draw(&distribution(..))` bit for bit,

@@ -66,6 +66,9 @@ pub struct StepEvent {
     /// Their log-probabilities under the model, one per token, when the request asked
     /// ([`GenerateParams::logprobs`]); empty otherwise.
     pub logprobs: Vec<f32>,
+    /// Per token, its `GenerateParams::top_logprobs` most likely alternatives (token,
+    /// log-probability) when the request asked; empty otherwise.
+    pub top_logprobs: Vec<Vec<(u32, f32)>>,
     /// Text that became final this step.
     pub text: String,
     /// Set on the request's last event.
@@ -381,6 +384,7 @@ fn failed(id: u64, e: EngineError) -> StepEvent {
         id,
         tokens: Vec::new(),
         logprobs: Vec::new(),
+        top_logprobs: Vec::new(),
         text: String::new(),
         finish: Some(Finish::Failed(e)),
     }
@@ -732,6 +736,13 @@ impl<'a> Scheduler<'a> {
         crate::generate::check_prompt(&self.model, &prompt)?;
         params.sampling.validate()?;
         params.penalties.validate()?;
+        if params.top_logprobs > crate::sample::MAX_TOP_LOGPROBS {
+            return Err(EngineError::InvalidArgument(format!(
+                "top_logprobs must be at most {}, got {}",
+                crate::sample::MAX_TOP_LOGPROBS,
+                params.top_logprobs
+            )));
+        }
         let vocab = self.model.config.vocab_size;
         if let Some(&t) = prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(EngineError::InvalidArgument(format!(
@@ -848,6 +859,7 @@ impl<'a> Scheduler<'a> {
                     id: req.id,
                     tokens: Vec::new(),
                     logprobs: Vec::new(),
+                    top_logprobs: Vec::new(),
                     text: String::new(),
                     finish: Some(Finish::Done {
                         reason: FinishReason::Length,
@@ -1250,6 +1262,7 @@ impl<'a> Scheduler<'a> {
                 id: r.id,
                 tokens: Vec::new(),
                 logprobs: Vec::new(),
+                top_logprobs: Vec::new(),
                 text: String::new(),
                 finish: None,
             };
@@ -1258,8 +1271,15 @@ impl<'a> Scheduler<'a> {
                 ev.tokens.push(tok);
                 if r.params.logprobs {
                     let at = row * vocab;
-                    ev.logprobs
-                        .push(crate::sample::log_softmax_at(&lg[at..at + vocab], tok));
+                    let (lp, top) = crate::sample::log_softmax_top(
+                        &lg[at..at + vocab],
+                        tok,
+                        r.params.top_logprobs,
+                    );
+                    ev.logprobs.push(lp);
+                    if r.params.top_logprobs > 0 {
+                        ev.top_logprobs.push(top);
+                    }
                 }
                 if let Some(sink) = r.sink.as_mut() {
                     let before = sink.text().len();

@@ -1652,9 +1652,10 @@ fn logprobs_are_the_rows_log_softmax_with_and_without_speculation() {
             &[prompt.len() - 1],
         )
         .unwrap();
-    let mut want_lp = Vec::new();
+    let (mut want_lp, mut want_top) = (Vec::new(), Vec::new());
     for &t in &want {
         want_lp.push(crate::sample::log_softmax_at(&logits, t));
+        want_top.push(crate::sample::log_softmax_top(&logits, t, 3).1);
         let p = cache.len();
         logits = model
             .forward(&be, &mut cache, &[t], &[p], BatchMask::Causal, &[0])
@@ -1667,23 +1668,27 @@ fn logprobs_are_the_rows_log_softmax_with_and_without_speculation() {
         let mut s = Scheduler::new(&model, None, pool, SchedConfig::default()).unwrap();
         let p = GenerateParams {
             logprobs,
+            top_logprobs: 3,
             ..params.clone()
         };
         let sp = speculate.then(|| ngram_spec(SpecPolicy::Fixed, 8));
         s.submit_spec(prompt.clone(), p, sp).unwrap();
         // A second request without logprobs shares the steps.
         s.submit(repetitive(vocab, 30, 5), params.clone()).unwrap();
-        let (mut tokens, mut lps, mut multi) = (Vec::new(), Vec::new(), false);
+        let (mut tokens, mut lps, mut tops, mut multi) =
+            (Vec::new(), Vec::new(), Vec::new(), false);
         while !s.is_idle() {
             for ev in s.step(&be).unwrap() {
                 if ev.id == 0 {
                     let n = if logprobs { ev.tokens.len() } else { 0 };
                     assert_eq!(ev.logprobs.len(), n, "one per token when asked");
+                    assert_eq!(ev.top_logprobs.len(), n, "alternatives with logprobs only");
                     multi |= ev.tokens.len() > 1;
                     tokens.extend(ev.tokens);
                     lps.extend(ev.logprobs);
+                    tops.extend(ev.top_logprobs);
                 } else {
-                    assert!(ev.logprobs.is_empty());
+                    assert!(ev.logprobs.is_empty() && ev.top_logprobs.is_empty());
                 }
             }
         }
@@ -1694,6 +1699,15 @@ fn logprobs_are_the_rows_log_softmax_with_and_without_speculation() {
         if logprobs {
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&lps), bits(&want_lp), "speculate {speculate}");
+            // Greedy: the best alternative is the token itself.
+            for ((top, want), (&t, &lp)) in tops.iter().zip(&want_top).zip(tokens.iter().zip(&lps))
+            {
+                assert_eq!(top.len(), 3);
+                assert_eq!(top[0], (t, lp));
+                let ids =
+                    |v: &[(u32, f32)]| v.iter().map(|&(t, l)| (t, l.to_bits())).collect::<Vec<_>>();
+                assert_eq!(ids(top), ids(want), "speculate {speculate}");
+            }
         }
     }
 }

@@ -960,6 +960,7 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         ignore_eos: a.ignore_eos,
         min_tokens: a.min_tokens,
         logprobs: false,
+        top_logprobs: 0,
         penalties: Penalties {
             repetition: a.repetition_penalty,
             frequency: a.frequency_penalty,
