@@ -19,7 +19,7 @@ use arbor_engine::sample::{Rng, Sampler, SamplingParams};
 use arbor_engine::spec::{self, SpecSession};
 use arbor_engine::testing::{tiny_model, TinySpec};
 use arbor_engine::tree::{DrawKind, ExpandMode, TokenTree};
-use arbor_engine::{BatchMask, CpuBackend, KvCache, Model};
+use arbor_engine::{BatchMask, CpuBackend, GenerateParams, KvCache, Model};
 use statrs::distribution::{ChiSquared, ContinuousCDF};
 
 const VOCAB: usize = 8;
@@ -258,7 +258,11 @@ fn speculative_counts_penalized(
     for _ in 0..SAMPLES {
         let mut s =
             SpecSession::new(&model, &be, base.clone(), PROMPT.to_vec(), verifier, budget).unwrap();
-        s.set_penalties(*pen, PROMPT.len()).unwrap();
+        let with = GenerateParams {
+            penalties: *pen,
+            ..GenerateParams::default()
+        };
+        s.set_penalties(&with, PROMPT.len()).unwrap();
         while s.tokens().len() < PROMPT.len() + 3 {
             s.step(drafters, 4).unwrap();
         }

@@ -352,6 +352,22 @@ fn hostile_lines() -> Vec<(Vec<u8>, &'static str)> {
             "invalid_argument",
         ),
         (
+            l(r#"{"id": "b7b", "prompt": "hi", "logit_bias": {"12": 101}}"#),
+            "invalid_argument",
+        ),
+        (
+            l(r#"{"id": "b7c", "prompt": "hi", "logit_bias": {"x": 1}}"#),
+            "invalid_argument",
+        ),
+        (
+            l(r#"{"id": "b7d", "prompt": "hi", "logit_bias": [[12, 1]]}"#),
+            "invalid_type",
+        ),
+        (
+            l(r#"{"id": "b7e", "prompt": "hi", "logit_bias": {"99999999": 1}}"#),
+            "invalid_argument",
+        ),
+        (
             l(r#"{"id": "b7u", "prompt": "hi", "logprobs": true, "top_logprobs": 21}"#),
             "invalid_argument",
         ),
@@ -1474,7 +1490,7 @@ fn logprobs_come_one_per_token_and_do_not_depend_on_speculation() {
 /// Repetition, frequency and presence penalties through the server: the tokens of
 /// `arbor generate` (plain, and `--draft ngram` through `spec::generate`) whether the server
 /// decodes plainly or verifies prompt-lookup trees, greedy and sampled; and they change the
-/// output of a prompt that repeats itself.
+/// output of a prompt that repeats itself. A logit bias of -100 bans its token.
 #[test]
 fn penalties_through_the_server_equal_generate_with_and_without_speculation() {
     let server = TestServer::start(
@@ -1527,4 +1543,19 @@ fn penalties_through_the_server_equal_generate_with_and_without_speculation() {
             );
         }
     }
+    // A logit bias: the plain output's third token banned, with prompt lookup.
+    let plain = params(32, 0.0, 5);
+    let banned = reference(prompt, &plain, None).1[2];
+    let p = GenerateParams {
+        logit_bias: vec![(banned, -100.0)],
+        ..plain.clone()
+    };
+    let mut req = request(json!("bias"), prompt, &p);
+    req["logit_bias"] = json!({ banned.to_string(): -100 });
+    req["speculation"] = json!({"draft": ["ngram"]});
+    let (events, fin) = c.run(&req);
+    assert_eq!(fin["done"], true, "{fin}");
+    let toks = streamed(&events).1;
+    assert_eq!(toks, reference(prompt, &p, None).1);
+    assert!(!toks.contains(&banned), "{toks:?}");
 }

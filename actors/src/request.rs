@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use arbor_engine::sample::penalty::MAX_LOGIT_BIAS;
 use arbor_engine::sample::verify::VerifyMode;
 use arbor_engine::sample::MAX_TOP_LOGPROBS;
 use arbor_engine::{ChatMessage, GenerateParams, Penalties, SamplingParams};
@@ -45,6 +46,8 @@ pub struct Request {
     pub sampling: SamplingParams,
     /// Repetition, frequency and presence penalties (off by default).
     pub penalties: Penalties,
+    /// (token, value) added to the token's logit before the penalties (OpenAI's `logit_bias`).
+    pub logit_bias: Vec<(u32, f32)>,
     pub stop: Vec<String>,
     /// Report each generated token's log-probability under the model (after the penalties,
     /// before temperature and truncation) with the token.
@@ -71,6 +74,7 @@ impl Request {
             ignore_eos: false,
             sampling: SamplingParams::default(),
             penalties: Penalties::default(),
+            logit_bias: Vec::new(),
             stop: Vec::new(),
             logprobs: false,
             top_logprobs: 0,
@@ -150,6 +154,11 @@ impl ValidRequest {
         }
         req.sampling.validate().map_err(ServeError::from)?;
         req.penalties.validate().map_err(ServeError::from)?;
+        if req.logit_bias.len() > MAX_LOGIT_BIAS {
+            return Err(ServeError::invalid(format!(
+                "logit_bias may name at most {MAX_LOGIT_BIAS} tokens"
+            )));
+        }
         if req.top_logprobs > MAX_TOP_LOGPROBS {
             return Err(ServeError::invalid(format!(
                 "top_logprobs must be at most {MAX_TOP_LOGPROBS}"
@@ -188,6 +197,7 @@ impl ValidRequest {
                 logprobs: req.logprobs,
                 top_logprobs: req.top_logprobs,
                 penalties: req.penalties,
+                logit_bias: req.logit_bias,
             },
             deadline,
             speculation,

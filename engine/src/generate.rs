@@ -6,7 +6,7 @@ use crate::backend::{Backend, BatchMask};
 use crate::error::{EngineError, Result};
 use crate::kv::{KvCache, KvPool, BLOCK_SLOTS};
 use crate::model::Model;
-use crate::sample::penalty::Penalties;
+use crate::sample::penalty::{validate_logit_bias, Penalties, PenaltyHistory};
 use crate::sample::SamplingParams;
 use crate::sched::{Finish, SchedConfig, Scheduler};
 use crate::shared::Shared;
@@ -34,6 +34,9 @@ pub struct GenerateParams {
     /// Repetition, frequency and presence penalties ([`crate::sample::penalty`]), applied
     /// before the sampling parameters; off by default.
     pub penalties: Penalties,
+    /// (token, value) added to the token's logit before the penalties (OpenAI's `logit_bias`;
+    /// see [`crate::sample::penalty::validate_logit_bias`]); empty by default.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for GenerateParams {
@@ -47,7 +50,22 @@ impl Default for GenerateParams {
             logprobs: false,
             top_logprobs: 0,
             penalties: Penalties::default(),
+            logit_bias: Vec::new(),
         }
+    }
+}
+
+impl GenerateParams {
+    /// Check the penalties and the logit bias against a model of `vocab` tokens.
+    pub fn validate_logits_rules(&self, vocab: usize) -> Result<()> {
+        self.penalties.validate()?;
+        validate_logit_bias(&self.logit_bias, vocab)
+    }
+
+    /// The bias and penalties of a request after `prompt`, or `None` when it has neither.
+    pub fn logits_history(&self, prompt: &[u32]) -> Option<PenaltyHistory> {
+        (!self.penalties.is_off() || !self.logit_bias.is_empty())
+            .then(|| PenaltyHistory::new(self.penalties, prompt).with_bias(&self.logit_bias))
     }
 }
 

@@ -20,7 +20,7 @@ use crate::generate::{
 };
 use crate::kv::KvCache;
 use crate::model::Model;
-use crate::sample::penalty::{Penalties, PenaltyHistory};
+use crate::sample::penalty::PenaltyHistory;
 use crate::sample::verify::{Verifier, VerifyMode, VerifyOutcome};
 use crate::sample::Sampler;
 use crate::sched::adaptive::{
@@ -737,18 +737,20 @@ impl<'m, B: Backend> SpecSession<'m, B> {
         })
     }
 
-    /// Penalize every row this session verifies from now on: `tokens[..prompt_len]` are the
-    /// prompt, the rest generated (off penalties clear them).
-    pub fn set_penalties(&mut self, penalties: Penalties, prompt_len: usize) -> Result<()> {
-        penalties.validate()?;
+    /// Bias and penalize every row this session verifies from now on, by `params`' logit bias
+    /// and penalties: `tokens[..prompt_len]` are the prompt, the rest generated (neither clears
+    /// them).
+    pub fn set_penalties(&mut self, params: &GenerateParams, prompt_len: usize) -> Result<()> {
+        params.validate_logits_rules(self.model.config.vocab_size)?;
         let prompt_len = prompt_len.min(self.tokens.len());
-        self.penalties = (!penalties.is_off()).then(|| {
-            let mut h = PenaltyHistory::new(penalties, &self.tokens[..prompt_len]);
-            for &t in &self.tokens[prompt_len..] {
-                h.push(t);
-            }
-            h
-        });
+        self.penalties = params
+            .logits_history(&self.tokens[..prompt_len])
+            .map(|mut h| {
+                for &t in &self.tokens[prompt_len..] {
+                    h.push(t);
+                }
+                h
+            });
         Ok(())
     }
 
@@ -962,7 +964,7 @@ pub fn generate<B: Backend>(
     on_text: impl FnMut(&str),
 ) -> Result<SpecOutput> {
     check_prompt(model, prompt)?;
-    params.penalties.validate()?;
+    params.validate_logits_rules(model.config.vocab_size)?;
     let limit = model.config.context_length;
     let mode = spec.mode.unwrap_or(VerifyMode::auto(&params.sampling));
     if mode == VerifyMode::Greedy && !params.sampling.is_greedy() {
@@ -999,13 +1001,12 @@ pub fn generate<B: Backend>(
         prefill(model, backend, &mut cache, prompt)?
     };
     let t1 = Instant::now();
-    let penalties = (!params.penalties.is_off()).then_some(params.penalties);
     let first = if params.max_tokens == 0 {
         None
     } else {
         let mut logits = logits;
-        if let Some(p) = penalties {
-            PenaltyHistory::new(p, prompt).penalize_row(&mut logits, &[]);
+        if let Some(h) = params.logits_history(prompt) {
+            h.penalize_row(&mut logits, &[]);
         }
         Some(sampler.sample(&logits))
     };
@@ -1038,9 +1039,7 @@ pub fn generate<B: Backend>(
     // drafters are asked for their whole depth, since a deeper draft costs no drafter passes.
     let mut cheap_drafting = false;
     let mut session = SpecSession::new(model, backend, cache, seq, verifier, spec.budget)?;
-    if let Some(p) = penalties {
-        session.set_penalties(p, prompt.len())?;
-    }
+    session.set_penalties(params, prompt.len())?;
     let mut pending: Vec<u32> = first.into_iter().collect();
     let mut finish_reason = FinishReason::Length;
     'gen: loop {

@@ -35,7 +35,7 @@ pub struct LineError {
     pub error: ServeError,
 }
 
-const REQUEST_FIELDS: [&str; 20] = [
+const REQUEST_FIELDS: [&str; 21] = [
     "id",
     "prompt",
     "messages",
@@ -51,6 +51,7 @@ const REQUEST_FIELDS: [&str; 20] = [
     "repetition_penalty",
     "frequency_penalty",
     "presence_penalty",
+    "logit_bias",
     "seed",
     "stop",
     "stream",
@@ -315,6 +316,7 @@ fn request(obj: &Map<String, Value>) -> Result<(bool, Request), ServeError> {
                     _ => req.penalties.presence = x as f32,
                 }
             }
+            "logit_bias" => req.logit_bias = logit_bias(v)?,
             "seed" => sampling.seed = uint(k, v, u64::MAX)?,
             "stop" => req.stop = strings(k, v)?,
             "stream" => stream = boolean(k, v)?,
@@ -334,6 +336,36 @@ fn request(obj: &Map<String, Value>) -> Result<(bool, Request), ServeError> {
     }
     req.sampling = sampling;
     Ok((stream, req))
+}
+
+/// `{"token id": bias, ...}` (OpenAI's shape: keys are decimal token ids) into (token, bias)
+/// pairs; the engine checks ids against the vocabulary and values against their range.
+fn logit_bias(v: &Value) -> Result<Vec<(u32, f32)>, ServeError> {
+    let Value::Object(o) = v else {
+        return Err(wrong_type(
+            "logit_bias",
+            "an object of token id -> number",
+            v,
+        ));
+    };
+    let mut out = Vec::with_capacity(o.len());
+    for (k, b) in o {
+        let t: u32 = k.parse().map_err(|_| {
+            err(
+                codes::INVALID_ARGUMENT,
+                format!("'logit_bias' keys must be token ids, got '{}'", truncate(k)),
+            )
+        })?;
+        let b = float("logit_bias", b)?;
+        if !(-100.0..=100.0).contains(&b) {
+            return Err(err(
+                codes::INVALID_ARGUMENT,
+                format!("'logit_bias' values must be in [-100, 100], got {b}"),
+            ));
+        }
+        out.push((t, b as f32));
+    }
+    Ok(out)
 }
 
 fn messages(v: &Value) -> Result<Vec<ChatMessage>, ServeError> {

@@ -1,4 +1,6 @@
-//! Repetition penalty (Keskar et al. 2019, CTRL) and the OpenAI API's frequency and presence penalties, applied to a row's logits before temperature and truncation as vLLM does; a tree row sees its own path.
+//! Logit bias, repetition penalty (Keskar et al. 2019, CTRL) and the OpenAI API's frequency and presence penalties, applied to a row's logits before temperature and truncation as vLLM does; a tree row sees its own path.
+//!
+//! A logit bias adds a fixed value to chosen tokens' logits (first, as vLLM's order).
 //!
 //! For a token `t` seen `c` times in the generated tokens (`in_prompt` when the prompt holds it):
 //! the repetition penalty `r` divides a positive logit by `r` and multiplies a negative one by
@@ -88,11 +90,45 @@ struct Seen {
     count: u32,
 }
 
-/// One request's penalties and the tokens they weigh: the prompt's (when the repetition
-/// penalty reads them) and the generated ones, with counts.
+/// Most tokens one request may bias (OpenAI's bound).
+pub const MAX_LOGIT_BIAS: usize = 300;
+
+/// Reject biases no request could mean: at most [`MAX_LOGIT_BIAS`] tokens, each inside the
+/// vocabulary and once, each value finite in [-100, 100] (OpenAI's range).
+pub fn validate_logit_bias(bias: &[(u32, f32)], vocab: usize) -> Result<()> {
+    if bias.len() > MAX_LOGIT_BIAS {
+        return Err(EngineError::InvalidArgument(format!(
+            "logit_bias holds {} tokens; at most {MAX_LOGIT_BIAS}",
+            bias.len()
+        )));
+    }
+    for (i, &(t, b)) in bias.iter().enumerate() {
+        if t as usize >= vocab {
+            return Err(EngineError::InvalidArgument(format!(
+                "logit_bias token {t} is outside the vocabulary (size {vocab})"
+            )));
+        }
+        if !(-100.0..=100.0).contains(&b) {
+            return Err(EngineError::InvalidArgument(format!(
+                "logit_bias of token {t} must be in [-100, 100], got {b}"
+            )));
+        }
+        if bias[..i].iter().any(|e| e.0 == t) {
+            return Err(EngineError::InvalidArgument(format!(
+                "logit_bias names token {t} twice"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// One request's logit bias, its penalties and the tokens they weigh: the prompt's (when the
+/// repetition penalty reads them) and the generated ones, with counts.
 #[derive(Clone, Debug)]
 pub struct PenaltyHistory {
     penalties: Penalties,
+    /// (token, added to its logit) before the penalties.
+    bias: Vec<(u32, f32)>,
     seen: Vec<Seen>,
     /// Token -> its entry of `seen`.
     index: HashMap<u32, usize>,
@@ -103,6 +139,7 @@ impl PenaltyHistory {
     pub fn new(penalties: Penalties, prompt: &[u32]) -> PenaltyHistory {
         let mut h = PenaltyHistory {
             penalties,
+            bias: Vec::new(),
             seen: Vec::new(),
             index: HashMap::new(),
         };
@@ -114,6 +151,13 @@ impl PenaltyHistory {
             }
         }
         h
+    }
+
+    /// Add `bias` ((token, value) pairs, validated by [`validate_logit_bias`]) to the logits
+    /// before the penalties.
+    pub fn with_bias(mut self, bias: &[(u32, f32)]) -> PenaltyHistory {
+        self.bias = bias.to_vec();
+        self
     }
 
     pub fn penalties(&self) -> &Penalties {
@@ -134,6 +178,9 @@ impl PenaltyHistory {
 
     /// Count a generated token.
     pub fn push(&mut self, token: u32) {
+        if self.penalties.is_off() {
+            return; // a bias alone reads no history
+        }
         let i = self.entry(token);
         self.seen[i].count += 1;
     }
@@ -142,7 +189,15 @@ impl PenaltyHistory {
     /// `path` (a tree row's draft tokens; empty for a plain row). Tokens outside the row are
     /// skipped (a tree is validated against the vocabulary before it is verified).
     pub fn penalize_row(&self, row: &mut [f32], path: &[u32]) {
+        for &(t, b) in &self.bias {
+            if let Some(l) = row.get_mut(t as usize) {
+                *l += b;
+            }
+        }
         let p = self.penalties;
+        if p.is_off() {
+            return;
+        }
         // The path's distinct tokens with their counts and, for seen ones, their entry.
         let mut extra: Vec<(u32, u32, Option<usize>)> = Vec::with_capacity(path.len());
         for &t in path {
@@ -262,6 +317,29 @@ mod tests {
                 assert_eq!(bits(&r), bits(&want), "{p:?} path {path:?}");
             }
         }
+        // A bias comes first, then the penalties (a biased token may change sign).
+        let p = Penalties {
+            repetition: 2.0,
+            frequency: 0.5,
+            ..Penalties::default()
+        };
+        let mut h = PenaltyHistory::new(p, &[1, 2]).with_bias(&[(1, 3.0), (3, -1.5), (2, 0.0)]);
+        h.push(1);
+        let mut r = vec![0.5, -1.0, -4.0, 1.0];
+        h.penalize_row(&mut r, &[3]);
+        let want = [
+            0.5,
+            (-1.0f32 + 3.0) / 2.0 - 0.5,
+            -8.0,
+            (1.0f32 - 1.5) * 2.0 - 0.5,
+        ];
+        assert_eq!(bits(&r), bits(&want));
+        // A bias alone keeps no history and leaves the other tokens alone.
+        let mut h = PenaltyHistory::new(Penalties::default(), &[1, 2]).with_bias(&[(0, -100.0)]);
+        h.push(3);
+        let mut r = vec![1.0, 1.0, 1.0, 1.0];
+        h.penalize_row(&mut r, &[3, 3]);
+        assert_eq!(r, vec![-99.0, 1.0, 1.0, 1.0]);
         // A positive logit of a repeated token goes down, a negative one further down.
         let p = Penalties {
             repetition: 2.0,
@@ -317,6 +395,18 @@ mod tests {
         let mut plain = raw[2 * vocab..3 * vocab].to_vec();
         h.penalize_row(&mut plain, &[]);
         assert_ne!(bits(&logits[2 * vocab..3 * vocab]), bits(&plain));
+    }
+
+    #[test]
+    fn logit_biases_out_of_range_are_rejected() {
+        assert!(validate_logit_bias(&[(0, -100.0), (9, 100.0)], 10).is_ok());
+        assert!(validate_logit_bias(&[(10, 1.0)], 10).is_err());
+        assert!(validate_logit_bias(&[(1, 100.5)], 10).is_err());
+        assert!(validate_logit_bias(&[(1, f32::NAN)], 10).is_err());
+        assert!(validate_logit_bias(&[(1, 1.0), (1, 2.0)], 10).is_err());
+        let many: Vec<(u32, f32)> = (0..=MAX_LOGIT_BIAS as u32).map(|t| (t, 1.0)).collect();
+        assert!(validate_logit_bias(&many, 1000).is_err());
+        assert!(validate_logit_bias(&many[1..], 1000).is_ok());
     }
 
     #[test]

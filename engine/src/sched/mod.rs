@@ -398,7 +398,7 @@ struct Request<'a> {
     prompt_len: usize,
     params: GenerateParams,
     sampler: Sampler,
-    /// The tokens the penalties weigh (None when the request has none).
+    /// The logit bias and the tokens the penalties weigh (None when the request has neither).
     penalties: Option<PenaltyHistory>,
     /// Text, end-of-generation tokens and stop strings (None without a tokenizer: tokens only).
     sink: Option<TokenSink<'a, fn(&str)>>,
@@ -735,7 +735,7 @@ impl<'a> Scheduler<'a> {
     ) -> Result<u64> {
         crate::generate::check_prompt(&self.model, &prompt)?;
         params.sampling.validate()?;
-        params.penalties.validate()?;
+        params.validate_logits_rules(self.model.config.vocab_size)?;
         if params.top_logprobs > crate::sample::MAX_TOP_LOGPROBS {
             return Err(EngineError::InvalidArgument(format!(
                 "top_logprobs must be at most {}, got {}",
@@ -806,8 +806,7 @@ impl<'a> Scheduler<'a> {
             id,
             prompt_len: prompt.len(),
             sampler: Sampler::new(params.sampling.clone())?,
-            penalties: (!params.penalties.is_off())
-                .then(|| PenaltyHistory::new(params.penalties, &prompt)),
+            penalties: params.logits_history(&prompt),
             sink: self
                 .tokenizer
                 .clone()

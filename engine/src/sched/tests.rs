@@ -52,8 +52,7 @@ fn alone(model: &Model, be: &CpuBackend, prompt: &[u32], params: &GenerateParams
             &[prompt.len() - 1],
         )
         .unwrap();
-    let mut history = (!params.penalties.is_off())
-        .then(|| crate::sample::penalty::PenaltyHistory::new(params.penalties, prompt));
+    let mut history = params.logits_history(prompt);
     let mut out = Vec::new();
     while out.len() < params.max_tokens {
         if let Some(h) = &history {
@@ -1712,46 +1711,64 @@ fn logprobs_are_the_rows_log_softmax_with_and_without_speculation() {
     }
 }
 
-/// Penalties (repetition; frequency with presence): a request's greedy tokens are those of
-/// incremental decoding over its penalized rows, whether it decodes plainly or verifies trees
-/// (each tree row penalized with its own path), fixed or adaptive, batched with others and
-/// preempted; and the penalties change the outputs.
+/// Penalties (repetition; frequency with presence) and a logit bias: a request's greedy tokens
+/// are those of incremental decoding over its penalized rows, whether it decodes plainly or
+/// verifies trees (each tree row penalized with its own path), fixed or adaptive, batched with
+/// others and preempted; and the penalties change the outputs.
 #[test]
 fn penalized_outputs_equal_incremental_decoding_with_speculation() {
     use crate::sample::penalty::Penalties;
     let be = CpuBackend::new(2).unwrap();
     let model = tiny_model(&spec("qwen2", GgmlType::Q8_0), 21).unwrap();
     let vocab = model.config.vocab_size as u32;
-    for penalties in [
-        Penalties {
-            repetition: 1.2,
-            ..Penalties::default()
-        },
-        Penalties {
-            frequency: 0.3,
-            presence: 0.2,
-            ..Penalties::default()
-        },
+    let plain = GenerateParams {
+        max_tokens: 24,
+        ..GenerateParams::default()
+    };
+    let prompts: Vec<Vec<u32>> = (0..5u32)
+        .map(|i| repetitive(vocab, 24 + 7 * i as usize, i))
+        .collect();
+    let unbiased: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| alone(&model, &be, p, &plain))
+        .collect();
+    for (penalties, bias) in [
+        (
+            Penalties {
+                repetition: 1.2,
+                ..Penalties::default()
+            },
+            false,
+        ),
+        (
+            Penalties {
+                frequency: 0.3,
+                presence: 0.2,
+                ..Penalties::default()
+            },
+            false,
+        ),
+        // A logit bias alone: the plain output's fifth token banned, another favoured.
+        (Penalties::default(), true),
     ] {
-        let cases: Vec<(Vec<u32>, GenerateParams, Vec<u32>)> = (0..5u32)
-            .map(|i| {
-                let prompt = repetitive(vocab, 24 + 7 * i as usize, i);
-                let params = GenerateParams {
-                    max_tokens: 24,
-                    penalties,
-                    ..GenerateParams::default()
+        let cases: Vec<(Vec<u32>, GenerateParams, Vec<u32>)> = prompts
+            .iter()
+            .zip(&unbiased)
+            .map(|(prompt, out)| {
+                let logit_bias = match bias {
+                    true => vec![(out[4], -100.0), ((out[9] + 1) % vocab, 2.5)],
+                    false => Vec::new(),
                 };
-                let want = alone(&model, &be, &prompt, &params);
-                (prompt, params, want)
+                let params = GenerateParams {
+                    penalties,
+                    logit_bias,
+                    ..plain.clone()
+                };
+                let want = alone(&model, &be, prompt, &params);
+                (prompt.clone(), params, want)
             })
             .collect();
-        let changed = cases.iter().any(|(p, params, want)| {
-            let plain = GenerateParams {
-                penalties: Penalties::default(),
-                ..params.clone()
-            };
-            alone(&model, &be, p, &plain) != *want
-        });
+        let changed = cases.iter().zip(&unbiased).any(|(c, out)| c.2 != *out);
         assert!(changed, "{penalties:?} changes some output");
         for blocks in [128usize, 12] {
             let pool = KvPool::new(&model.config, model.config.n_layers, blocks);
@@ -1775,7 +1792,6 @@ fn penalized_outputs_equal_incremental_decoding_with_speculation() {
                 );
                 if id % 3 != 0 {
                     let m = spec_metrics(f);
-                    eprintln!("{penalties:?} {blocks} {id}: {m:?}");
                     accepted += m.accepted;
                 }
             }

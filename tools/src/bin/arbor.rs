@@ -193,6 +193,9 @@ struct GenerateArgs {
     /// Subtract this from the logit of every token the output holds (-2 to 2; 0 = off).
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     presence_penalty: f32,
+    /// Add BIAS (-100 to 100) to token ID's logit before the penalties (repeatable).
+    #[arg(long, value_name = "ID=BIAS", value_parser = parse_logit_bias, allow_hyphen_values = true)]
+    logit_bias: Vec<(u32, f32)>,
     /// Sampling seed (0 when not given). Given explicitly, it also makes `--speculate-policy
     /// auto` verify fixed trees, so the same seed gives the same text with drafters too.
     #[arg(long)]
@@ -847,8 +850,8 @@ fn cuda_generate(a: &GenerateArgs, params: &GenerateParams, ordinal: usize) -> R
         if params.sampling.temperature != 0.0 {
             bail!("--device cuda decodes greedily only so far: use --temperature 0");
         }
-        if !params.penalties.is_off() {
-            bail!("--device cuda applies no penalties yet: drop --repetition-penalty, --frequency-penalty and --presence-penalty");
+        if !params.penalties.is_off() || !params.logit_bias.is_empty() {
+            bail!("--device cuda applies no penalties or logit bias yet: drop --repetition-penalty, --frequency-penalty, --presence-penalty and --logit-bias");
         }
         // Settings this path does not honour are refused, not ignored.
         if a.format != Format::Text {
@@ -943,6 +946,22 @@ fn prompt_text(a: &GenerateArgs, tok: &Tokenizer) -> String {
     tok.apply_chat_template(&msgs, true)
 }
 
+/// `ID=BIAS` of `--logit-bias`.
+fn parse_logit_bias(s: &str) -> std::result::Result<(u32, f32), String> {
+    let (id, bias) = s
+        .split_once('=')
+        .ok_or_else(|| format!("expected ID=BIAS, got '{s}'"))?;
+    let id = id
+        .trim()
+        .parse()
+        .map_err(|_| format!("'{id}' is not a token id"))?;
+    let bias = bias
+        .trim()
+        .parse()
+        .map_err(|_| format!("'{bias}' is not a number"))?;
+    Ok((id, bias))
+}
+
 fn cmd_generate(a: GenerateArgs) -> Result<()> {
     if a.prompt.is_empty() {
         bail!("--prompt must not be empty");
@@ -966,6 +985,7 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
             frequency: a.frequency_penalty,
             presence: a.presence_penalty,
         },
+        logit_bias: a.logit_bias.clone(),
     };
     params.sampling.validate()?;
     params.penalties.validate()?;
