@@ -738,8 +738,8 @@ impl<'m, B: Backend> SpecSession<'m, B> {
     }
 
     /// Bias and penalize every row this session verifies from now on, by `params`' logit bias
-    /// and penalties: `tokens[..prompt_len]` are the prompt, the rest generated (neither clears
-    /// them).
+    /// and penalties: `tokens[..prompt_len]` are the prompt, the rest generated (params with
+    /// neither turn them off).
     pub fn set_penalties(&mut self, params: &GenerateParams, prompt_len: usize) -> Result<()> {
         params.validate_logits_rules(self.model.config.vocab_size)?;
         let prompt_len = prompt_len.min(self.tokens.len());

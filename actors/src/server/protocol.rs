@@ -293,29 +293,10 @@ fn request(obj: &Map<String, Value>) -> Result<(bool, Request), ServeError> {
                 }
                 sampling.min_p = p as f32;
             }
-            "repetition_penalty" => {
-                let r = float(k, v)?;
-                if !(r > 0.0 && r <= 100.0) {
-                    return Err(err(
-                        codes::INVALID_ARGUMENT,
-                        format!("'repetition_penalty' must be in (0, 100], got {r}"),
-                    ));
-                }
-                req.penalties.repetition = r as f32;
-            }
-            "frequency_penalty" | "presence_penalty" => {
-                let x = float(k, v)?;
-                if !(-2.0..=2.0).contains(&x) {
-                    return Err(err(
-                        codes::INVALID_ARGUMENT,
-                        format!("'{k}' must be in [-2, 2], got {x}"),
-                    ));
-                }
-                match k.as_str() {
-                    "frequency_penalty" => req.penalties.frequency = x as f32,
-                    _ => req.penalties.presence = x as f32,
-                }
-            }
+            // Ranges: `Penalties::validate` at the edge (`ValidRequest`).
+            "repetition_penalty" => req.penalties.repetition = float(k, v)? as f32,
+            "frequency_penalty" => req.penalties.frequency = float(k, v)? as f32,
+            "presence_penalty" => req.penalties.presence = float(k, v)? as f32,
             "logit_bias" => req.logit_bias = logit_bias(v)?,
             "seed" => sampling.seed = uint(k, v, u64::MAX)?,
             "stop" => req.stop = strings(k, v)?,

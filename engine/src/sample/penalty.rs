@@ -44,9 +44,10 @@ impl Penalties {
 
     /// Reject values no request could mean: the ranges of vLLM and the OpenAI API.
     pub fn validate(&self) -> Result<()> {
-        if !(self.repetition.is_finite() && self.repetition > 0.0 && self.repetition <= 100.0) {
+        // Below 0.01 a positive logit divided by it overflows toward infinity.
+        if !(0.01..=100.0).contains(&self.repetition) {
             return Err(EngineError::InvalidArgument(format!(
-                "repetition_penalty must be in (0, 100], got {}",
+                "repetition_penalty must be in [0.01, 100], got {}",
                 self.repetition
             )));
         }
@@ -160,10 +161,6 @@ impl PenaltyHistory {
         self
     }
 
-    pub fn penalties(&self) -> &Penalties {
-        &self.penalties
-    }
-
     fn entry(&mut self, token: u32) -> usize {
         let seen = &mut self.seen;
         *self.index.entry(token).or_insert_with(|| {
@@ -233,7 +230,13 @@ impl PenaltyHistory {
     /// history (whose last generated token is the root) followed by the node's path below the
     /// root.
     pub fn penalize_tree(&self, tree: &TokenTree, logits: &mut [f32], vocab: usize) {
-        for (i, row) in logits.chunks_exact_mut(vocab).take(tree.len()).enumerate() {
+        let rows = logits.chunks_exact_mut(vocab).take(tree.len());
+        if self.penalties.is_off() {
+            // A bias alone reads no path.
+            rows.for_each(|row| self.penalize_row(row, &[]));
+            return;
+        }
+        for (i, row) in rows.enumerate() {
             let path: Vec<u32> = tree
                 .path(i)
                 .into_iter()
@@ -420,6 +423,10 @@ mod tests {
             },
             Penalties {
                 repetition: f32::NAN,
+                ..Penalties::default()
+            },
+            Penalties {
+                repetition: 1e-39,
                 ..Penalties::default()
             },
             Penalties {

@@ -1136,6 +1136,9 @@ impl<'a> Scheduler<'a> {
             };
             match &sl.tree {
                 Some(tree) => h.penalize_tree(tree, lg, vocab),
+                // Prompt rows whose candidates drafters read: after those are taken, as
+                // `spec::generate` does (below).
+                None if sl.prefill > 0 && sl.candidates > 0 => {}
                 // The prompt's last row (a chunk that ends it) or the decoding row.
                 None if lg.len() >= vocab && (sl.prefill == 0 || sl.logits) => {
                     let last = lg.len() - vocab;
@@ -1147,7 +1150,12 @@ impl<'a> Scheduler<'a> {
         // Verify or sample, stream, stop.
         let mut drawn = self.draw_rows(backend, &plan, &logits);
         let mut finished = Vec::new();
-        for (((sl, x), lg), drawn) in plan.iter().zip(&inputs).zip(&logits).zip(&mut drawn) {
+        for (((sl, x), lg), drawn) in plan
+            .iter()
+            .zip(&inputs)
+            .zip(logits.iter_mut())
+            .zip(&mut drawn)
+        {
             let r = &mut self.running[sl.idx];
             // The tokens this step emits for the request and the row of `lg` each was drawn
             // from (for log-probabilities).
@@ -1234,10 +1242,13 @@ impl<'a> Scheduler<'a> {
                         }
                     }
                     match sl.prefill.checked_sub(1) {
-                        Some(last) if sl.logits => (
-                            vec![r.sampler.sample(&lg[last * vocab..(last + 1) * vocab])],
-                            vec![last],
-                        ),
+                        Some(last) if sl.logits => {
+                            let row = &mut lg[last * vocab..(last + 1) * vocab];
+                            if let Some(h) = &r.penalties {
+                                h.penalize_row(row, &[]);
+                            }
+                            (vec![r.sampler.sample(row)], vec![last])
+                        }
                         _ => (Vec::new(), Vec::new()),
                     }
                 }

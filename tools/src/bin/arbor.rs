@@ -194,7 +194,7 @@ struct GenerateArgs {
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     presence_penalty: f32,
     /// Add BIAS (-100 to 100) to token ID's logit before the penalties (repeatable).
-    #[arg(long, value_name = "ID=BIAS", value_parser = parse_logit_bias, allow_hyphen_values = true)]
+    #[arg(long, value_name = "ID=BIAS", value_parser = parse_logit_bias)]
     logit_bias: Vec<(u32, f32)>,
     /// Sampling seed (0 when not given). Given explicitly, it also makes `--speculate-policy
     /// auto` verify fixed trees, so the same seed gives the same text with drafters too.

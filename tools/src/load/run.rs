@@ -231,9 +231,9 @@ impl LoadOptions {
             }
         }
         if let Some(r) = self.penalties.repetition {
-            if !(r > 0.0 && r <= 100.0) {
+            if !(0.01..=100.0).contains(&r) {
                 return Err(LoadError::Invalid(format!(
-                    "--repetition-penalty must be in (0, 100], got {r}"
+                    "--repetition-penalty must be in [0.01, 100], got {r}"
                 )));
             }
         }
