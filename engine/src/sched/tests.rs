@@ -39,6 +39,16 @@ fn workload(vocab: u32) -> Vec<(Vec<u32>, usize)> {
 
 /// Incremental decoding of one request with its own sampler (and penalties): the reference.
 fn alone(model: &Model, be: &CpuBackend, prompt: &[u32], params: &GenerateParams) -> Vec<u32> {
+    alone_with_logprobs(model, be, prompt, params).0
+}
+
+/// [`alone`] with each token's log-probability under the row it was drawn from.
+fn alone_with_logprobs(
+    model: &Model,
+    be: &CpuBackend,
+    prompt: &[u32],
+    params: &GenerateParams,
+) -> (Vec<u32>, Vec<f32>) {
     let mut cache = KvCache::new(&model.config, prompt.len() + params.max_tokens);
     let mut sampler = Sampler::new(params.sampling.clone()).unwrap();
     let pos: Vec<usize> = (0..prompt.len()).collect();
@@ -53,12 +63,13 @@ fn alone(model: &Model, be: &CpuBackend, prompt: &[u32], params: &GenerateParams
         )
         .unwrap();
     let mut history = params.logits_history(prompt);
-    let mut out = Vec::new();
+    let (mut out, mut lps) = (Vec::new(), Vec::new());
     while out.len() < params.max_tokens {
         if let Some(h) = &history {
             h.penalize_row(&mut logits, &[]);
         }
         let t = sampler.sample(&logits);
+        lps.push(crate::sample::log_softmax_at(&logits, t));
         if let Some(h) = history.as_mut() {
             h.push(t);
         }
@@ -71,7 +82,7 @@ fn alone(model: &Model, be: &CpuBackend, prompt: &[u32], params: &GenerateParams
             .forward(be, &mut cache, &[t], &[p], BatchMask::Causal, &[0])
             .unwrap();
     }
-    out
+    (out, lps)
 }
 
 fn done_tokens(f: &Finish) -> (&[u32], usize) {
@@ -1714,7 +1725,8 @@ fn logprobs_are_the_rows_log_softmax_with_and_without_speculation() {
 /// Penalties (repetition; frequency with presence) and a logit bias: a request's greedy tokens
 /// are those of incremental decoding over its penalized rows, whether it decodes plainly or
 /// verifies trees (each tree row penalized with its own path), fixed or adaptive, batched with
-/// others and preempted; and the penalties change the outputs.
+/// others and preempted; and the penalties change the outputs. The log-probabilities reported
+/// are those of the penalized rows.
 #[test]
 fn penalized_outputs_equal_incremental_decoding_with_speculation() {
     use crate::sample::penalty::Penalties;
@@ -1751,7 +1763,9 @@ fn penalized_outputs_equal_incremental_decoding_with_speculation() {
         // A logit bias alone: the plain output's fifth token banned, another favoured.
         (Penalties::default(), true),
     ] {
-        let cases: Vec<(Vec<u32>, GenerateParams, Vec<u32>)> = prompts
+        // (prompt, params, tokens, their log-probabilities) of incremental decoding.
+        type Case = (Vec<u32>, GenerateParams, Vec<u32>, Vec<f32>);
+        let cases: Vec<Case> = prompts
             .iter()
             .zip(&unbiased)
             .map(|(prompt, out)| {
@@ -1764,8 +1778,12 @@ fn penalized_outputs_equal_incremental_decoding_with_speculation() {
                     logit_bias,
                     ..plain.clone()
                 };
-                let want = alone(&model, &be, prompt, &params);
-                (prompt.clone(), params, want)
+                let params = GenerateParams {
+                    logprobs: true,
+                    ..params
+                };
+                let (want, lps) = alone_with_logprobs(&model, &be, prompt, &params);
+                (prompt.clone(), params, want, lps)
             })
             .collect();
         let changed = cases.iter().zip(&unbiased).any(|(c, out)| c.2 != *out);
@@ -1774,7 +1792,7 @@ fn penalized_outputs_equal_incremental_decoding_with_speculation() {
             let pool = KvPool::new(&model.config, model.config.n_layers, blocks);
             let mut s = Scheduler::new(&model, None, pool.clone(), SchedConfig::default()).unwrap();
             s.set_step_cost(StepCost::from_points(vec![(1, 0.010), (64, 0.012)]));
-            for (i, (p, params, _)) in cases.iter().enumerate() {
+            for (i, (p, params, _, _)) in cases.iter().enumerate() {
                 let sp = match i % 3 {
                     0 => None,
                     1 => Some(ngram_spec(SpecPolicy::Fixed, 8)),
@@ -1782,14 +1800,25 @@ fn penalized_outputs_equal_incremental_decoding_with_speculation() {
                 };
                 s.submit_spec(p.clone(), params.clone(), sp).unwrap();
             }
-            let done = s.run_to_completion(&be).unwrap();
+            let (mut done, mut lps) = (Vec::new(), vec![Vec::new(); cases.len()]);
+            while !s.is_idle() {
+                for ev in s.step(&be).unwrap() {
+                    lps[ev.id as usize].extend(ev.logprobs);
+                    done.extend(ev.finish.map(|f| (ev.id, f)));
+                }
+            }
             let mut accepted = 0;
             for (id, f) in &done {
+                let case = &cases[*id as usize];
                 assert_eq!(
                     done_tokens(f).0,
-                    &cases[*id as usize].2[..],
+                    &case.2[..],
                     "{penalties:?} pool {blocks} request {id}"
                 );
+                // Log-probabilities of the rows after the bias and the penalties, tree rows
+                // (with their paths) included.
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&lps[*id as usize]), bits(&case.3), "request {id}");
                 if id % 3 != 0 {
                     let m = spec_metrics(f);
                     accepted += m.accepted;
