@@ -2,9 +2,7 @@
 
 use std::time::Duration;
 
-use arbor_engine::sample::penalty::MAX_LOGIT_BIAS;
 use arbor_engine::sample::verify::VerifyMode;
-use arbor_engine::sample::MAX_TOP_LOGPROBS;
 use arbor_engine::{ChatMessage, GenerateParams, Penalties, SamplingParams};
 
 use crate::config::Limits;
@@ -152,18 +150,6 @@ impl ValidRequest {
         if req.min_tokens > req.max_tokens {
             return Err(ServeError::invalid("min_tokens must not exceed max_tokens"));
         }
-        req.sampling.validate().map_err(ServeError::from)?;
-        req.penalties.validate().map_err(ServeError::from)?;
-        if req.logit_bias.len() > MAX_LOGIT_BIAS {
-            return Err(ServeError::invalid(format!(
-                "logit_bias may name at most {MAX_LOGIT_BIAS} tokens"
-            )));
-        }
-        if req.top_logprobs > MAX_TOP_LOGPROBS {
-            return Err(ServeError::invalid(format!(
-                "top_logprobs must be at most {MAX_TOP_LOGPROBS}"
-            )));
-        }
         if req.top_logprobs > 0 && !req.logprobs {
             return Err(ServeError::invalid("top_logprobs needs logprobs: true"));
         }
@@ -186,19 +172,22 @@ impl ValidRequest {
             None => Some(limits.max_deadline),
         };
         let speculation = resolve_speculation(req.speculation, &req.sampling, spec)?;
+        let params = GenerateParams {
+            max_tokens: req.max_tokens,
+            sampling: req.sampling,
+            stop: req.stop,
+            ignore_eos: req.ignore_eos,
+            min_tokens: req.min_tokens,
+            logprobs: req.logprobs,
+            top_logprobs: req.top_logprobs,
+            penalties: req.penalties,
+            logit_bias: req.logit_bias,
+        };
+        // Sampling, penalties, bias values and counts; the bias's token ids on submission.
+        params.validate(usize::MAX).map_err(ServeError::from)?;
         Ok(ValidRequest {
             input: req.input,
-            params: GenerateParams {
-                max_tokens: req.max_tokens,
-                sampling: req.sampling,
-                stop: req.stop,
-                ignore_eos: req.ignore_eos,
-                min_tokens: req.min_tokens,
-                logprobs: req.logprobs,
-                top_logprobs: req.top_logprobs,
-                penalties: req.penalties,
-                logit_bias: req.logit_bias,
-            },
+            params,
             deadline,
             speculation,
         })

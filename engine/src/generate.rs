@@ -7,7 +7,7 @@ use crate::error::{EngineError, Result};
 use crate::kv::{KvCache, KvPool, BLOCK_SLOTS};
 use crate::model::Model;
 use crate::sample::penalty::{validate_logit_bias, Penalties, PenaltyHistory};
-use crate::sample::SamplingParams;
+use crate::sample::{SamplingParams, MAX_TOP_LOGPROBS};
 use crate::sched::{Finish, SchedConfig, Scheduler};
 use crate::shared::Shared;
 use crate::tokenizer::{StreamDecoder, Tokenizer};
@@ -56,10 +56,19 @@ impl Default for GenerateParams {
 }
 
 impl GenerateParams {
-    /// Check the penalties and the logit bias against a model of `vocab` tokens.
-    pub fn validate_logits_rules(&self, vocab: usize) -> Result<()> {
+    /// Reject settings no request could mean, for a model of `vocab` tokens (`usize::MAX`
+    /// where the model is not known yet: token ids are then checked on submission).
+    pub fn validate(&self, vocab: usize) -> Result<()> {
+        self.sampling.validate()?;
         self.penalties.validate()?;
-        validate_logit_bias(&self.logit_bias, vocab)
+        validate_logit_bias(&self.logit_bias, vocab)?;
+        if self.top_logprobs > MAX_TOP_LOGPROBS {
+            return Err(EngineError::InvalidArgument(format!(
+                "top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {}",
+                self.top_logprobs
+            )));
+        }
+        Ok(())
     }
 
     /// The bias and penalties of a request after `prompt`, or `None` when it has neither.

@@ -741,7 +741,7 @@ impl<'m, B: Backend> SpecSession<'m, B> {
     /// and penalties: `tokens[..prompt_len]` are the prompt, the rest generated (params with
     /// neither turn them off).
     pub fn set_penalties(&mut self, params: &GenerateParams, prompt_len: usize) -> Result<()> {
-        params.validate_logits_rules(self.model.config.vocab_size)?;
+        params.validate(self.model.config.vocab_size)?;
         let prompt_len = prompt_len.min(self.tokens.len());
         self.penalties = params
             .logits_history(&self.tokens[..prompt_len])
@@ -964,7 +964,7 @@ pub fn generate<B: Backend>(
     on_text: impl FnMut(&str),
 ) -> Result<SpecOutput> {
     check_prompt(model, prompt)?;
-    params.validate_logits_rules(model.config.vocab_size)?;
+    params.validate(model.config.vocab_size)?;
     let limit = model.config.context_length;
     let mode = spec.mode.unwrap_or(VerifyMode::auto(&params.sampling));
     if mode == VerifyMode::Greedy && !params.sampling.is_greedy() {

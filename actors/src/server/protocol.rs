@@ -320,7 +320,8 @@ fn request(obj: &Map<String, Value>) -> Result<(bool, Request), ServeError> {
 }
 
 /// `{"token id": bias, ...}` (OpenAI's shape: keys are decimal token ids) into (token, bias)
-/// pairs; the engine checks ids against the vocabulary and values against their range.
+/// pairs; their values and ids are checked with the other settings
+/// (`GenerateParams::validate`).
 fn logit_bias(v: &Value) -> Result<Vec<(u32, f32)>, ServeError> {
     let Value::Object(o) = v else {
         return Err(wrong_type(
@@ -337,14 +338,7 @@ fn logit_bias(v: &Value) -> Result<Vec<(u32, f32)>, ServeError> {
                 format!("'logit_bias' keys must be token ids, got '{}'", truncate(k)),
             )
         })?;
-        let b = float("logit_bias", b)?;
-        if !(-100.0..=100.0).contains(&b) {
-            return Err(err(
-                codes::INVALID_ARGUMENT,
-                format!("'logit_bias' values must be in [-100, 100], got {b}"),
-            ));
-        }
-        out.push((t, b as f32));
+        out.push((t, float("logit_bias", b)? as f32));
     }
     Ok(out)
 }

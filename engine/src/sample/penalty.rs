@@ -237,12 +237,8 @@ impl PenaltyHistory {
             return;
         }
         for (i, row) in rows.enumerate() {
-            let path: Vec<u32> = tree
-                .path(i)
-                .into_iter()
-                .map(|j| tree.node(j).token)
-                .collect();
-            self.penalize_row(row, &path);
+            // The root (already in the history) first, then the path below it.
+            self.penalize_row(row, &tree.path_tokens(i)[1..]);
         }
     }
 }

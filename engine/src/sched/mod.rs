@@ -734,15 +734,7 @@ impl<'a> Scheduler<'a> {
         spec: Option<RequestSpec<'a>>,
     ) -> Result<u64> {
         crate::generate::check_prompt(&self.model, &prompt)?;
-        params.sampling.validate()?;
-        params.validate_logits_rules(self.model.config.vocab_size)?;
-        if params.top_logprobs > crate::sample::MAX_TOP_LOGPROBS {
-            return Err(EngineError::InvalidArgument(format!(
-                "top_logprobs must be at most {}, got {}",
-                crate::sample::MAX_TOP_LOGPROBS,
-                params.top_logprobs
-            )));
-        }
+        params.validate(self.model.config.vocab_size)?;
         let vocab = self.model.config.vocab_size;
         if let Some(&t) = prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(EngineError::InvalidArgument(format!(

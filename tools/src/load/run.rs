@@ -230,24 +230,15 @@ impl LoadOptions {
                 )));
             }
         }
-        if let Some(r) = self.penalties.repetition {
-            if !(0.01..=100.0).contains(&r) {
-                return Err(LoadError::Invalid(format!(
-                    "--repetition-penalty must be in [0.01, 100], got {r}"
-                )));
-            }
+        // The server's own ranges (`repetition_penalty` for --repetition-penalty, ...).
+        let p = &self.penalties;
+        arbor_engine::Penalties {
+            repetition: p.repetition.unwrap_or(1.0) as f32,
+            frequency: p.frequency.unwrap_or(0.0) as f32,
+            presence: p.presence.unwrap_or(0.0) as f32,
         }
-        for (flag, v) in [
-            ("--frequency-penalty", self.penalties.frequency),
-            ("--presence-penalty", self.penalties.presence),
-        ] {
-            if v.is_some_and(|x| !(-2.0..=2.0).contains(&x)) {
-                return Err(LoadError::Invalid(format!(
-                    "{flag} must be in [-2, 2], got {}",
-                    v.unwrap_or_default()
-                )));
-            }
-        }
+        .validate()
+        .map_err(|e| LoadError::Invalid(e.to_string()))?;
         if !(0.0..1.0).contains(&self.output_range) {
             return Err(LoadError::Invalid(
                 "--output-range must be in [0, 1)".into(),
