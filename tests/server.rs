@@ -368,6 +368,18 @@ fn hostile_lines() -> Vec<(Vec<u8>, &'static str)> {
             "invalid_argument",
         ),
         (
+            l(r#"{"id": "b7s", "prompt": "hi", "stop_token_ids": [99999999]}"#),
+            "invalid_argument",
+        ),
+        (
+            l(r#"{"id": "b7v", "prompt": "hi", "stop_token_ids": [-1]}"#),
+            "invalid_argument",
+        ),
+        (
+            l(r#"{"id": "b7w", "prompt": "hi", "stop_token_ids": 5}"#),
+            "invalid_type",
+        ),
+        (
             l(r#"{"id": "b7u", "prompt": "hi", "logprobs": true, "top_logprobs": 21}"#),
             "invalid_argument",
         ),
@@ -1558,4 +1570,48 @@ fn penalties_through_the_server_equal_generate_with_and_without_speculation() {
     let toks = streamed(&events).1;
     assert_eq!(toks, reference(prompt, &p, None).1);
     assert!(!toks.contains(&banned), "{toks:?}");
+}
+
+/// `stop_token_ids` end a served request at the first of them, as `generate` ends: the stop
+/// token is the last token streamed, its text is not, the finish reason is `stop`; with prompt
+/// lookup the same.
+#[test]
+fn stop_token_ids_end_served_requests_as_generate_does() {
+    let server = TestServer::start(
+        engine_config(vec![DrafterFactory::ngram(3).expect("ngram")]),
+        ServerConfig::default(),
+    );
+    let mut c = server.client();
+    let prompt = PROMPTS[1];
+    let plain = GenerateParams {
+        ignore_eos: true,
+        ..params(40, 0.0, 5)
+    };
+    let full = reference(prompt, &plain, None).1;
+    // The first token past the fifth that the output did not hold before.
+    let at = (5..full.len())
+        .find(|&i| !full[..i].contains(&full[i]))
+        .expect("a new token");
+    let p = GenerateParams {
+        stop_token_ids: vec![full[at]],
+        ..plain.clone()
+    };
+    let (want_text, want) = reference(prompt, &p, None);
+    assert_eq!(want, full[..=at], "generate ends at the stop token");
+    for (n, spec) in [None, Some(true), Some(false)].into_iter().enumerate() {
+        let mut req = request(json!(format!("stop{n}")), prompt, &p);
+        req["ignore_eos"] = json!(true);
+        req["stop_token_ids"] = json!([full[at]]);
+        req["speculation"] = match spec {
+            None => json!({"draft": []}),
+            Some(adaptive) => json!({"draft": ["ngram"], "adaptive": adaptive}),
+        };
+        let (events, fin) = c.run(&req);
+        assert_eq!(fin["done"], true, "{fin}");
+        assert_eq!(fin["finish_reason"], "stop", "{fin}");
+        let (text, toks) = streamed(&events);
+        assert_eq!(toks, want, "spec={spec:?}");
+        assert_eq!(text, want_text, "spec={spec:?}");
+        assert_eq!(fin["usage"]["completion_tokens"], at + 1, "{fin}");
+    }
 }

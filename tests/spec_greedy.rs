@@ -146,6 +146,17 @@ fn stop_rules_match_incremental() {
             min_tokens: 0,
             ..params(16)
         },
+        // A stop token from the middle of the reference, past a `min_tokens` that skips
+        // nothing or that skips its first place.
+        GenerateParams {
+            stop_token_ids: vec![reference.tokens[8]],
+            ..params(16)
+        },
+        GenerateParams {
+            stop_token_ids: vec![reference.tokens[8]],
+            min_tokens: 9,
+            ..params(16)
+        },
     ] {
         let want = generate(&m.model, be, &m.tok, &prompt, &p, |_| {}).unwrap();
         let mut oracle = OracleDrafter::new(truth.clone(), ExpansionConfig::chain(10), 1);
@@ -165,6 +176,16 @@ fn stop_rules_match_incremental() {
         assert_eq!(got.output.text, want.text);
         assert_eq!(streamed, want.text);
         assert_eq!(got.output.finish_reason, want.finish_reason);
+        if let Some(&stop) = p.stop_token_ids.first() {
+            let end = (p.min_tokens..16).find(|&i| reference.tokens[i] == stop);
+            let n = end.map_or(16, |i| i + 1);
+            assert_eq!(
+                want.tokens,
+                reference.tokens[..n],
+                "min_tokens {}",
+                p.min_tokens
+            );
+        }
     }
 }
 

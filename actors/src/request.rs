@@ -47,6 +47,9 @@ pub struct Request {
     /// (token, value) added to the token's logit before the penalties (OpenAI's `logit_bias`).
     pub logit_bias: Vec<(u32, f32)>,
     pub stop: Vec<String>,
+    /// Generation ends at any of these tokens (as at an end-of-generation token, also with
+    /// `ignore_eos`; not before `min_tokens`).
+    pub stop_token_ids: Vec<u32>,
     /// Report each generated token's log-probability under the model (after the penalties,
     /// before temperature and truncation) with the token.
     pub logprobs: bool,
@@ -74,6 +77,7 @@ impl Request {
             penalties: Penalties::default(),
             logit_bias: Vec::new(),
             stop: Vec::new(),
+            stop_token_ids: Vec::new(),
             logprobs: false,
             top_logprobs: 0,
             deadline: None,
@@ -182,6 +186,7 @@ impl ValidRequest {
             top_logprobs: req.top_logprobs,
             penalties: req.penalties,
             logit_bias: req.logit_bias,
+            stop_token_ids: req.stop_token_ids,
         };
         // Sampling, penalties, bias values and counts; the bias's token ids on submission.
         params.validate(usize::MAX).map_err(ServeError::from)?;

@@ -37,7 +37,14 @@ pub struct GenerateParams {
     /// (token, value) added to the token's logit before the penalties (OpenAI's `logit_bias`;
     /// see [`crate::sample::penalty::validate_logit_bias`]); empty by default.
     pub logit_bias: Vec<(u32, f32)>,
+    /// Generation ends at any of these tokens, as at an end-of-generation token (kept in the
+    /// output tokens, its text not emitted, not before `min_tokens`), also with `ignore_eos`
+    /// (vLLM's `stop_token_ids`); at most [`MAX_STOP_TOKEN_IDS`].
+    pub stop_token_ids: Vec<u32>,
 }
+
+/// Most `stop_token_ids` of one request.
+pub const MAX_STOP_TOKEN_IDS: usize = 64;
 
 impl Default for GenerateParams {
     fn default() -> Self {
@@ -51,6 +58,7 @@ impl Default for GenerateParams {
             top_logprobs: 0,
             penalties: Penalties::default(),
             logit_bias: Vec::new(),
+            stop_token_ids: Vec::new(),
         }
     }
 }
@@ -68,7 +76,24 @@ impl GenerateParams {
                 self.top_logprobs
             )));
         }
+        if self.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+            return Err(EngineError::InvalidArgument(format!(
+                "stop_token_ids holds {} tokens; at most {MAX_STOP_TOKEN_IDS}",
+                self.stop_token_ids.len()
+            )));
+        }
+        if let Some(t) = self.stop_token_ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::InvalidArgument(format!(
+                "stop_token_ids token {t} is outside the vocabulary (size {vocab})"
+            )));
+        }
         Ok(())
+    }
+
+    /// Whether `tok`, the `n_generated`-th generated token, is one of `stop_token_ids` that
+    /// may end generation here (past `min_tokens`).
+    pub fn stops_at(&self, tok: u32, n_generated: usize) -> bool {
+        n_generated > self.min_tokens && self.stop_token_ids.contains(&tok)
     }
 
     /// The bias and penalties of a request after `prompt`, or `None` when it has neither.
@@ -83,7 +108,8 @@ impl GenerateParams {
 pub enum FinishReason {
     /// `max_tokens` reached.
     Length,
-    /// The model emitted an end-of-generation token.
+    /// The model emitted an end-of-generation token or one of the request's
+    /// `stop_token_ids`.
     Eos,
     /// A stop string appeared.
     Stop,
@@ -190,6 +216,7 @@ pub(crate) struct TokenSink<'a, F: FnMut(&str)> {
     tokenizer: Shared<'a, Tokenizer>,
     ignore_eos: bool,
     min_tokens: usize,
+    stop_token_ids: Vec<u32>,
     detok: StreamDecoder<'a>,
     stop: StopFilter,
     on_text: F,
@@ -209,6 +236,7 @@ impl<'a, F: FnMut(&str)> TokenSink<'a, F> {
             tokenizer,
             ignore_eos: params.ignore_eos,
             min_tokens: params.min_tokens,
+            stop_token_ids: params.stop_token_ids.clone(),
             stop: StopFilter::new(&params.stop),
             on_text,
             text: String::new(),
@@ -231,7 +259,10 @@ impl<'a, F: FnMut(&str)> TokenSink<'a, F> {
     /// Take one generated token; `Some(reason)` when generation must end here.
     pub(crate) fn push(&mut self, tok: u32) -> Option<FinishReason> {
         self.tokens.push(tok);
-        if !self.ignore_eos && self.tokens.len() > self.min_tokens && self.tokenizer.is_eog(tok) {
+        if self.tokens.len() > self.min_tokens
+            && ((!self.ignore_eos && self.tokenizer.is_eog(tok))
+                || self.stop_token_ids.contains(&tok))
+        {
             return Some(FinishReason::Eos);
         }
         let (out, hit) = self.stop.push(&self.detok.push(tok));

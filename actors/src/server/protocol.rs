@@ -35,7 +35,7 @@ pub struct LineError {
     pub error: ServeError,
 }
 
-const REQUEST_FIELDS: [&str; 21] = [
+const REQUEST_FIELDS: [&str; 22] = [
     "id",
     "prompt",
     "messages",
@@ -54,6 +54,7 @@ const REQUEST_FIELDS: [&str; 21] = [
     "logit_bias",
     "seed",
     "stop",
+    "stop_token_ids",
     "stream",
     "deadline_ms",
     "speculation",
@@ -225,6 +226,17 @@ fn strings(field: &str, v: &Value) -> Result<Vec<String>, ServeError> {
     }
 }
 
+/// An array of token ids (their range in the vocabulary is checked on submission).
+fn token_ids(field: &str, v: &Value) -> Result<Vec<u32>, ServeError> {
+    match v {
+        Value::Array(a) => a
+            .iter()
+            .map(|x| uint(field, x, u32::MAX as u64).map(|t| t as u32))
+            .collect(),
+        _ => Err(wrong_type(field, "an array of token ids", v)),
+    }
+}
+
 fn request(obj: &Map<String, Value>) -> Result<(bool, Request), ServeError> {
     if let Some(k) = obj.keys().find(|k| !REQUEST_FIELDS.contains(&k.as_str())) {
         return Err(err(
@@ -300,6 +312,7 @@ fn request(obj: &Map<String, Value>) -> Result<(bool, Request), ServeError> {
             "logit_bias" => req.logit_bias = logit_bias(v)?,
             "seed" => sampling.seed = uint(k, v, u64::MAX)?,
             "stop" => req.stop = strings(k, v)?,
+            "stop_token_ids" => req.stop_token_ids = token_ids(k, v)?,
             "stream" => stream = boolean(k, v)?,
             "deadline_ms" => {
                 let ms = uint(k, v, u32::MAX as u64)?;

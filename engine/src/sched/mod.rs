@@ -1290,6 +1290,10 @@ impl<'a> Scheduler<'a> {
                 }
                 // The cache holds `seq` but its last token: it is fed next step (if any).
                 r.seq.push(tok);
+                // Without a tokenizer the sink does not run: stop tokens end here.
+                if r.sink.is_none() && r.params.stops_at(tok, r.generated()) {
+                    reason = Some(FinishReason::Eos);
+                }
                 if let Some(h) = r.penalties.as_mut() {
                     h.push(tok);
                 }

@@ -1832,3 +1832,67 @@ fn penalized_outputs_equal_incremental_decoding_with_speculation() {
         }
     }
 }
+
+/// `stop_token_ids` end a request at the first of them past `min_tokens` (kept as its last
+/// token, finish reason `Eos`), with and without speculation, with `ignore_eos` set: where
+/// incremental decoding's output first holds one. A stop token inside a run of tokens the
+/// drafts get right ends the request in the middle of an accepted path.
+#[test]
+fn stop_token_ids_end_requests_where_incremental_decoding_reaches_them() {
+    let be = CpuBackend::new(2).unwrap();
+    // An output of runs (a tiny model's greedy text): 88 x 30, then 44 x 10.
+    let (model, prompt, params, want) = greedy_case(&be, 5, 40, 2, 40);
+    let (run, new) = (want[0], want[30]);
+    assert!(want[..30].iter().all(|&t| t == run) && !want[..30].contains(&new));
+    let never = (0..model.config.vocab_size as u32)
+        .find(|t| !want.contains(t))
+        .unwrap();
+    let pool = KvPool::new(&model.config, model.config.n_layers, 128);
+    let mut s = Scheduler::new(&model, None, pool.clone(), SchedConfig::default()).unwrap();
+    s.set_step_cost(StepCost::from_points(vec![(1, 0.010), (64, 0.012)]));
+    // (request id, the output up to and including the stop token it ends at).
+    let mut expected = Vec::new();
+    let cases = [
+        (vec![never, new], 0usize),
+        (vec![new], 31),
+        (vec![run], 10),
+        (vec![run, new], 29),
+    ];
+    for (c, (stops, min_tokens)) in cases.iter().enumerate() {
+        let end = (*min_tokens..want.len())
+            .find(|&j| stops.contains(&want[j]))
+            .unwrap();
+        for policy in [None, Some(SpecPolicy::Fixed), Some(SpecPolicy::Adaptive)] {
+            let p = GenerateParams {
+                ignore_eos: true,
+                min_tokens: *min_tokens,
+                stop_token_ids: stops.clone(),
+                ..params.clone()
+            };
+            let sp = policy.map(|pol| ngram_spec(pol, 8));
+            let id = s.submit_spec(prompt.clone(), p, sp).unwrap();
+            expected.push((id, c, want[..=end].to_vec()));
+        }
+    }
+    let done = s.run_to_completion(&be).unwrap();
+    let mut accepted = 0;
+    for (id, c, tokens) in expected {
+        let f = &done.iter().find(|d| d.0 == id).expect("finished").1;
+        let Finish::Done { reason, .. } = f else {
+            panic!("request {id} failed: {f:?}");
+        };
+        assert_eq!(done_tokens(f).0, &tokens[..], "case {c} request {id}");
+        assert_eq!(*reason, FinishReason::Eos, "case {c} request {id}");
+        if id % 3 != 0 {
+            accepted += spec_metrics(f).accepted;
+        }
+    }
+    assert!(accepted > 0, "drafts were accepted");
+    assert_eq!(pool.stats().used, 0);
+    // Token ids outside the vocabulary are refused.
+    let bad = GenerateParams {
+        stop_token_ids: vec![model.config.vocab_size as u32],
+        ..params
+    };
+    assert!(s.submit(prompt, bad).is_err());
+}

@@ -203,6 +203,10 @@ struct GenerateArgs {
     /// Stop when this text appears (repeatable).
     #[arg(long)]
     stop: Vec<String>,
+    /// Stop at this token id, as at an end-of-generation token, also with --ignore-eos
+    /// (repeatable).
+    #[arg(long, value_name = "ID")]
+    stop_token_id: Vec<u32>,
     /// Do not stop at end-of-generation tokens.
     #[arg(long)]
     ignore_eos: bool,
@@ -891,16 +895,14 @@ fn cuda_generate(a: &GenerateArgs, params: &GenerateParams, ordinal: usize) -> R
             drafter.as_mut().map(|d| d as &mut dyn Drafter),
             budget,
         )?;
-        // End at the first end-of-generation token past --min-tokens, like the CPU path.
+        // End at the first end-of-generation or stop token past --min-tokens, like the CPU
+        // path.
         let mut ids = run.tokens.clone();
-        if !params.ignore_eos {
-            if let Some(i) = ids
-                .iter()
-                .enumerate()
-                .position(|(i, &t)| i >= params.min_tokens && tok.is_eog(t))
-            {
-                ids.truncate(i);
-            }
+        if let Some(i) = ids.iter().enumerate().position(|(i, &t)| {
+            (!params.ignore_eos && i >= params.min_tokens && tok.is_eog(t))
+                || params.stops_at(t, i + 1)
+        }) {
+            ids.truncate(i);
         }
         let mut text = tok.decode(&ids, true);
         if let Some(cut) = params
@@ -986,9 +988,10 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
             presence: a.presence_penalty,
         },
         logit_bias: a.logit_bias.clone(),
+        stop_token_ids: a.stop_token_id.clone(),
     };
-    params.sampling.validate()?;
-    params.penalties.validate()?;
+    // Token ids against the vocabulary once the model is loaded (`generate`, `spec::generate`).
+    params.validate(usize::MAX)?;
     a.spec.validate()?;
     if let Device::Cuda(ordinal) = a.model.device {
         return cuda_generate(&a, &params, ordinal);
