@@ -368,6 +368,18 @@ fn hostile_lines() -> Vec<(Vec<u8>, &'static str)> {
             "invalid_argument",
         ),
         (
+            l(r#"{"id": "b7n", "prompt": "hi", "n": 0}"#),
+            "invalid_argument",
+        ),
+        (
+            l(r#"{"id": "b7o", "prompt": "hi", "n": 65}"#),
+            "invalid_argument",
+        ),
+        (
+            l(r#"{"id": "b7p", "prompt": "hi", "n": "2"}"#),
+            "invalid_type",
+        ),
+        (
             l(r#"{"id": "b7s", "prompt": "hi", "stop_token_ids": [99999999]}"#),
             "invalid_argument",
         ),
@@ -1147,6 +1159,11 @@ fn overload_limits_answer_with_their_codes() {
     let v = c2.recv();
     assert_eq!(code(&v), "overloaded", "{v}");
     assert_eq!(v["id"], "d");
+    // Every choice of a request counts against the connection's limit.
+    c2.send(&json!({"id": "f", "prompt": "hi", "n": 3}));
+    let v = c2.recv();
+    assert_eq!(code(&v), "too_many_requests", "{v}");
+    assert_eq!(v["id"], "f");
     c.send(&json!({"cancel": "a"}));
     c.send(&json!({"cancel": "b"}));
     let mut finals = 0;
@@ -1614,4 +1631,124 @@ fn stop_token_ids_end_served_requests_as_generate_does() {
         assert_eq!(text, want_text, "spec={spec:?}");
         assert_eq!(fin["usage"]["completion_tokens"], at + 1, "{fin}");
     }
+}
+
+/// A prompt of more than one KV block (16 tokens), so that later choices can share its blocks.
+const LONG_PROMPT: &str = "The capital of France is Paris. The capital of Germany is Berlin. \
+                           The capital of Spain is Madrid. The capital of Italy is";
+
+/// The streamed tokens of each choice, by `index`.
+fn tokens_by_choice(events: &[Value], n: usize) -> Vec<Vec<u32>> {
+    let mut out = vec![Vec::new(); n];
+    for e in events {
+        let i = e["index"].as_u64().expect("index") as usize;
+        out[i].extend(streamed(std::slice::from_ref(e)).1);
+    }
+    out
+}
+
+/// `n` choices: choice `i` is the request with seed `seed + i` (plain and with fixed trees,
+/// whose sampled outputs depend on the seed only; greedy with adaptive trees), streamed with
+/// its `index` or listed whole in the final line; choices after the first read the prompt's
+/// full blocks from the prefix cache; usage adds the choices up.
+#[test]
+fn n_choices_are_requests_with_consecutive_seeds_sharing_the_prompt() {
+    let server = TestServer::start(
+        engine_config(vec![DrafterFactory::ngram(3).expect("ngram")]),
+        ServerConfig::default(),
+    );
+    let mut c = server.client();
+    let n = 3;
+    for (k, (temperature, spec, stream)) in [
+        (0.8f32, None, true),
+        (0.8, Some(false), false),
+        (0.0, Some(true), true),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let p = |seed| GenerateParams {
+            ignore_eos: true,
+            ..params(16, temperature, seed)
+        };
+        let mut req = request(json!(format!("n{k}")), LONG_PROMPT, &p(5));
+        req["n"] = json!(n);
+        req["ignore_eos"] = json!(true);
+        req["stream"] = json!(stream);
+        req["speculation"] = match spec {
+            None => json!({"draft": []}),
+            Some(adaptive) => json!({"draft": ["ngram"], "adaptive": adaptive}),
+        };
+        let (events, fin) = c.run(&req);
+        assert_eq!(fin["done"], true, "{fin}");
+        let choices = fin["choices"].as_array().expect("choices");
+        assert_eq!(choices.len(), n, "{fin}");
+        let got: Vec<Vec<u32>> = if stream {
+            tokens_by_choice(&events, n)
+        } else {
+            assert!(events.is_empty(), "not streamed: {events:?}");
+            choices
+                .iter()
+                .map(|ch| serde_json::from_value(ch["tokens"].clone()).expect("tokens"))
+                .collect()
+        };
+        let mut completion = 0;
+        for (i, ch) in choices.iter().enumerate() {
+            assert_eq!(ch["index"], i, "{fin}");
+            assert_eq!(ch["finish_reason"], "length", "{fin}");
+            let want = reference(LONG_PROMPT, &p(5 + i as u64), spec).1;
+            assert_eq!(got[i], want, "case {k} choice {i}");
+            assert_eq!(ch["usage"]["completion_tokens"], want.len(), "{fin}");
+            completion += want.len();
+            if i > 0 {
+                let cached = ch["usage"]["cached_prompt_tokens"].as_u64().unwrap_or(0);
+                assert!(cached >= 16, "choice {i} shares the prompt's blocks: {fin}");
+            }
+        }
+        assert_eq!(fin["usage"]["completion_tokens"], completion, "{fin}");
+        if temperature > 0.0 {
+            assert_ne!(got[0], got[1], "seeds differ: {got:?}");
+        }
+    }
+    let s = c.stats();
+    assert_eq!(s["running"], 0, "{s}");
+}
+
+/// Cancelling a request with several choices ends them all: one final line, every choice
+/// `cancelled`, every KV block free.
+#[test]
+fn cancelling_n_choices_ends_them_all_and_frees_their_blocks() {
+    let server = TestServer::plain();
+    let mut c = server.client();
+    c.send(
+        &json!({"id": "many", "prompt": LONG_PROMPT, "max_tokens": 3000,
+                   "ignore_eos": true, "n": 4}),
+    );
+    // Wait until every choice streams.
+    let mut events = Vec::new();
+    while tokens_by_choice(&events, 4).iter().any(Vec::is_empty) {
+        events.push(c.recv());
+    }
+    c.send(&json!({"cancel": "many"}));
+    let fin = loop {
+        let v = c.recv();
+        assert!(v.get("error").is_none(), "{v}");
+        if v.get("done").is_some() {
+            break v;
+        }
+        events.push(v);
+    };
+    let choices = fin["choices"].as_array().expect("choices");
+    let streamed = tokens_by_choice(&events, 4);
+    for (i, ch) in choices.iter().enumerate() {
+        assert_eq!(ch["finish_reason"], "cancelled", "{fin}");
+        assert_eq!(ch["usage"]["completion_tokens"], streamed[i].len(), "{fin}");
+    }
+    let s = c.stats();
+    assert_eq!(s["kv_blocks_used"], 0, "after cancel: {s}");
+    assert_eq!(s["running"], 0, "{s}");
+    assert_eq!(s["cancelled"], 4, "{s}");
+    // The id is free again.
+    let (_, fin) = c.run(&json!({"id": "many", "prompt": "hi", "max_tokens": 2, "n": 2}));
+    assert_eq!(fin["choices"].as_array().map(Vec::len), Some(2), "{fin}");
 }

@@ -8,7 +8,7 @@ use serde_json::{json, Map, Value};
 
 use crate::api::EngineInfo;
 use crate::error::{codes, ServeError};
-use crate::events::{EngineStats, Event};
+use crate::events::{Completion, EngineStats, Event, FinishReason};
 use crate::request::{truncate, Input, Request, SpeculationRequest};
 
 /// Longest accepted request id (bytes of a string id).
@@ -20,6 +20,8 @@ pub enum ClientLine {
     Request {
         id: Value,
         stream: bool,
+        /// Completions to sample from the prompt (`n`, 1 to [`MAX_CHOICES`]).
+        n: usize,
         req: Box<Request>,
     },
     Cancel(Value),
@@ -35,8 +37,12 @@ pub struct LineError {
     pub error: ServeError,
 }
 
-const REQUEST_FIELDS: [&str; 22] = [
+/// Most completions (`n`) of one request line.
+pub const MAX_CHOICES: usize = 64;
+
+const REQUEST_FIELDS: [&str; 23] = [
     "id",
+    "n",
     "prompt",
     "messages",
     "max_tokens",
@@ -104,10 +110,11 @@ pub fn parse_line(bytes: &[u8]) -> Result<ClientLine, LineError> {
         id: Some(id.clone()),
         error,
     };
-    let (stream, req) = request(&obj).map_err(with_id)?;
+    let (stream, n, req) = request(&obj).map_err(with_id)?;
     Ok(ClientLine::Request {
         id,
         stream,
+        n,
         req: Box::new(req),
     })
 }
@@ -237,7 +244,7 @@ fn token_ids(field: &str, v: &Value) -> Result<Vec<u32>, ServeError> {
     }
 }
 
-fn request(obj: &Map<String, Value>) -> Result<(bool, Request), ServeError> {
+fn request(obj: &Map<String, Value>) -> Result<(bool, usize, Request), ServeError> {
     if let Some(k) = obj.keys().find(|k| !REQUEST_FIELDS.contains(&k.as_str())) {
         return Err(err(
             codes::UNKNOWN_FIELD,
@@ -267,6 +274,7 @@ fn request(obj: &Map<String, Value>) -> Result<(bool, Request), ServeError> {
     let mut req = Request::new(input);
     let mut sampling = SamplingParams::default();
     let mut stream = true;
+    let mut n = 1;
     for (k, v) in obj {
         match k.as_str() {
             "max_tokens" => req.max_tokens = uint(k, v, u32::MAX as u64)? as usize,
@@ -314,6 +322,15 @@ fn request(obj: &Map<String, Value>) -> Result<(bool, Request), ServeError> {
             "stop" => req.stop = strings(k, v)?,
             "stop_token_ids" => req.stop_token_ids = token_ids(k, v)?,
             "stream" => stream = boolean(k, v)?,
+            "n" => {
+                n = uint(k, v, MAX_CHOICES as u64)? as usize;
+                if n == 0 {
+                    return Err(err(
+                        codes::INVALID_ARGUMENT,
+                        format!("'n' must be from 1 to {MAX_CHOICES}, got 0"),
+                    ));
+                }
+            }
             "deadline_ms" => {
                 let ms = uint(k, v, u32::MAX as u64)?;
                 if ms == 0 {
@@ -329,7 +346,7 @@ fn request(obj: &Map<String, Value>) -> Result<(bool, Request), ServeError> {
         }
     }
     req.sampling = sampling;
-    Ok((stream, req))
+    Ok((stream, n, req))
 }
 
 /// `{"token id": bias, ...}` (OpenAI's shape: keys are decimal token ids) into (token, bias)
@@ -432,7 +449,78 @@ fn alternatives(top: &[Vec<(u32, f32)>]) -> Value {
 /// The line for an event of the request the client calls `id` (`None`: a token event of a
 /// request that does not stream).
 pub fn event_line(id: &Value, ev: &Event, stream: bool) -> Option<String> {
-    let v = match ev {
+    match ev {
+        Event::Error { error, .. } => Some(error_line(Some(id), error)),
+        _ => {
+            let mut v = event_value(ev, stream)?;
+            v["id"] = id.clone();
+            if ev.is_final() {
+                v["done"] = Value::Bool(true);
+            }
+            Some(v.to_string())
+        }
+    }
+}
+
+/// A token line of choice `index` of a request with several choices (`n` > 1).
+pub fn choice_tokens_line(id: &Value, index: usize, ev: &Event, stream: bool) -> Option<String> {
+    let mut v = event_value(ev, stream)?;
+    v["id"] = id.clone();
+    v["index"] = json!(index);
+    Some(v.to_string())
+}
+
+/// The end of choice `index` (an entry of the final line's `choices`): what a request's final
+/// line says, without `id` and `done`.
+pub fn choice_value(index: usize, c: &Completion, stream: bool) -> Value {
+    let mut v = completion_value(c, stream);
+    v["index"] = json!(index);
+    v
+}
+
+/// A choice that never started (the request ended first): no tokens, no timing.
+pub fn unstarted_choice_value(index: usize, reason: FinishReason, stream: bool) -> Value {
+    let mut v = json!({
+        "index": index,
+        "finish_reason": reason.as_str(),
+        "usage": {"prompt_tokens": 0, "completion_tokens": 0, "cached_prompt_tokens": 0},
+        "spec": null,
+        "timing": null,
+    });
+    if !stream {
+        v["text"] = json!("");
+        v["tokens"] = json!([]);
+    }
+    v
+}
+
+/// The final line of a request with several choices: every choice's end, by index, and the
+/// usage of them all (the prompt counted once).
+pub fn choices_line(id: &Value, choices: Vec<Value>) -> String {
+    let usage = |c: &Value, k: &str| c["usage"][k].as_u64().unwrap_or(0);
+    let prompt = choices.iter().map(|c| usage(c, "prompt_tokens")).max();
+    let completion: u64 = choices.iter().map(|c| usage(c, "completion_tokens")).sum();
+    let cached: u64 = choices
+        .iter()
+        .map(|c| usage(c, "cached_prompt_tokens"))
+        .sum();
+    json!({
+        "id": id,
+        "done": true,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt.unwrap_or(0),
+            "completion_tokens": completion,
+            "cached_prompt_tokens": cached,
+        },
+    })
+    .to_string()
+}
+
+/// A token event's or a completion's fields (`None` for token events when not streaming, and
+/// for errors).
+fn event_value(ev: &Event, stream: bool) -> Option<Value> {
+    match ev {
         Event::Tokens {
             tokens,
             logprobs,
@@ -443,52 +531,51 @@ pub fn event_line(id: &Value, ev: &Event, stream: bool) -> Option<String> {
             if !stream {
                 return None;
             }
-            let mut v = json!({"id": id, "text": text, "tokens": tokens});
+            let mut v = json!({"text": text, "tokens": tokens});
             if !logprobs.is_empty() {
                 v["logprobs"] = json!(logprobs);
             }
             if !top_logprobs.is_empty() {
                 v["top_logprobs"] = alternatives(top_logprobs);
             }
-            v
+            Some(v)
         }
-        Event::Done(c) => {
-            let mut v = json!({
-                "id": id,
-                "done": true,
-                "finish_reason": c.finish_reason.as_str(),
-                "usage": {
-                    "prompt_tokens": c.usage.prompt_tokens,
-                    "completion_tokens": c.usage.completion_tokens,
-                    "cached_prompt_tokens": c.usage.cached_prompt_tokens,
-                },
-                "spec": c.spec.map(|s| json!({
-                    "steps": s.steps,
-                    "drafted": s.drafted,
-                    "accepted": s.accepted,
-                    "mean_accepted": s.mean_accepted,
-                })),
-                "timing": {
-                    "queue_ms": c.timing.queue_ms,
-                    "ttft_ms": c.timing.ttft_ms,
-                    "total_ms": c.timing.total_ms,
-                },
-            });
-            if !stream {
-                v["text"] = Value::String(c.text.clone());
-                v["tokens"] = json!(c.tokens);
-                if !c.logprobs.is_empty() {
-                    v["logprobs"] = json!(c.logprobs);
-                }
-                if !c.top_logprobs.is_empty() {
-                    v["top_logprobs"] = alternatives(&c.top_logprobs);
-                }
-            }
-            v
+        Event::Done(c) => Some(completion_value(c, stream)),
+        Event::Error { .. } => None,
+    }
+}
+
+fn completion_value(c: &Completion, stream: bool) -> Value {
+    let mut v = json!({
+        "finish_reason": c.finish_reason.as_str(),
+        "usage": {
+            "prompt_tokens": c.usage.prompt_tokens,
+            "completion_tokens": c.usage.completion_tokens,
+            "cached_prompt_tokens": c.usage.cached_prompt_tokens,
+        },
+        "spec": c.spec.map(|s| json!({
+            "steps": s.steps,
+            "drafted": s.drafted,
+            "accepted": s.accepted,
+            "mean_accepted": s.mean_accepted,
+        })),
+        "timing": {
+            "queue_ms": c.timing.queue_ms,
+            "ttft_ms": c.timing.ttft_ms,
+            "total_ms": c.timing.total_ms,
+        },
+    });
+    if !stream {
+        v["text"] = Value::String(c.text.clone());
+        v["tokens"] = json!(c.tokens);
+        if !c.logprobs.is_empty() {
+            v["logprobs"] = json!(c.logprobs);
         }
-        Event::Error { error, .. } => return Some(error_line(Some(id), error)),
-    };
-    Some(v.to_string())
+        if !c.top_logprobs.is_empty() {
+            v["top_logprobs"] = alternatives(&c.top_logprobs);
+        }
+    }
+    v
 }
 
 pub fn error_line(id: Option<&Value>, e: &ServeError) -> String {

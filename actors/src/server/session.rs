@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use serde_json::Value;
@@ -18,13 +18,31 @@ use super::protocol::{self, ClientLine, LineError};
 use super::{ServerConfig, ServerCounters};
 use crate::api::Engine;
 use crate::error::{codes, ServeError};
-use crate::events::{Event, RequestId};
+use crate::events::{Event, FinishReason, RequestId};
 use crate::messages::EventSink;
+use crate::request::ValidRequest;
 
-struct InFlight {
+/// One request line: one engine request, or one per choice when it asks for `n` > 1.
+struct Group {
     client_id: Value,
     stream: bool,
     span: tracing::Span,
+    /// Choices 1.. wait for choice 0's first event: its prompt's full blocks are then in the
+    /// prefix cache, and the other choices share them instead of computing them again.
+    deferred: Option<Deferred>,
+    /// Each choice's end (its entry of the final line), by index; length `n`.
+    ends: Vec<Option<Value>>,
+}
+
+struct Deferred {
+    req: ValidRequest,
+    submitted: Instant,
+}
+
+impl Group {
+    fn n(&self) -> usize {
+        self.ends.len()
+    }
 }
 
 pub(super) struct Session {
@@ -33,9 +51,10 @@ pub(super) struct Session {
     counters: Arc<ServerCounters>,
     closing: watch::Receiver<bool>,
     authed: bool,
-    in_flight: HashMap<RequestId, InFlight>,
-    /// Canonical JSON of a client id → engine id (duplicates are refused).
-    by_client: HashMap<String, RequestId>,
+    /// Engine id → (canonical JSON of its client id, choice index).
+    in_flight: HashMap<RequestId, (String, usize)>,
+    /// Canonical JSON of a client id → its request (duplicates are refused).
+    by_client: HashMap<String, Group>,
 }
 
 /// Why a session ended.
@@ -139,7 +158,7 @@ impl Session {
                 },
                 ev = ev_rx.recv() => {
                     let Some(ev) = ev else { break End::Shutdown };
-                    if let Some(line) = self.on_event(ev) {
+                    if let Some(line) = self.on_event(ev, &sink) {
                         if out_tx.try_send(line).is_err() {
                             overflowed.store(true, Ordering::Relaxed);
                         }
@@ -165,9 +184,11 @@ impl Session {
             }
             _ => {}
         }
-        for (&id, f) in &self.in_flight {
-            f.span
-                .in_scope(|| tracing::info!(request = id, "cancelled: connection ended"));
+        for (&id, (key, _)) in &self.in_flight {
+            if let Some(g) = self.by_client.get(key) {
+                g.span
+                    .in_scope(|| tracing::info!(request = id, "cancelled: connection ended"));
+            }
             self.engine.cancel(id);
         }
         drop(out_tx);
@@ -308,10 +329,23 @@ impl Session {
                     )],
                 }
             }
-            ClientLine::Cancel(id) => match self.by_client.get(&id.to_string()) {
+            ClientLine::Cancel(id) => match self.by_client.get_mut(&id.to_string()) {
                 // The final `done` (cancelled) follows once the request's blocks are free.
-                Some(&eid) => {
-                    self.engine.cancel(eid);
+                Some(g) => {
+                    // Choices not started yet end here.
+                    if g.deferred.take().is_some() {
+                        for (i, end) in g.ends.iter_mut().enumerate().skip(1) {
+                            *end = Some(protocol::unstarted_choice_value(
+                                i,
+                                FinishReason::Cancelled,
+                                g.stream,
+                            ));
+                        }
+                    }
+                    let key = id.to_string();
+                    for (&eid, _) in self.in_flight.iter().filter(|(_, (k, _))| *k == key) {
+                        self.engine.cancel(eid);
+                    }
                     Vec::new()
                 }
                 None => vec![protocol::rejected_line(
@@ -323,7 +357,7 @@ impl Session {
                     ),
                 )],
             },
-            ClientLine::Request { id, stream, req } => {
+            ClientLine::Request { id, stream, n, req } => {
                 let key = id.to_string();
                 if self.by_client.contains_key(&key) {
                     return vec![protocol::rejected_line(
@@ -335,14 +369,17 @@ impl Session {
                         ),
                     )];
                 }
-                if self.in_flight.len() >= self.config.max_requests_per_connection {
+                // Every choice counts.
+                let choices: usize = self.by_client.values().map(Group::n).sum();
+                if choices + n > self.config.max_requests_per_connection {
                     return vec![protocol::error_line(
                         Some(&id),
                         &ServeError::new(
                             codes::TOO_MANY_REQUESTS,
                             format!(
-                                "this connection has {} requests in flight (the limit)",
-                                self.in_flight.len()
+                                "this connection has {choices} requests (choices) in flight; {n} \
+                                 more would pass the limit of {}",
+                                self.config.max_requests_per_connection
                             ),
                         ),
                     )];
@@ -357,17 +394,23 @@ impl Session {
                     Ok(v) => v,
                     Err(e) => return vec![protocol::error_line(Some(&id), &e)],
                 };
+                let deferred = (n > 1).then(|| Deferred {
+                    req: valid.clone(),
+                    submitted: Instant::now(),
+                });
                 match self.engine.submit_to(valid, sink.clone()) {
                     Ok(eid) => {
                         let span = tracing::info_span!("request", id = %id, engine_id = eid);
-                        span.in_scope(|| tracing::debug!(stream, "submitted"));
-                        self.by_client.insert(key, eid);
-                        self.in_flight.insert(
-                            eid,
-                            InFlight {
+                        span.in_scope(|| tracing::debug!(stream, n, "submitted"));
+                        self.in_flight.insert(eid, (key.clone(), 0));
+                        self.by_client.insert(
+                            key,
+                            Group {
                                 client_id: id,
                                 stream,
                                 span,
+                                deferred,
+                                ends: vec![None; n],
                             },
                         );
                         Vec::new()
@@ -378,29 +421,138 @@ impl Session {
         }
     }
 
-    fn on_event(&mut self, ev: Event) -> Option<String> {
+    fn on_event(&mut self, ev: Event, sink: &EventSink) -> Option<String> {
         let eid = ev.id();
-        let f = self.in_flight.get(&eid)?;
-        let line = protocol::event_line(&f.client_id, &ev, f.stream);
-        if ev.is_final() {
-            if let Some(f) = self.in_flight.remove(&eid) {
-                self.by_client.remove(&f.client_id.to_string());
-                f.span.in_scope(|| match &ev {
-                    Event::Done(c) => tracing::info!(
-                        finish = c.finish_reason.as_str(),
-                        prompt_tokens = c.usage.prompt_tokens,
-                        completion_tokens = c.usage.completion_tokens,
-                        total_ms = c.timing.total_ms,
-                        "done"
-                    ),
-                    Event::Error { error, .. } => {
-                        tracing::info!(code = error.code, error = %error.message, "failed")
-                    }
-                    Event::Tokens { .. } => {}
-                });
+        let (key, index) = self.in_flight.get(&eid)?.clone();
+        let g = self.by_client.get(&key)?;
+        if g.n() == 1 {
+            let line = protocol::event_line(&g.client_id, &ev, g.stream);
+            if ev.is_final() {
+                self.in_flight.remove(&eid);
+                if let Some(g) = self.by_client.remove(&key) {
+                    g.span.in_scope(|| log_end(&ev));
+                }
+            }
+            return line;
+        }
+        // Choice 0's first event: its prompt is in the cache, the other choices start (or end
+        // as it did, if it ended before producing anything).
+        if index == 0 && g.deferred.is_some() {
+            let early = match &ev {
+                Event::Done(c)
+                    if matches!(
+                        c.finish_reason,
+                        FinishReason::Cancelled | FinishReason::Deadline | FinishReason::Shutdown
+                    ) =>
+                {
+                    Some(c.finish_reason)
+                }
+                _ => None,
+            };
+            if let Err(e) = self.start_choices(&key, early, matches!(ev, Event::Error { .. }), sink)
+            {
+                return Some(self.fail_group(&key, &e));
             }
         }
-        line
+        match &ev {
+            Event::Tokens { .. } => {
+                let g = self.by_client.get(&key)?;
+                protocol::choice_tokens_line(&g.client_id, index, &ev, g.stream)
+            }
+            Event::Done(c) => {
+                self.in_flight.remove(&eid);
+                let g = self.by_client.get_mut(&key)?;
+                g.ends[index] = Some(protocol::choice_value(index, c, g.stream));
+                if g.ends.iter().any(Option::is_none) {
+                    return None;
+                }
+                let g = self.by_client.remove(&key)?;
+                g.span.in_scope(|| log_end(&ev));
+                let ends = g.ends.into_iter().flatten().collect();
+                Some(protocol::choices_line(&g.client_id, ends))
+            }
+            Event::Error { error, .. } => Some(self.fail_group(&key, error)),
+        }
+    }
+
+    /// Submit choices 1.. of the request `key` (seeds `seed + i`, the deadline what is left of
+    /// the request's), or end them unstarted: with `early` (choice 0 was cancelled or ran out
+    /// of time first), or `shutdown` when the server is closing; when choice 0 failed
+    /// (`failed`) the request fails with it.
+    fn start_choices(
+        &mut self,
+        key: &str,
+        early: Option<FinishReason>,
+        failed: bool,
+        sink: &EventSink,
+    ) -> Result<(), ServeError> {
+        let Some(g) = self.by_client.get_mut(key) else {
+            return Ok(());
+        };
+        let Some(d) = g.deferred.take() else {
+            return Ok(());
+        };
+        if failed {
+            return Ok(());
+        }
+        let early = early.or_else(|| (*self.closing.borrow()).then_some(FinishReason::Shutdown));
+        if let Some(reason) = early {
+            for (i, end) in g.ends.iter_mut().enumerate().skip(1) {
+                *end = Some(protocol::unstarted_choice_value(i, reason, g.stream));
+            }
+            return Ok(());
+        }
+        let elapsed = d.submitted.elapsed();
+        for i in 1..g.n() {
+            let mut req = d.req.clone();
+            req.params.sampling.seed = req.params.sampling.seed.wrapping_add(i as u64);
+            req.deadline = req
+                .deadline
+                .map(|t| t.saturating_sub(elapsed).max(Duration::from_millis(1)));
+            let eid = self.engine.submit_to(req, sink.clone())?;
+            self.in_flight.insert(eid, (key.to_string(), i));
+        }
+        Ok(())
+    }
+
+    /// End request `key` with `error`: its other choices are cancelled and their events
+    /// dropped.
+    fn fail_group(&mut self, key: &str, error: &ServeError) -> String {
+        let ids: Vec<RequestId> = self
+            .in_flight
+            .iter()
+            .filter(|(_, (k, _))| k == key)
+            .map(|(&eid, _)| eid)
+            .collect();
+        for eid in ids {
+            self.in_flight.remove(&eid);
+            self.engine.cancel(eid);
+        }
+        match self.by_client.remove(key) {
+            Some(g) => {
+                g.span.in_scope(
+                    || tracing::info!(code = error.code, error = %error.message, "failed"),
+                );
+                protocol::error_line(Some(&g.client_id), error)
+            }
+            None => protocol::error_line(None, error),
+        }
+    }
+}
+
+fn log_end(ev: &Event) {
+    match ev {
+        Event::Done(c) => tracing::info!(
+            finish = c.finish_reason.as_str(),
+            prompt_tokens = c.usage.prompt_tokens,
+            completion_tokens = c.usage.completion_tokens,
+            total_ms = c.timing.total_ms,
+            "done"
+        ),
+        Event::Error { error, .. } => {
+            tracing::info!(code = error.code, error = %error.message, "failed")
+        }
+        Event::Tokens { .. } => {}
     }
 }
 
