@@ -1159,10 +1159,10 @@ fn overload_limits_answer_with_their_codes() {
     let v = c2.recv();
     assert_eq!(code(&v), "overloaded", "{v}");
     assert_eq!(v["id"], "d");
-    // Every choice of a request counts against the connection's limit.
+    // More choices than a connection may have in flight: never servable.
     c2.send(&json!({"id": "f", "prompt": "hi", "n": 3}));
     let v = c2.recv();
-    assert_eq!(code(&v), "too_many_requests", "{v}");
+    assert_eq!(code(&v), "invalid_argument", "{v}");
     assert_eq!(v["id"], "f");
     c.send(&json!({"cancel": "a"}));
     c.send(&json!({"cancel": "b"}));
@@ -1177,6 +1177,27 @@ fn overload_limits_answer_with_their_codes() {
     // With room again, requests are served.
     let (_, fin) = c2.run(&json!({"id": "e", "prompt": "hi", "max_tokens": 3}));
     assert_eq!(fin["done"], true, "{fin}");
+    // Every choice of a request counts against the connection's limit: one running request
+    // and two more choices would be three.
+    c2.send(&long("g"));
+    c2.send(&json!({"id": "h", "prompt": "hi", "n": 2}));
+    let v = loop {
+        let v = c2.recv();
+        if v["id"] == "h" {
+            break v;
+        }
+    };
+    assert_eq!(code(&v), "too_many_requests", "{v}");
+    c2.send(&json!({"cancel": "g"}));
+    loop {
+        let v = c2.recv();
+        if v.get("done").is_some() {
+            assert_eq!(v["finish_reason"], "cancelled", "{v}");
+            break;
+        }
+    }
+    let (_, fin) = c2.run(&json!({"id": "h", "prompt": "hi", "max_tokens": 2, "n": 2}));
+    assert_eq!(fin["choices"].as_array().map(Vec::len), Some(2), "{fin}");
 }
 
 #[test]
@@ -1751,4 +1772,54 @@ fn cancelling_n_choices_ends_them_all_and_frees_their_blocks() {
     // The id is free again.
     let (_, fin) = c.run(&json!({"id": "many", "prompt": "hi", "max_tokens": 2, "n": 2}));
     assert_eq!(fin["choices"].as_array().map(Vec::len), Some(2), "{fin}");
+}
+
+/// A cancel that arrives before the first choice has a token ends the later choices unstarted:
+/// zero usage, no timing; nothing runs or holds KV blocks afterwards.
+#[test]
+fn cancelling_n_choices_before_the_first_token_ends_the_rest_unstarted() {
+    let server = TestServer::plain();
+    let mut c = server.client();
+    // A busy neighbour keeps the engine stepping, so the cancel lands while "many" waits for
+    // its first token.
+    c.send(&json!({"id": "busy", "prompt": PROMPTS[3], "max_tokens": 3000, "ignore_eos": true}));
+    let _ = c.recv();
+    let mut prompt = LONG_PROMPT.repeat(40);
+    prompt.push_str(" Go on:");
+    c.send(
+        &json!({"id": "many", "prompt": prompt, "max_tokens": 3000, "ignore_eos": true,
+                   "n": 4, "stream": false}),
+    );
+    c.send(&json!({"cancel": "many"}));
+    let fin = loop {
+        let v = c.recv();
+        if v["id"] == "many" {
+            break v;
+        }
+    };
+    assert_eq!(fin["done"], true, "{fin}");
+    let choices = fin["choices"].as_array().expect("choices");
+    assert_eq!(choices.len(), 4, "{fin}");
+    for ch in choices {
+        assert_eq!(ch["finish_reason"], "cancelled", "{fin}");
+    }
+    // Choice 0 had no token: the others never started.
+    assert_eq!(choices[0]["usage"]["completion_tokens"], 0, "{fin}");
+    for ch in &choices[1..] {
+        assert_eq!(ch["usage"]["completion_tokens"], 0, "{fin}");
+        assert_eq!(ch["usage"]["prompt_tokens"], 0, "{fin}");
+        assert_eq!(ch["timing"], Value::Null, "{fin}");
+        assert_eq!(ch["text"], "", "{fin}");
+    }
+    c.send(&json!({"cancel": "busy"}));
+    loop {
+        let v = c.recv();
+        if v["id"] == "busy" && v.get("done").is_some() {
+            break;
+        }
+    }
+    let s = c.stats();
+    assert_eq!(s["kv_blocks_used"], 0, "{s}");
+    assert_eq!(s["running"], 0, "{s}");
+    assert_eq!(s["cancelled"], 2, "{s}");
 }

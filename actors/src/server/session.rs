@@ -369,9 +369,24 @@ impl Session {
                         ),
                     )];
                 }
-                // Every choice counts.
+                // Every choice counts; one request can never have more choices than the
+                // connection or the engine's waiting queue holds.
+                let (per_conn, waiting) = (
+                    self.config.max_requests_per_connection,
+                    self.engine.limits().max_waiting,
+                );
+                if n > per_conn || n - 1 > waiting {
+                    return vec![protocol::error_line(
+                        Some(&id),
+                        &ServeError::invalid(format!(
+                            "'n' must be at most {} (--max-requests-per-connection {per_conn}, \
+                             --max-waiting {waiting})",
+                            per_conn.min(waiting + 1)
+                        )),
+                    )];
+                }
                 let choices: usize = self.by_client.values().map(Group::n).sum();
-                if choices + n > self.config.max_requests_per_connection {
+                if choices + n > per_conn {
                     return vec![protocol::error_line(
                         Some(&id),
                         &ServeError::new(
@@ -463,16 +478,39 @@ impl Session {
                 self.in_flight.remove(&eid);
                 let g = self.by_client.get_mut(&key)?;
                 g.ends[index] = Some(protocol::choice_value(index, c, g.stream));
-                if g.ends.iter().any(Option::is_none) {
-                    return None;
-                }
-                let g = self.by_client.remove(&key)?;
-                g.span.in_scope(|| log_end(&ev));
-                let ends = g.ends.into_iter().flatten().collect();
-                Some(protocol::choices_line(&g.client_id, ends))
+                self.end_if_complete(&key)
+            }
+            // A later choice the engine refused because it is shutting down (submitted as the
+            // shutdown began) ends unstarted, as the docs say, instead of failing the others.
+            Event::Error { error, .. } if index > 0 && error.code == codes::SHUTTING_DOWN => {
+                self.in_flight.remove(&eid);
+                let g = self.by_client.get_mut(&key)?;
+                g.ends[index] = Some(protocol::unstarted_choice_value(
+                    index,
+                    FinishReason::Shutdown,
+                    g.stream,
+                ));
+                self.end_if_complete(&key)
             }
             Event::Error { error, .. } => Some(self.fail_group(&key, error)),
         }
+    }
+
+    /// The final line of request `key` once every choice has ended.
+    fn end_if_complete(&mut self, key: &str) -> Option<String> {
+        if self.by_client.get(key)?.ends.iter().any(Option::is_none) {
+            return None;
+        }
+        let g = self.by_client.remove(key)?;
+        let ends: Vec<Value> = g.ends.into_iter().flatten().collect();
+        let completion: u64 = ends
+            .iter()
+            .map(|c| c["usage"]["completion_tokens"].as_u64().unwrap_or(0))
+            .sum();
+        g.span.in_scope(|| {
+            tracing::info!(choices = ends.len(), completion_tokens = completion, "done")
+        });
+        Some(protocol::choices_line(&g.client_id, ends))
     }
 
     /// Submit choices 1.. of the request `key` (seeds `seed + i`, the deadline what is left of

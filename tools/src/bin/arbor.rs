@@ -885,6 +885,7 @@ fn cuda_generate(a: &GenerateArgs, params: &GenerateParams, ordinal: usize) -> R
         let path = fetch::resolve_model(&a.model.model)?;
         let model = Model::open(&path).with_context(|| format!("loading {}", path.display()))?;
         let tok = Tokenizer::from_gguf(model.gguf()).context("building the tokenizer")?;
+        params.validate(model.config.vocab_size)?;
         let prompt = tok.encode_prompt(&prompt_text(a, &tok))?;
         let budget = a.spec.speculate_budget.unwrap_or(16);
         let blocks = (prompt.len() + params.max_tokens + budget + 1).div_ceil(16) + 1;
