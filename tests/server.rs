@@ -1823,3 +1823,104 @@ fn cancelling_n_choices_before_the_first_token_ends_the_rest_unstarted() {
     assert_eq!(s["running"], 0, "{s}");
     assert_eq!(s["cancelled"], 2, "{s}");
 }
+
+/// `prompt_logprobs`: the first token line (or the final line when not streaming) carries the
+/// prompt's token ids and each one's log-probability under the model (`null` for the first),
+/// bit for bit the rows of one pass over the prompt, with alternatives when asked; the output
+/// is the request's without scoring, with prompt lookup too.
+#[test]
+fn prompt_logprobs_are_the_models_rows_over_the_prompt() {
+    let server = TestServer::start(
+        engine_config(vec![DrafterFactory::ngram(3).expect("ngram")]),
+        ServerConfig::default(),
+    );
+    let mut c = server.client();
+    let m = common::smollm2();
+    let ids = m.tok.encode_prompt(LONG_PROMPT).expect("encode");
+    let n = ids.len();
+    let vocab = m.model.config.vocab_size;
+    let mut cache = arbor_engine::KvCache::new(&m.model.config, n);
+    let pos: Vec<usize> = (0..n).collect();
+    let rows = m
+        .model
+        .forward(
+            common::backend(),
+            &mut cache,
+            &ids,
+            &pos,
+            arbor_engine::BatchMask::Causal,
+            &pos,
+        )
+        .expect("forward");
+    let want: Vec<(f32, Vec<(u32, f32)>)> = (0..n - 1)
+        .map(|i| {
+            arbor_engine::sample::log_softmax_top(&rows[i * vocab..(i + 1) * vocab], ids[i + 1], 2)
+        })
+        .collect();
+    let f32s = |v: &Value| -> Vec<u32> {
+        v.as_array()
+            .expect("array")
+            .iter()
+            .map(|x| (x.as_f64().expect("number") as f32).to_bits())
+            .collect()
+    };
+    let want_lp: Vec<u32> = want.iter().map(|w| w.0.to_bits()).collect();
+    // Ask for the prompt's blocks to be cached first: a scoring request must not read them.
+    let plain = params(8, 0.0, 0);
+    let (_, fin) = c.run(&request(json!("warm"), LONG_PROMPT, &plain));
+    assert_eq!(fin["done"], true, "{fin}");
+    let (_, want_tokens) = reference(LONG_PROMPT, &plain, None);
+    for (k, (stream, spec)) in [(true, false), (false, true)].into_iter().enumerate() {
+        let mut req = request(json!(format!("score{k}")), LONG_PROMPT, &plain);
+        req["prompt_logprobs"] = json!(2);
+        req["stream"] = json!(stream);
+        if !spec {
+            req["speculation"] = json!({"draft": []});
+        }
+        let (events, fin) = c.run(&req);
+        assert_eq!(fin["done"], true, "{fin}");
+        let (carrier, toks) = if stream {
+            for e in &events[1..] {
+                assert!(
+                    e.get("prompt_logprobs").is_none(),
+                    "only the first line: {e}"
+                );
+            }
+            (events[0].clone(), streamed(&events).1)
+        } else {
+            let toks = serde_json::from_value(fin["tokens"].clone()).expect("tokens");
+            (fin.clone(), toks)
+        };
+        assert_eq!(toks, want_tokens, "stream {stream}");
+        assert_eq!(fin["usage"]["cached_prompt_tokens"], 0, "{fin}");
+        assert_eq!(carrier["prompt_token_ids"], json!(ids), "{carrier}");
+        let lps = carrier["prompt_logprobs"]
+            .as_array()
+            .expect("prompt_logprobs");
+        assert_eq!(lps.len(), n);
+        assert_eq!(lps[0], Value::Null);
+        assert_eq!(f32s(&Value::Array(lps[1..].to_vec())), want_lp);
+        let tops = carrier["prompt_top_logprobs"]
+            .as_array()
+            .expect("alternatives");
+        assert_eq!(tops[0], Value::Null);
+        for (t, w) in tops[1..].iter().zip(&want) {
+            let got: Vec<(u64, u32)> = t
+                .as_array()
+                .expect("list")
+                .iter()
+                .map(|a| {
+                    let l = a["logprob"].as_f64().expect("logprob") as f32;
+                    (a["token"].as_u64().expect("token"), l.to_bits())
+                })
+                .collect();
+            let w: Vec<(u64, u32)> = w.1.iter().map(|&(t, l)| (t as u64, l.to_bits())).collect();
+            assert_eq!(got, w);
+        }
+    }
+    // Out of range.
+    let mut req = request(json!("bad"), LONG_PROMPT, &plain);
+    req["prompt_logprobs"] = json!(21);
+    let (_, fin) = c.run(&req);
+    assert_eq!(code(&fin), "invalid_argument", "{fin}");
+}

@@ -1,5 +1,7 @@
 //! What a request's stream carries: token events (one per scheduler step, with every token accepted in it), then exactly one final `Done` or `Error`.
 
+pub use arbor_engine::sched::PromptScores;
+
 use crate::error::ServeError;
 
 /// Engine-wide request id (unique for the engine's lifetime).
@@ -78,6 +80,8 @@ pub struct Completion {
     /// Per token, its most likely alternatives (token, log-probability) when the request asked
     /// (`Request::top_logprobs`); empty otherwise.
     pub top_logprobs: Vec<Vec<(u32, f32)>>,
+    /// The prompt's scores when the request asked (`Request::prompt_logprobs`).
+    pub prompt: Option<Box<PromptScores>>,
     pub usage: Usage,
     pub spec: Option<SpecSummary>,
     pub timing: Timing,
@@ -97,6 +101,9 @@ pub enum Event {
         /// One list of alternatives per token when the request asked (`top_logprobs`).
         top_logprobs: Vec<Vec<(u32, f32)>>,
         text: String,
+        /// The prompt's scores, on the first event, when the request asked
+        /// (`Request::prompt_logprobs`).
+        prompt: Option<Box<PromptScores>>,
     },
     /// Final: the request ended.
     Done(Box<Completion>),

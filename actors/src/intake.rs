@@ -14,7 +14,8 @@ use crate::config::Limits;
 use crate::drafter::DrafterActor;
 use crate::error::{codes, ServeError};
 use crate::events::{
-    Completion, EngineStats, Event, FinishReason, RequestId, SpecSummary, Timing, Usage,
+    Completion, EngineStats, Event, FinishReason, PromptScores, RequestId, SpecSummary, Timing,
+    Usage,
 };
 use crate::merger::TreeMerger;
 use crate::messages::{
@@ -50,6 +51,8 @@ struct Entry {
     logprobs: Vec<f32>,
     top_logprobs: Vec<Vec<(u32, f32)>>,
     text: String,
+    /// The prompt's scores (when asked), once sent.
+    prompt: Option<Box<PromptScores>>,
     /// Tokens (with their log-probabilities) of steps that ran after an early end was asked for
     /// (cancel, deadline, shutdown): dropped if the early end takes effect, streamed if the
     /// request finishes on its own first.
@@ -63,10 +66,14 @@ struct Emitted {
     logprobs: Vec<f32>,
     top_logprobs: Vec<Vec<(u32, f32)>>,
     text: String,
+    prompt: Option<Box<PromptScores>>,
 }
 
 impl Emitted {
     fn append(&mut self, mut other: Emitted) {
+        if self.prompt.is_none() {
+            self.prompt = other.prompt.take();
+        }
         self.tokens.append(&mut other.tokens);
         self.logprobs.append(&mut other.logprobs);
         self.top_logprobs.append(&mut other.top_logprobs);
@@ -369,6 +376,7 @@ impl Intake {
                 logprobs: ev.logprobs,
                 top_logprobs: ev.top_logprobs,
                 text: ev.text,
+                prompt: ev.prompt,
             };
             if e.state != EntryState::Active {
                 e.held.append(out);
@@ -384,12 +392,16 @@ impl Intake {
                 e.top_logprobs.extend_from_slice(&out.top_logprobs);
                 e.text.push_str(&out.text);
                 e.first_token.get_or_insert(now);
+                if e.prompt.is_none() {
+                    e.prompt.clone_from(&out.prompt);
+                }
                 let ev = Event::Tokens {
                     id,
                     tokens: out.tokens,
                     logprobs: out.logprobs,
                     top_logprobs: out.top_logprobs,
                     text: out.text,
+                    prompt: out.prompt,
                 };
                 if let Err(err) = e.sink.send(ev) {
                     self.sink_failed(id, err, ctx);
@@ -432,6 +444,7 @@ impl Intake {
                         tokens,
                         logprobs: std::mem::take(&mut e.logprobs),
                         top_logprobs: std::mem::take(&mut e.top_logprobs),
+                        prompt: e.prompt.take(),
                         spec,
                         timing: e.timing(now),
                         preemptions,
@@ -544,6 +557,7 @@ impl Intake {
                     tokens: e.tokens.clone(),
                     logprobs: e.logprobs.clone(),
                     top_logprobs: e.top_logprobs.clone(),
+                    prompt: e.prompt.clone(),
                     spec: stats.spec.map(|m| act.spec_summary(&m)),
                     timing: e.timing(Instant::now()),
                     preemptions: stats.preemptions,
@@ -713,6 +727,7 @@ impl Handler<Submit> for Intake {
                 text: String::new(),
                 logprobs: Vec::new(),
                 top_logprobs: Vec::new(),
+                prompt: None,
                 held: Emitted::default(),
             },
         );

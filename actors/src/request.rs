@@ -55,6 +55,9 @@ pub struct Request {
     pub logprobs: bool,
     /// With `logprobs`: each token's this many most likely alternatives too (0 to 20).
     pub top_logprobs: usize,
+    /// `Some(k)`: the prompt's tokens scored by the model (each one's log-probability given
+    /// those before it, raw logits), with `k` (0 to 20) alternatives each; on the first event.
+    pub prompt_logprobs: Option<usize>,
     /// End the request (finish reason `deadline`) this long after submission.
     pub deadline: Option<Duration>,
     /// `None`: the engine's default (speculate with every drafter it has).
@@ -80,6 +83,7 @@ impl Request {
             stop_token_ids: Vec::new(),
             logprobs: false,
             top_logprobs: 0,
+            prompt_logprobs: None,
             deadline: None,
             speculation: None,
         }
@@ -187,6 +191,7 @@ impl ValidRequest {
             penalties: req.penalties,
             logit_bias: req.logit_bias,
             stop_token_ids: req.stop_token_ids,
+            prompt_logprobs: req.prompt_logprobs,
         };
         // Sampling, penalties, bias values and counts; the bias's token ids on submission.
         params.validate(usize::MAX).map_err(ServeError::from)?;

@@ -41,6 +41,11 @@ pub struct GenerateParams {
     /// output tokens, its text not emitted, not before `min_tokens`), also with `ignore_eos`
     /// (vLLM's `stop_token_ids`); at most [`MAX_STOP_TOKEN_IDS`].
     pub stop_token_ids: Vec<u32>,
+    /// `Some(k)`: report each prompt token's log-probability under the model given the tokens
+    /// before it (the raw logits: no bias, no penalties), with its `k` most likely alternatives
+    /// (at most [`crate::sample::MAX_TOP_LOGPROBS`]); scoring a prompt computes every one of its
+    /// rows, so such a request reads no prefix from the cache.
+    pub prompt_logprobs: Option<usize>,
 }
 
 /// Most `stop_token_ids` of one request.
@@ -59,6 +64,7 @@ impl Default for GenerateParams {
             penalties: Penalties::default(),
             logit_bias: Vec::new(),
             stop_token_ids: Vec::new(),
+            prompt_logprobs: None,
         }
     }
 }
@@ -74,6 +80,11 @@ impl GenerateParams {
             return Err(EngineError::InvalidArgument(format!(
                 "top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {}",
                 self.top_logprobs
+            )));
+        }
+        if let Some(k) = self.prompt_logprobs.filter(|&k| k > MAX_TOP_LOGPROBS) {
+            return Err(EngineError::InvalidArgument(format!(
+                "prompt_logprobs must be at most {MAX_TOP_LOGPROBS}, got {k}"
             )));
         }
         if self.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {

@@ -965,6 +965,13 @@ pub fn generate<B: Backend>(
 ) -> Result<SpecOutput> {
     check_prompt(model, prompt)?;
     params.validate(model.config.vocab_size)?;
+    if params.prompt_logprobs.is_some() {
+        return Err(EngineError::InvalidArgument(
+            "prompt_logprobs: the scheduler's requests (`generate`, the server) score prompts, \
+             not speculative `spec::generate`"
+                .into(),
+        ));
+    }
     let limit = model.config.context_length;
     let mode = spec.mode.unwrap_or(VerifyMode::auto(&params.sampling));
     if mode == VerifyMode::Greedy && !params.sampling.is_greedy() {

@@ -8,7 +8,7 @@ use serde_json::{json, Map, Value};
 
 use crate::api::EngineInfo;
 use crate::error::{codes, ServeError};
-use crate::events::{Completion, EngineStats, Event, FinishReason};
+use crate::events::{Completion, EngineStats, Event, FinishReason, PromptScores};
 use crate::request::{truncate, Input, Request, SpeculationRequest};
 
 /// Longest accepted request id (bytes of a string id).
@@ -40,7 +40,7 @@ pub struct LineError {
 /// Most completions (`n`) of one request line.
 pub const MAX_CHOICES: usize = 64;
 
-const REQUEST_FIELDS: [&str; 23] = [
+const REQUEST_FIELDS: [&str; 24] = [
     "id",
     "n",
     "prompt",
@@ -50,6 +50,7 @@ const REQUEST_FIELDS: [&str; 23] = [
     "ignore_eos",
     "logprobs",
     "top_logprobs",
+    "prompt_logprobs",
     "temperature",
     "top_p",
     "top_k",
@@ -282,6 +283,9 @@ fn request(obj: &Map<String, Value>) -> Result<(bool, usize, Request), ServeErro
             "ignore_eos" => req.ignore_eos = boolean(k, v)?,
             "logprobs" => req.logprobs = boolean(k, v)?,
             "top_logprobs" => req.top_logprobs = uint(k, v, u32::MAX as u64)? as usize,
+            "prompt_logprobs" => {
+                req.prompt_logprobs = Some(uint(k, v, u32::MAX as u64)? as usize);
+            }
             "temperature" => {
                 let t = float(k, v)?;
                 if !(0.0..=100.0).contains(&t) {
@@ -436,6 +440,29 @@ fn speculation(v: &Value) -> Result<SpeculationRequest, ServeError> {
 }
 
 /// Per token, its alternatives as `[{"token": id, "logprob": x}, ...]`.
+/// A scored prompt's fields: its token ids, each token's log-probability (`null` for the
+/// first, which has no context) and, when alternatives were asked for, each row's.
+fn add_prompt_scores(v: &mut Value, p: &PromptScores) {
+    let first = p.tokens.first().map(|_| Value::Null);
+    v["prompt_token_ids"] = json!(p.tokens);
+    v["prompt_logprobs"] = first
+        .clone()
+        .into_iter()
+        .chain(p.logprobs.iter().map(|&l| json!(l)))
+        .collect();
+    if p.top_logprobs.iter().any(|t| !t.is_empty()) {
+        v["prompt_top_logprobs"] = first
+            .into_iter()
+            .chain(
+                alternatives(&p.top_logprobs)
+                    .as_array()
+                    .cloned()
+                    .unwrap_or_default(),
+            )
+            .collect();
+    }
+}
+
 fn alternatives(top: &[Vec<(u32, f32)>]) -> Value {
     top.iter()
         .map(|alts| {
@@ -526,6 +553,7 @@ fn event_value(ev: &Event, stream: bool) -> Option<Value> {
             logprobs,
             top_logprobs,
             text,
+            prompt,
             ..
         } => {
             if !stream {
@@ -537,6 +565,9 @@ fn event_value(ev: &Event, stream: bool) -> Option<Value> {
             }
             if !top_logprobs.is_empty() {
                 v["top_logprobs"] = alternatives(top_logprobs);
+            }
+            if let Some(p) = prompt {
+                add_prompt_scores(&mut v, p);
             }
             Some(v)
         }
@@ -573,6 +604,9 @@ fn completion_value(c: &Completion, stream: bool) -> Value {
         }
         if !c.top_logprobs.is_empty() {
             v["top_logprobs"] = alternatives(&c.top_logprobs);
+        }
+        if let Some(p) = &c.prompt {
+            add_prompt_scores(&mut v, p);
         }
     }
     v

@@ -71,8 +71,23 @@ pub struct StepEvent {
     pub top_logprobs: Vec<Vec<(u32, f32)>>,
     /// Text that became final this step.
     pub text: String,
+    /// The prompt's log-probabilities, on the request's first event with tokens when it asked
+    /// ([`GenerateParams::prompt_logprobs`]).
+    pub prompt: Option<Box<PromptScores>>,
     /// Set on the request's last event.
     pub finish: Option<Finish>,
+}
+
+/// A prompt scored by the model: each token's log-probability given the tokens before it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PromptScores {
+    /// The prompt's tokens.
+    pub tokens: Vec<u32>,
+    /// `logprobs[i]`: token `i + 1`'s (the first token has none).
+    pub logprobs: Vec<f32>,
+    /// `top_logprobs[i]`: the row's most likely tokens before token `i + 1`, most likely first
+    /// (empty lists when no alternatives were asked for).
+    pub top_logprobs: Vec<Vec<(u32, f32)>>,
 }
 
 /// How a request ended.
@@ -264,6 +279,9 @@ struct Slot {
     /// A prefill chunk's top candidates per row for the request's drafters (Token Recycling's
     /// warm start; 0: none, and only the last row's logits when `logits`).
     candidates: usize,
+    /// A prefill chunk of a prompt being scored: every row's logits (scored after the pass,
+    /// then cut to the rows the step reads).
+    score: bool,
     /// Draft tokens the adaptive policy expects `tree` to have accepted (0: no chosen depth).
     promised: f64,
 }
@@ -282,6 +300,7 @@ impl Slot {
             proposal: None,
             proposal_mask: None,
             candidates: 0,
+            score: false,
             promised: 0.0,
         }
     }
@@ -289,7 +308,7 @@ impl Slot {
     /// Rows of a prefill chunk with logits, its last ones: every row where the drafters want
     /// each row's candidates, else the last where the chunk ends the prompt.
     fn prefill_logit_rows(&self) -> usize {
-        if self.candidates > 0 {
+        if self.candidates > 0 || self.score {
             self.prefill
         } else {
             usize::from(self.logits && self.prefill > 0)
@@ -386,6 +405,7 @@ fn failed(id: u64, e: EngineError) -> StepEvent {
         logprobs: Vec::new(),
         top_logprobs: Vec::new(),
         text: String::new(),
+        prompt: None,
         finish: Some(Finish::Failed(e)),
     }
 }
@@ -416,9 +436,19 @@ struct Request<'a> {
     /// pool's slots).
     cap: usize,
     spec: Option<SpecState<'a>>,
+    /// The prompt's scores so far, until the first event takes them (requests that asked).
+    prompt_scores: Option<Box<PromptScores>>,
 }
 
 impl Request<'_> {
+    /// Whether prompt rows are still to be scored: the request reads no prefix from the cache
+    /// and its prefill chunks return every row's logits.
+    fn scoring(&self) -> bool {
+        self.prompt_scores
+            .as_ref()
+            .is_some_and(|s| s.logprobs.len() + 1 < self.prompt_len)
+    }
+
     fn generated(&self) -> usize {
         self.seq.len() - self.prompt_len
     }
@@ -794,8 +824,15 @@ impl<'a> Scheduler<'a> {
         let id = self.next_id;
         self.next_id += 1;
         let noop: fn(&str) = |_| {};
+        let prompt_scores = params.prompt_logprobs.map(|_| {
+            Box::new(PromptScores {
+                tokens: prompt.clone(),
+                ..PromptScores::default()
+            })
+        });
         self.waiting.push_back(Request {
             id,
+            prompt_scores,
             prompt_len: prompt.len(),
             sampler: Sampler::new(params.sampling.clone())?,
             penalties: params.logits_history(&prompt),
@@ -852,6 +889,7 @@ impl<'a> Scheduler<'a> {
                     logprobs: Vec::new(),
                     top_logprobs: Vec::new(),
                     text: String::new(),
+                    prompt: None,
                     finish: Some(Finish::Done {
                         reason: FinishReason::Length,
                         tokens: Vec::new(),
@@ -873,7 +911,8 @@ impl<'a> Scheduler<'a> {
                 ));
                 continue;
             }
-            let cache = if self.config.prefix_caching {
+            // A prompt being scored computes every row.
+            let cache = if self.config.prefix_caching && !req.scoring() {
                 KvCache::with_prefix(&self.pool, req.capacity, &req.seq)
             } else {
                 KvCache::in_pool(&self.pool, req.capacity)
@@ -1122,6 +1161,7 @@ impl<'a> Scheduler<'a> {
         // path's tokens too) before anything reads it.
         let vocab = self.model.config.vocab_size;
         let mut logits = logits;
+        self.score_prompts(&plan, &inputs, &mut logits);
         for (sl, lg) in plan.iter().zip(logits.iter_mut()) {
             let Some(h) = self.running[sl.idx].penalties.as_ref() else {
                 continue;
@@ -1266,6 +1306,7 @@ impl<'a> Scheduler<'a> {
                 logprobs: Vec::new(),
                 top_logprobs: Vec::new(),
                 text: String::new(),
+                prompt: r.prompt_scores.take(),
                 finish: None,
             };
             let mut reason = None;
@@ -1347,10 +1388,53 @@ impl<'a> Scheduler<'a> {
         Ok(events)
     }
 
+    /// Prompt log-probabilities: every scored chunk row gives the next prompt token's (rows
+    /// of a recompute after preemption that were scored before are skipped), the rows in
+    /// parallel; then the chunk's logits are cut to what the rest of the step reads (the
+    /// last row where the chunk ends the prompt, every row for drafters' candidates).
+    fn score_prompts(&mut self, plan: &[Slot], inputs: &[StepInput], logits: &mut [Vec<f32>]) {
+        let vocab = self.model.config.vocab_size;
+        for ((sl, x), lg) in plan.iter().zip(inputs).zip(logits.iter_mut()) {
+            if !sl.score {
+                continue;
+            }
+            let r = &mut self.running[sl.idx];
+            let (Some(scores), Some(k)) = (r.prompt_scores.as_mut(), r.params.prompt_logprobs)
+            else {
+                continue;
+            };
+            // Row `j` (position `x.positions[j]`) scores the prompt token after it.
+            let rows: Vec<(usize, u32)> = x
+                .positions
+                .iter()
+                .enumerate()
+                .filter(|&(_, &p)| p + 1 > scores.logprobs.len() && p + 1 < r.prompt_len)
+                .map(|(j, &p)| (j, r.seq[p + 1]))
+                .collect();
+            let scored: Vec<(f32, Vec<(u32, f32)>)> = rows
+                .par_iter()
+                .map(|&(j, t)| {
+                    crate::sample::log_softmax_top(&lg[j * vocab..(j + 1) * vocab], t, k)
+                })
+                .collect();
+            for (lp, top) in scored {
+                scores.logprobs.push(lp);
+                scores.top_logprobs.push(top);
+            }
+            let keep = if sl.candidates > 0 {
+                sl.prefill
+            } else {
+                usize::from(sl.logits)
+            };
+            let cut = lg.len().saturating_sub(keep * vocab);
+            lg.drain(..cut);
+        }
+    }
+
     /// Most prompt rows of `r` one step prefills. Drafters that learn from every row's
     /// candidates see the prompt's rows too, in chunks that bound the logits buffer.
     fn prefill_chunk(&self, r: &Request<'_>) -> usize {
-        if r.prompt_candidates() > 0 {
+        if r.prompt_candidates() > 0 || r.scoring() {
             self.config.prefill_chunk.min(CANDIDATE_PREFILL_ROWS)
         } else {
             self.config.prefill_chunk
@@ -1431,6 +1515,7 @@ impl<'a> Scheduler<'a> {
                     proposal: None,
                     proposal_mask: None,
                     candidates: r.prompt_candidates(),
+                    score: r.scoring(),
                     promised: 0.0,
                 });
             }

@@ -1896,3 +1896,142 @@ fn stop_token_ids_end_requests_where_incremental_decoding_reaches_them() {
     };
     assert!(s.submit(prompt, bad).is_err());
 }
+
+/// Prompt log-probabilities are each prompt row's log-softmax at the next prompt token, bit for
+/// bit the rows of one pass over the whole prompt, with and without chunked prefill, when the
+/// prompt's blocks are in the prefix cache (a scoring request reads none), and when scoring
+/// requests are preempted and recomputed; they come once, on the first event with tokens, and
+/// the generated tokens are those of the request alone.
+#[test]
+fn prompt_logprobs_are_the_rows_of_one_pass_over_the_prompt() {
+    let be = CpuBackend::new(2).unwrap();
+    let model = tiny_model(&spec("qwen2", GgmlType::Q8_0), 33).unwrap();
+    let vocab = model.config.vocab_size;
+    let prompt: Vec<u32> = (0..70u32).map(|j| (j * 13 + 5) % vocab as u32).collect();
+    let n = prompt.len();
+    let mut cache = KvCache::new(&model.config, n);
+    let pos: Vec<usize> = (0..n).collect();
+    let all: Vec<usize> = (0..n).collect();
+    let rows = model
+        .forward(&be, &mut cache, &prompt, &pos, BatchMask::Causal, &all)
+        .unwrap();
+    let k = 3;
+    let (want_lp, want_top): (Vec<f32>, Vec<Vec<(u32, f32)>>) = (0..n - 1)
+        .map(|i| {
+            crate::sample::log_softmax_top(&rows[i * vocab..(i + 1) * vocab], prompt[i + 1], k)
+        })
+        .unzip();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let plain = GenerateParams {
+        max_tokens: 30,
+        sampling: SamplingParams::greedy(),
+        ..GenerateParams::default()
+    };
+    let scoring = GenerateParams {
+        prompt_logprobs: Some(k),
+        ..plain.clone()
+    };
+    let want_tokens = alone(&model, &be, &prompt, &plain);
+    for (config, blocks) in [
+        (SchedConfig::default(), 128usize),
+        (
+            SchedConfig {
+                max_step_tokens: 40,
+                prefill_chunk: 24,
+                ..SchedConfig::default()
+            },
+            128,
+        ),
+        // Requests of 7 blocks each (5 at admission) in 11: preemptions.
+        (SchedConfig::default(), 11),
+    ] {
+        let pool = KvPool::new(&model.config, model.config.n_layers, blocks);
+        let mut s = Scheduler::new(&model, None, pool.clone(), config.clone()).unwrap();
+        // The prompt's blocks in the prefix cache first.
+        let first = s.submit(prompt.clone(), plain.clone()).unwrap();
+        let _ = s.step(&be).unwrap();
+        let ids: Vec<u64> = (0..3)
+            .map(|_| s.submit(prompt.clone(), scoring.clone()).unwrap())
+            .collect();
+        let mut scores: Vec<Vec<PromptScores>> = vec![Vec::new(); 3];
+        let mut done = Vec::new();
+        while !s.is_idle() {
+            for ev in s.step(&be).unwrap() {
+                if let Some(i) = ids.iter().position(|&id| id == ev.id) {
+                    if let Some(p) = ev.prompt {
+                        assert!(!ev.tokens.is_empty(), "scores come with the first tokens");
+                        scores[i].push(*p);
+                    }
+                }
+                done.extend(ev.finish.map(|f| (ev.id, f)));
+            }
+        }
+        for (i, id) in ids.iter().enumerate() {
+            assert_eq!(scores[i].len(), 1, "request {id}: scores once");
+            let got = &scores[i][0];
+            assert_eq!(got.tokens, prompt);
+            assert_eq!(
+                bits(&got.logprobs),
+                bits(&want_lp),
+                "blocks {blocks} request {id}"
+            );
+            assert_eq!(got.top_logprobs.len(), n - 1);
+            for (g, w) in got.top_logprobs.iter().zip(&want_top) {
+                assert_eq!(g.len(), k);
+                let gb: Vec<_> = g.iter().map(|&(t, v)| (t, v.to_bits())).collect();
+                let wb: Vec<_> = w.iter().map(|&(t, v)| (t, v.to_bits())).collect();
+                assert_eq!(gb, wb);
+            }
+            let f = &done.iter().find(|d| d.0 == *id).expect("finished").1;
+            assert_eq!(done_tokens(f).0, &want_tokens[..], "request {id}");
+            let Finish::Done {
+                cached_prompt_tokens,
+                ..
+            } = f
+            else {
+                unreachable!()
+            };
+            assert_eq!(
+                *cached_prompt_tokens, 0,
+                "a scoring request reads no prefix"
+            );
+        }
+        let f = &done.iter().find(|d| d.0 == first).expect("finished").1;
+        assert_eq!(done_tokens(f).0, &want_tokens[..]);
+        if blocks == 11 {
+            assert!(s.stats().preemptions > 0, "preempted");
+        }
+        assert_eq!(pool.stats().used, 0);
+    }
+    // Preempted in the middle of its prompt (4 rows a step; a short request decoding beside
+    // it needs its blocks): the recompute scores only the rows not scored yet.
+    let pool = KvPool::new(&model.config, model.config.n_layers, 7);
+    let config = SchedConfig {
+        max_step_tokens: 8,
+        prefill_chunk: 4,
+        ..SchedConfig::default()
+    };
+    let mut s = Scheduler::new(&model, None, pool.clone(), config).unwrap();
+    let short = GenerateParams {
+        max_tokens: 60,
+        ..plain.clone()
+    };
+    s.submit(prompt[..20].to_vec(), short).unwrap();
+    let _ = s.step(&be).unwrap();
+    let id = s.submit(prompt.clone(), scoring.clone()).unwrap();
+    let mut got = Vec::new();
+    let mut tokens = Vec::new();
+    while !s.is_idle() {
+        for ev in s.step(&be).unwrap() {
+            if ev.id == id {
+                got.extend(ev.prompt.map(|p| *p));
+                tokens.extend(ev.tokens);
+            }
+        }
+    }
+    assert!(s.stats().preemptions > 0, "preempted");
+    assert_eq!(got.len(), 1);
+    assert_eq!(bits(&got[0].logprobs), bits(&want_lp));
+    assert_eq!(tokens, want_tokens);
+    assert_eq!(pool.stats().used, 0);
+}

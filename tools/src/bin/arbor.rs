@@ -990,6 +990,7 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         },
         logit_bias: a.logit_bias.clone(),
         stop_token_ids: a.stop_token_id.clone(),
+        prompt_logprobs: None,
     };
     // Token ids against the vocabulary once the model is loaded (`generate`, `spec::generate`).
     params.validate(usize::MAX)?;
