@@ -1918,6 +1918,25 @@ fn prompt_logprobs_are_the_models_rows_over_the_prompt() {
             assert_eq!(got, w);
         }
     }
+    // With `n`, choice 0 scores the prompt; the others read it from the cache.
+    let mut req = request(json!("scores-n"), LONG_PROMPT, &plain);
+    req["prompt_logprobs"] = json!(0);
+    req["n"] = json!(2);
+    req["stream"] = json!(false);
+    let (_, fin) = c.run(&req);
+    let choices = fin["choices"].as_array().expect("choices");
+    assert_eq!(
+        f32s(&Value::Array(
+            choices[0]["prompt_logprobs"].as_array().expect("scores")[1..].to_vec()
+        )),
+        want_lp
+    );
+    assert!(choices[0].get("prompt_top_logprobs").is_none(), "{fin}");
+    assert!(choices[1].get("prompt_logprobs").is_none(), "{fin}");
+    assert!(
+        choices[1]["usage"]["cached_prompt_tokens"].as_u64() >= Some(16),
+        "{fin}"
+    );
     // Out of range.
     let mut req = request(json!("bad"), LONG_PROMPT, &plain);
     req["prompt_logprobs"] = json!(21);

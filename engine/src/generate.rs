@@ -350,6 +350,13 @@ pub fn generate<B: Backend>(
     mut on_text: impl FnMut(&str),
 ) -> Result<GenerateOutput> {
     check_prompt(model, prompt)?;
+    if params.prompt_logprobs.is_some() {
+        return Err(EngineError::InvalidArgument(
+            "prompt_logprobs: the scheduler's events carry the scores (`Scheduler`, the \
+             server); `generate` returns none"
+                .into(),
+        ));
+    }
     let cap = prompt
         .len()
         .saturating_add(params.max_tokens)

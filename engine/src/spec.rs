@@ -967,8 +967,8 @@ pub fn generate<B: Backend>(
     params.validate(model.config.vocab_size)?;
     if params.prompt_logprobs.is_some() {
         return Err(EngineError::InvalidArgument(
-            "prompt_logprobs: the scheduler's requests (`generate`, the server) score prompts, \
-             not speculative `spec::generate`"
+            "prompt_logprobs: the scheduler's events carry the scores (`Scheduler`, the \
+             server); `spec::generate` returns none"
                 .into(),
         ));
     }

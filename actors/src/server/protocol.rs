@@ -439,7 +439,6 @@ fn speculation(v: &Value) -> Result<SpeculationRequest, ServeError> {
     Ok(s)
 }
 
-/// Per token, its alternatives as `[{"token": id, "logprob": x}, ...]`.
 /// A scored prompt's fields: its token ids, each token's log-probability (`null` for the
 /// first, which has no context) and, when alternatives were asked for, each row's.
 fn add_prompt_scores(v: &mut Value, p: &PromptScores) {
@@ -450,7 +449,7 @@ fn add_prompt_scores(v: &mut Value, p: &PromptScores) {
         .into_iter()
         .chain(p.logprobs.iter().map(|&l| json!(l)))
         .collect();
-    if p.top_logprobs.iter().any(|t| !t.is_empty()) {
+    if p.alternatives > 0 {
         v["prompt_top_logprobs"] = first
             .into_iter()
             .chain(
@@ -463,6 +462,7 @@ fn add_prompt_scores(v: &mut Value, p: &PromptScores) {
     }
 }
 
+/// Per token, its alternatives as `[{"token": id, "logprob": x}, ...]`.
 fn alternatives(top: &[Vec<(u32, f32)>]) -> Value {
     top.iter()
         .map(|alts| {

@@ -544,6 +544,8 @@ impl Session {
         for i in 1..g.n() {
             let mut req = d.req.clone();
             req.params.sampling.seed = req.params.sampling.seed.wrapping_add(i as u64);
+            // The prompt is scored once, by choice 0 (the others read it from the cache).
+            req.params.prompt_logprobs = None;
             req.deadline = req
                 .deadline
                 .map(|t| t.saturating_sub(elapsed).max(Duration::from_millis(1)));

@@ -88,6 +88,8 @@ pub struct PromptScores {
     /// `top_logprobs[i]`: the row's most likely tokens before token `i + 1`, most likely first
     /// (empty lists when no alternatives were asked for).
     pub top_logprobs: Vec<Vec<(u32, f32)>>,
+    /// Alternatives asked for per row ([`GenerateParams::prompt_logprobs`]).
+    pub alternatives: usize,
 }
 
 /// How a request ended.
@@ -824,9 +826,10 @@ impl<'a> Scheduler<'a> {
         let id = self.next_id;
         self.next_id += 1;
         let noop: fn(&str) = |_| {};
-        let prompt_scores = params.prompt_logprobs.map(|_| {
+        let prompt_scores = params.prompt_logprobs.map(|k| {
             Box::new(PromptScores {
                 tokens: prompt.clone(),
+                alternatives: k,
                 ..PromptScores::default()
             })
         });
@@ -1161,7 +1164,7 @@ impl<'a> Scheduler<'a> {
         // path's tokens too) before anything reads it.
         let vocab = self.model.config.vocab_size;
         let mut logits = logits;
-        self.score_prompts(&plan, &inputs, &mut logits);
+        self.score_prompts(backend, &plan, &inputs, &mut logits);
         for (sl, lg) in plan.iter().zip(logits.iter_mut()) {
             let Some(h) = self.running[sl.idx].penalties.as_ref() else {
                 continue;
@@ -1392,7 +1395,13 @@ impl<'a> Scheduler<'a> {
     /// of a recompute after preemption that were scored before are skipped), the rows in
     /// parallel; then the chunk's logits are cut to what the rest of the step reads (the
     /// last row where the chunk ends the prompt, every row for drafters' candidates).
-    fn score_prompts(&mut self, plan: &[Slot], inputs: &[StepInput], logits: &mut [Vec<f32>]) {
+    fn score_prompts<B: Backend>(
+        &mut self,
+        backend: &B,
+        plan: &[Slot],
+        inputs: &[StepInput],
+        logits: &mut [Vec<f32>],
+    ) {
         let vocab = self.model.config.vocab_size;
         for ((sl, x), lg) in plan.iter().zip(inputs).zip(logits.iter_mut()) {
             if !sl.score {
@@ -1411,12 +1420,14 @@ impl<'a> Scheduler<'a> {
                 .filter(|&(_, &p)| p + 1 > scores.logprobs.len() && p + 1 < r.prompt_len)
                 .map(|(j, &p)| (j, r.seq[p + 1]))
                 .collect();
-            let scored: Vec<(f32, Vec<(u32, f32)>)> = rows
-                .par_iter()
-                .map(|&(j, t)| {
-                    crate::sample::log_softmax_top(&lg[j * vocab..(j + 1) * vocab], t, k)
-                })
-                .collect();
+            let all: &[f32] = lg;
+            let scored: Vec<(f32, Vec<(u32, f32)>)> = backend.scope(|| {
+                rows.par_iter()
+                    .map(|&(j, t)| {
+                        crate::sample::log_softmax_top(&all[j * vocab..(j + 1) * vocab], t, k)
+                    })
+                    .collect()
+            });
             for (lp, top) in scored {
                 scores.logprobs.push(lp);
                 scores.top_logprobs.push(top);

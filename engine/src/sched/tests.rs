@@ -2003,6 +2003,28 @@ fn prompt_logprobs_are_the_rows_of_one_pass_over_the_prompt() {
         }
         assert_eq!(pool.stats().used, 0);
     }
+    // With Token Recycling reading every prompt row's candidates too (all rows kept).
+    let pool = KvPool::new(&model.config, model.config.n_layers, 128);
+    let mut s = Scheduler::new(&model, None, pool.clone(), SchedConfig::default()).unwrap();
+    let d = crate::draft::RecycleDrafter::new(vocab, 8)
+        .unwrap()
+        .with_prompt_logits(true);
+    let sp = in_process_spec(vec![Box::new(d)], SpecPolicy::Fixed, 8);
+    let id = s
+        .submit_spec(prompt.clone(), scoring.clone(), Some(sp))
+        .unwrap();
+    let mut got = Vec::new();
+    let mut tokens = Vec::new();
+    while !s.is_idle() {
+        for ev in s.step(&be).unwrap() {
+            assert_eq!(ev.id, id);
+            got.extend(ev.prompt.map(|p| *p));
+            tokens.extend(ev.tokens);
+        }
+    }
+    assert_eq!(got.len(), 1);
+    assert_eq!(bits(&got[0].logprobs), bits(&want_lp), "with recycling");
+    assert_eq!(tokens, want_tokens, "with recycling");
     // Preempted in the middle of its prompt (4 rows a step; a short request decoding beside
     // it needs its blocks): the recompute scores only the rows not scored yet.
     let pool = KvPool::new(&model.config, model.config.n_layers, 7);
@@ -2021,6 +2043,7 @@ fn prompt_logprobs_are_the_rows_of_one_pass_over_the_prompt() {
     let id = s.submit(prompt.clone(), scoring.clone()).unwrap();
     let mut got = Vec::new();
     let mut tokens = Vec::new();
+    let mut tokens_at_preemption = None;
     while !s.is_idle() {
         for ev in s.step(&be).unwrap() {
             if ev.id == id {
@@ -2028,8 +2051,15 @@ fn prompt_logprobs_are_the_rows_of_one_pass_over_the_prompt() {
                 tokens.extend(ev.tokens);
             }
         }
+        if s.stats().preemptions > 0 && tokens_at_preemption.is_none() {
+            tokens_at_preemption = Some(tokens.len());
+        }
     }
-    assert!(s.stats().preemptions > 0, "preempted");
+    assert_eq!(
+        tokens_at_preemption,
+        Some(0),
+        "preempted before its first token"
+    );
     assert_eq!(got.len(), 1);
     assert_eq!(bits(&got[0].logprobs), bits(&want_lp));
     assert_eq!(tokens, want_tokens);
