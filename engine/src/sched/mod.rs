@@ -129,6 +129,9 @@ pub struct SchedStats {
     pub steps: u64,
     pub rows: u64,
     pub preemptions: u64,
+    /// Admissions put off because the request's prompt shares full blocks with a prompt still
+    /// being computed (counted once per step it waited).
+    pub prefix_waits: u64,
     /// Most blocks in use after any step.
     pub peak_blocks: usize,
     /// Drafters dropped from their request after an error, a panic or an invalid tree.
@@ -914,8 +917,15 @@ impl<'a> Scheduler<'a> {
                 ));
                 continue;
             }
+            // A prompt that shares full blocks with one still being computed waits for them
+            // (in order: the requests behind it wait too, at most that prefill's steps).
+            let reads_cache = self.config.prefix_caching && !req.scoring();
+            if reads_cache && self.waits_for_shared_prefix(req) {
+                self.stats.prefix_waits += 1;
+                break;
+            }
             // A prompt being scored computes every row.
-            let cache = if self.config.prefix_caching && !req.scoring() {
+            let cache = if reads_cache {
                 KvCache::with_prefix(&self.pool, req.capacity, &req.seq)
             } else {
                 KvCache::in_pool(&self.pool, req.capacity)
@@ -937,6 +947,22 @@ impl<'a> Scheduler<'a> {
             req.admitted = self.admissions;
             self.running.push(req);
         }
+    }
+
+    /// Whether `req` shares full blocks with a running request that has not computed them yet:
+    /// admitted now it would compute them a second time (the prefix cache holds a block once
+    /// it is computed), so it waits for them (cache-aware admission, as SGLang's scheduler).
+    fn waits_for_shared_prefix(&self, req: &Request<'_>) -> bool {
+        self.running.iter().any(|r| {
+            let have = r.cache.as_ref().map_or(0, KvCache::len);
+            let common = req
+                .seq
+                .iter()
+                .zip(&r.seq)
+                .take_while(|(a, b)| a == b)
+                .count();
+            common / BLOCK_SLOTS * BLOCK_SLOTS > have
+        })
     }
 
     /// New blocks a slot's rows need.

@@ -2065,3 +2065,56 @@ fn prompt_logprobs_are_the_rows_of_one_pass_over_the_prompt() {
     assert_eq!(tokens, want_tokens);
     assert_eq!(pool.stats().used, 0);
 }
+
+/// Prompts sharing a 200-token prefix submitted together: the first computes the prefix, the
+/// others wait for its blocks instead of computing them again (they read 192 tokens from the
+/// cache), with the same outputs; without prefix caching nobody waits.
+#[test]
+fn prompts_sharing_a_prefix_submitted_together_compute_it_once() {
+    let be = CpuBackend::new(2).unwrap();
+    let model = tiny_model(&spec("llama", GgmlType::Q8_0), 5).unwrap();
+    let vocab = model.config.vocab_size as u32;
+    let prefix: Vec<u32> = (0..200u32).map(|j| (j * 7 + 1) % vocab).collect();
+    let prompts: Vec<Vec<u32>> = (0..4u32)
+        .map(|i| {
+            let mut p = prefix.clone();
+            p.extend((0..5 + i).map(|j| (j * 3 + i * 11) % vocab));
+            p
+        })
+        .collect();
+    let params = GenerateParams {
+        max_tokens: 8,
+        sampling: SamplingParams::greedy(),
+        ..GenerateParams::default()
+    };
+    let mut rows = Vec::new();
+    for caching in [false, true] {
+        let pool = KvPool::new(&model.config, model.config.n_layers, 128);
+        let config = SchedConfig {
+            prefix_caching: caching,
+            ..SchedConfig::default()
+        };
+        let mut s = Scheduler::new(&model, None, pool.clone(), config).unwrap();
+        for p in &prompts {
+            s.submit(p.clone(), params.clone()).unwrap();
+        }
+        let done = s.run_to_completion(&be).unwrap();
+        for ((_, f), p) in done.iter().zip(&prompts) {
+            assert_eq!(done_tokens(f).0, &alone(&model, &be, p, &params)[..]);
+            let Finish::Done {
+                cached_prompt_tokens,
+                ..
+            } = f
+            else {
+                unreachable!()
+            };
+            let first = std::ptr::eq(p, &prompts[0]);
+            let want = if caching && !first { 192 } else { 0 };
+            assert_eq!(*cached_prompt_tokens, want, "caching {caching}");
+        }
+        assert_eq!(s.stats().prefix_waits > 0, caching);
+        rows.push(s.stats().rows);
+        assert_eq!(pool.stats().used, 0);
+    }
+    assert!(rows[1] + 3 * 192 <= rows[0], "rows computed: {rows:?}");
+}
