@@ -166,12 +166,10 @@ fn batched_outputs_equal_each_request_alone() {
     }
 }
 
-/// Requests sharing a 200-token prefix (admitted after the first one's prefill) take its
-/// blocks from the prefix cache: fewer blocks at the peak, the same outputs.
-#[test]
-fn shared_prefixes_use_fewer_blocks_and_change_nothing() {
-    let be = CpuBackend::new(2).unwrap();
-    let model = tiny_model(&spec("llama", GgmlType::Q4_K), 5).unwrap();
+/// A tiny llama model (`ty` weights), four prompts sharing a 200-token prefix (12 full blocks),
+/// and greedy parameters for 8 tokens.
+fn shared_prefix_case(ty: GgmlType) -> (Model, Vec<Vec<u32>>, GenerateParams) {
+    let model = tiny_model(&spec("llama", ty), 5).unwrap();
     let vocab = model.config.vocab_size as u32;
     let prefix: Vec<u32> = (0..200u32).map(|j| (j * 7 + 1) % vocab).collect();
     let prompts: Vec<Vec<u32>> = (0..4u32)
@@ -186,6 +184,15 @@ fn shared_prefixes_use_fewer_blocks_and_change_nothing() {
         sampling: SamplingParams::greedy(),
         ..GenerateParams::default()
     };
+    (model, prompts, params)
+}
+
+/// Requests sharing a 200-token prefix (admitted after the first one's prefill) take its
+/// blocks from the prefix cache: fewer blocks at the peak, the same outputs.
+#[test]
+fn shared_prefixes_use_fewer_blocks_and_change_nothing() {
+    let be = CpuBackend::new(2).unwrap();
+    let (model, prompts, params) = shared_prefix_case(GgmlType::Q4_K);
     let mut results = Vec::new();
     for caching in [false, true] {
         let pool = KvPool::new(&model.config, model.config.n_layers, 128);
@@ -2072,21 +2079,7 @@ fn prompt_logprobs_are_the_rows_of_one_pass_over_the_prompt() {
 #[test]
 fn prompts_sharing_a_prefix_submitted_together_compute_it_once() {
     let be = CpuBackend::new(2).unwrap();
-    let model = tiny_model(&spec("llama", GgmlType::Q8_0), 5).unwrap();
-    let vocab = model.config.vocab_size as u32;
-    let prefix: Vec<u32> = (0..200u32).map(|j| (j * 7 + 1) % vocab).collect();
-    let prompts: Vec<Vec<u32>> = (0..4u32)
-        .map(|i| {
-            let mut p = prefix.clone();
-            p.extend((0..5 + i).map(|j| (j * 3 + i * 11) % vocab));
-            p
-        })
-        .collect();
-    let params = GenerateParams {
-        max_tokens: 8,
-        sampling: SamplingParams::greedy(),
-        ..GenerateParams::default()
-    };
+    let (model, prompts, params) = shared_prefix_case(GgmlType::Q8_0);
     let mut rows = Vec::new();
     for caching in [false, true] {
         let pool = KvPool::new(&model.config, model.config.n_layers, 128);
