@@ -1943,3 +1943,26 @@ fn prompt_logprobs_are_the_models_rows_over_the_prompt() {
     let (_, fin) = c.run(&req);
     assert_eq!(code(&fin), "invalid_argument", "{fin}");
 }
+
+/// Requests sent together with one long prompt: the later ones wait for the first one's prompt
+/// blocks and read them from the cache (`prefix_waits` in the stats).
+#[test]
+fn requests_sharing_a_prompt_compute_it_once() {
+    let server = TestServer::plain();
+    let mut c = server.client();
+    let prompt = LONG_PROMPT.repeat(8);
+    for i in 0..3 {
+        c.send(&json!({"id": i, "prompt": prompt, "max_tokens": 4, "stream": false}));
+    }
+    let mut cached = Vec::new();
+    while cached.len() < 3 {
+        let v = c.recv();
+        assert_eq!(v["done"], true, "{v}");
+        cached.push(v["usage"]["cached_prompt_tokens"].as_u64().unwrap_or(0));
+    }
+    cached.sort_unstable();
+    assert_eq!(cached[0], 0, "{cached:?}");
+    assert!(cached[1] >= 160 && cached[2] >= 160, "{cached:?}");
+    let s = c.stats();
+    assert!(s["prefix_waits"].as_u64() > Some(0), "{s}");
+}

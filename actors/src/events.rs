@@ -134,6 +134,9 @@ pub struct EngineStats {
     pub waiting: usize,
     /// Preemptions since start.
     pub preempted: u64,
+    /// Steps an admission waited for the shared prefix of a prompt still being computed (cache-
+    /// aware admission), since start.
+    pub prefix_waits: u64,
     pub kv_blocks_total: usize,
     /// Blocks referenced by live sequences (0 when idle).
     pub kv_blocks_used: usize,

@@ -623,6 +623,7 @@ impl Intake {
             running: st.running,
             waiting: st.waiting,
             preempted: st.preempted,
+            prefix_waits: st.prefix_waits,
             kv_blocks_total: st.pool.total,
             kv_blocks_used: st.pool.used,
             kv_blocks_cached: st.pool.cached,

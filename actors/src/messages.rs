@@ -130,6 +130,8 @@ pub struct VerifierState {
     pub running: usize,
     pub waiting: usize,
     pub preempted: u64,
+    /// Steps an admission waited for a shared prompt prefix being computed.
+    pub prefix_waits: u64,
     pub steps: u64,
     pub pool: PoolStats,
     /// Time in steps (plan to report), and idle time between a step and the next one while

@@ -151,6 +151,7 @@ impl Verifier {
             running: self.sched.n_running(),
             waiting: self.sched.n_waiting(),
             preempted: st.preemptions,
+            prefix_waits: st.prefix_waits,
             steps: st.steps,
             pool: self.sched.pool().stats(),
             step_secs: self.step_secs,

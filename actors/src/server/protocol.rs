@@ -640,6 +640,7 @@ pub fn stats_line(s: &EngineStats, connections: usize, slow_reader_connections: 
         "running": s.running,
         "waiting": s.waiting,
         "preempted": s.preempted,
+        "prefix_waits": s.prefix_waits,
         "kv_blocks_total": s.kv_blocks_total,
         "kv_blocks_used": s.kv_blocks_used,
         "kv_blocks_cached": s.kv_blocks_cached,
