@@ -439,26 +439,35 @@ fn speculation(v: &Value) -> Result<SpeculationRequest, ServeError> {
     Ok(s)
 }
 
-/// A scored prompt's fields: its token ids, each token's log-probability (`null` for the
-/// first, which has no context) and, when alternatives were asked for, each row's.
-fn add_prompt_scores(v: &mut Value, p: &PromptScores) {
-    let first = p.tokens.first().map(|_| Value::Null);
+/// The log-probability fields a line carries when the request asked: per generated token
+/// (`logprobs`, `top_logprobs`) and, on its first line, the scored prompt's: its token ids,
+/// each token's log-probability (`null` for the first, which has no context) and, when
+/// alternatives were asked for, each row's.
+fn add_probabilities(
+    v: &mut Value,
+    logprobs: &[f32],
+    top_logprobs: &[Vec<(u32, f32)>],
+    prompt: Option<&PromptScores>,
+) {
+    if !logprobs.is_empty() {
+        v["logprobs"] = json!(logprobs);
+    }
+    if !top_logprobs.is_empty() {
+        v["top_logprobs"] = alternatives(top_logprobs);
+    }
+    let Some(p) = prompt else {
+        return;
+    };
     v["prompt_token_ids"] = json!(p.tokens);
-    v["prompt_logprobs"] = first
-        .clone()
-        .into_iter()
-        .chain(p.logprobs.iter().map(|&l| json!(l)))
-        .collect();
+    let mut lps = vec![Value::Null];
+    lps.extend(p.logprobs.iter().map(|&l| json!(l)));
+    v["prompt_logprobs"] = Value::Array(lps);
     if p.alternatives > 0 {
-        v["prompt_top_logprobs"] = first
-            .into_iter()
-            .chain(
-                alternatives(&p.top_logprobs)
-                    .as_array()
-                    .cloned()
-                    .unwrap_or_default(),
-            )
-            .collect();
+        let mut tops = vec![Value::Null];
+        if let Value::Array(a) = alternatives(&p.top_logprobs) {
+            tops.extend(a);
+        }
+        v["prompt_top_logprobs"] = Value::Array(tops);
     }
 }
 
@@ -560,15 +569,7 @@ fn event_value(ev: &Event, stream: bool) -> Option<Value> {
                 return None;
             }
             let mut v = json!({"text": text, "tokens": tokens});
-            if !logprobs.is_empty() {
-                v["logprobs"] = json!(logprobs);
-            }
-            if !top_logprobs.is_empty() {
-                v["top_logprobs"] = alternatives(top_logprobs);
-            }
-            if let Some(p) = prompt {
-                add_prompt_scores(&mut v, p);
-            }
+            add_probabilities(&mut v, logprobs, top_logprobs, prompt.as_deref());
             Some(v)
         }
         Event::Done(c) => Some(completion_value(c, stream)),
@@ -599,15 +600,7 @@ fn completion_value(c: &Completion, stream: bool) -> Value {
     if !stream {
         v["text"] = Value::String(c.text.clone());
         v["tokens"] = json!(c.tokens);
-        if !c.logprobs.is_empty() {
-            v["logprobs"] = json!(c.logprobs);
-        }
-        if !c.top_logprobs.is_empty() {
-            v["top_logprobs"] = alternatives(&c.top_logprobs);
-        }
-        if let Some(p) = &c.prompt {
-            add_prompt_scores(&mut v, p);
-        }
+        add_probabilities(&mut v, &c.logprobs, &c.top_logprobs, c.prompt.as_deref());
     }
     v
 }

@@ -43,6 +43,13 @@ impl Group {
     fn n(&self) -> usize {
         self.ends.len()
     }
+
+    /// End choices 1.. unstarted with `reason` (the request ended before they were submitted).
+    fn end_unstarted(&mut self, reason: FinishReason) {
+        for (i, end) in self.ends.iter_mut().enumerate().skip(1) {
+            *end = Some(protocol::unstarted_choice_value(i, reason, self.stream));
+        }
+    }
 }
 
 pub(super) struct Session {
@@ -334,13 +341,7 @@ impl Session {
                 Some(g) => {
                     // Choices not started yet end here.
                     if g.deferred.take().is_some() {
-                        for (i, end) in g.ends.iter_mut().enumerate().skip(1) {
-                            *end = Some(protocol::unstarted_choice_value(
-                                i,
-                                FinishReason::Cancelled,
-                                g.stream,
-                            ));
-                        }
+                        g.end_unstarted(FinishReason::Cancelled);
                     }
                     let key = id.to_string();
                     for (&eid, _) in self.in_flight.iter().filter(|(_, (k, _))| *k == key) {
@@ -535,9 +536,7 @@ impl Session {
         }
         let early = early.or_else(|| (*self.closing.borrow()).then_some(FinishReason::Shutdown));
         if let Some(reason) = early {
-            for (i, end) in g.ends.iter_mut().enumerate().skip(1) {
-                *end = Some(protocol::unstarted_choice_value(i, reason, g.stream));
-            }
+            g.end_unstarted(reason);
             return Ok(());
         }
         let elapsed = d.submitted.elapsed();

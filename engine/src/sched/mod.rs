@@ -954,6 +954,9 @@ impl<'a> Scheduler<'a> {
     /// it is computed), so it waits for them (cache-aware admission, as SGLang's scheduler).
     fn waits_for_shared_prefix(&self, req: &Request<'_>) -> bool {
         self.running.iter().any(|r| {
+            if r.phase() == Phase::Decode {
+                return false; // it holds every block it shares
+            }
             let have = r.cache.as_ref().map_or(0, KvCache::len);
             let common = req
                 .seq
@@ -1434,10 +1437,10 @@ impl<'a> Scheduler<'a> {
                 continue;
             }
             let r = &mut self.running[sl.idx];
-            let (Some(scores), Some(k)) = (r.prompt_scores.as_mut(), r.params.prompt_logprobs)
-            else {
+            let Some(scores) = r.prompt_scores.as_mut() else {
                 continue;
             };
+            let k = scores.alternatives;
             // Row `j` (position `x.positions[j]`) scores the prompt token after it.
             let rows: Vec<(usize, u32)> = x
                 .positions
