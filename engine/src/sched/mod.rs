@@ -877,18 +877,21 @@ impl<'a> Scheduler<'a> {
     }
 
     /// Admit waiting requests (oldest first) while the pool has blocks for their whole
-    /// uncached prompt, and fail those that could never fit.
+    /// uncached prompt, and fail those that could never fit. A request waiting for prefix
+    /// blocks another request is still computing keeps its place (and the blocks it will
+    /// need) while the requests behind it are admitted.
     fn admit(&mut self, events: &mut Vec<StepEvent>) {
         // Blocks the requests admitted in this call will take (`available` counts none of
         // them until their prefill runs): each later one must fit beside them, or the step's
-        // plan would preempt it again at once.
+        // plan would preempt it again at once. Requests passed over reserve theirs too.
         let mut reserved = 0;
+        let mut i = 0;
         while self.running.len() < self.config.max_running {
-            let Some(req) = self.waiting.front() else {
+            let Some(req) = self.waiting.get(i) else {
                 break;
             };
             if req.params.max_tokens == 0 {
-                let req = self.waiting.pop_front().expect("front exists");
+                let req = self.waiting.remove(i).expect("index exists");
                 events.push(StepEvent {
                     id: req.id,
                     tokens: Vec::new(),
@@ -910,7 +913,7 @@ impl<'a> Scheduler<'a> {
             }
             let need_all = req.slots_to_admit().div_ceil(BLOCK_SLOTS);
             if need_all > self.pool.max_blocks() {
-                let req = self.waiting.pop_front().expect("front exists");
+                let req = self.waiting.remove(i).expect("index exists");
                 events.push(failed(
                     req.id,
                     EngineError::KvPoolExhausted { needed: need_all },
@@ -918,11 +921,19 @@ impl<'a> Scheduler<'a> {
                 continue;
             }
             // A prompt that shares full blocks with one still being computed waits for them
-            // (in order: the requests behind it wait too, at most that prefill's steps).
+            // (at most that prefill's steps) and keeps the blocks it will compute itself.
             let reads_cache = self.config.prefix_caching && !req.scoring();
-            if reads_cache && self.waits_for_shared_prefix(req) {
-                self.stats.prefix_waits += 1;
-                break;
+            if reads_cache {
+                if let Some(shared) = self.shared_prefix_in_flight(req) {
+                    let need = need_all.saturating_sub(shared);
+                    if reserved + need > self.pool.available() {
+                        break;
+                    }
+                    reserved += need;
+                    self.stats.prefix_waits += 1;
+                    i += 1;
+                    continue;
+                }
             }
             // A prompt being scored computes every row.
             let cache = if reads_cache {
@@ -930,15 +941,12 @@ impl<'a> Scheduler<'a> {
             } else {
                 KvCache::in_pool(&self.pool, req.capacity)
             };
-            let need = req
-                .slots_to_admit()
-                .div_ceil(BLOCK_SLOTS)
-                .saturating_sub(cache.blocks().len());
+            let need = need_all.saturating_sub(cache.blocks().len());
             if reserved + need > self.pool.available() {
                 break; // its prefix blocks go back with `cache`
             }
             reserved += need;
-            let mut req = self.waiting.pop_front().expect("front exists");
+            let mut req = self.waiting.remove(i).expect("index exists");
             if req.cached_prompt_tokens.is_none() {
                 req.cached_prompt_tokens = Some(cache.len().min(req.prompt_len));
             }
@@ -949,23 +957,26 @@ impl<'a> Scheduler<'a> {
         }
     }
 
-    /// Whether `req` shares full blocks with a running request that has not computed them yet:
-    /// admitted now it would compute them a second time (the prefix cache holds a block once
-    /// it is computed), so it waits for them (cache-aware admission, as SGLang's scheduler).
-    fn waits_for_shared_prefix(&self, req: &Request<'_>) -> bool {
-        self.running.iter().any(|r| {
-            if r.phase() == Phase::Decode {
-                return false; // it holds every block it shares
-            }
-            let have = r.cache.as_ref().map_or(0, KvCache::len);
-            let common = req
-                .seq
-                .iter()
-                .zip(&r.seq)
-                .take_while(|(a, b)| a == b)
-                .count();
-            common / BLOCK_SLOTS * BLOCK_SLOTS > have
-        })
+    /// The full blocks `req` shares with a running request that has not computed them yet
+    /// (None when it shares none): admitted now it would compute them a second time (the
+    /// prefix cache holds a block once it is computed), so it waits for them (cache-aware
+    /// admission, as SGLang's scheduler).
+    fn shared_prefix_in_flight(&self, req: &Request<'_>) -> Option<usize> {
+        self.running
+            .iter()
+            .filter(|r| r.phase() != Phase::Decode) // decoding ones hold every block they share
+            .filter_map(|r| {
+                let have = r.cache.as_ref().map_or(0, KvCache::len);
+                let common = req
+                    .seq
+                    .iter()
+                    .zip(&r.seq)
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                let shared = common / BLOCK_SLOTS;
+                (shared * BLOCK_SLOTS > have).then_some(shared)
+            })
+            .max()
     }
 
     /// New blocks a slot's rows need.

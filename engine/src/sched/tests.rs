@@ -2111,3 +2111,57 @@ fn prompts_sharing_a_prefix_submitted_together_compute_it_once() {
     }
     assert!(rows[1] + 3 * 192 <= rows[0], "rows computed: {rows:?}");
 }
+
+/// A request waiting for a prefix another one is still computing does not hold up the
+/// requests behind it: an unrelated prompt submitted after it starts decoding first.
+#[test]
+fn a_request_waiting_for_a_shared_prefix_does_not_block_the_queue() {
+    let be = CpuBackend::new(2).unwrap();
+    let (model, prompts, params) = shared_prefix_case(GgmlType::Q8_0);
+    let pool = KvPool::new(&model.config, model.config.n_layers, 128);
+    let config = SchedConfig {
+        prefill_chunk: 16,
+        ..SchedConfig::default()
+    };
+    let mut s = Scheduler::new(&model, None, pool.clone(), config).unwrap();
+    let first = s.submit(prompts[0].clone(), params.clone()).unwrap();
+    let _ = s.step(&be).unwrap();
+    let sharer = s.submit(prompts[1].clone(), params.clone()).unwrap();
+    let vocab = model.config.vocab_size as u32;
+    let other: Vec<u32> = (0..12u32).map(|j| (j * 5 + 3) % vocab).collect();
+    let other_id = s.submit(other.clone(), params.clone()).unwrap();
+    let mut first_token_step = std::collections::HashMap::new();
+    let mut outputs: std::collections::HashMap<u64, Vec<u32>> = Default::default();
+    let mut cached = std::collections::HashMap::new();
+    let mut step = 0;
+    while !s.is_idle() {
+        step += 1;
+        for ev in s.step(&be).unwrap() {
+            if !ev.tokens.is_empty() {
+                first_token_step.entry(ev.id).or_insert(step);
+            }
+            outputs.entry(ev.id).or_default().extend(&ev.tokens);
+            if let Some(Finish::Done {
+                cached_prompt_tokens,
+                ..
+            }) = ev.finish
+            {
+                cached.insert(ev.id, cached_prompt_tokens);
+            }
+        }
+    }
+    assert!(
+        first_token_step[&other_id] < first_token_step[&first],
+        "the unrelated prompt waited behind the sharer: {first_token_step:?}"
+    );
+    assert!(first_token_step[&first] <= first_token_step[&sharer]);
+    assert_eq!(
+        cached[&sharer], 192,
+        "the sharer read the prefix from the cache"
+    );
+    assert!(s.stats().prefix_waits > 0);
+    assert_eq!(outputs[&first], alone(&model, &be, &prompts[0], &params));
+    assert_eq!(outputs[&sharer], alone(&model, &be, &prompts[1], &params));
+    assert_eq!(outputs[&other_id], alone(&model, &be, &other, &params));
+    assert_eq!(pool.stats().used, 0);
+}
