@@ -507,6 +507,9 @@ fn out_of_range_numbers_are_refused_naming_the_flag_not_a_panic() {
         (&["--min-p=-0.1"], "--min-p"),
         (&["--input-len", "100000000000"], "--input-len"),
         (&["--per-connection", "0"], "--per-connection"),
+        (&["--extra-body", "[1]"], "--extra-body"),
+        (&["--extra-body", "{"], "--extra-body"),
+        (&["--extra-body", r#"{"n": 4}"#], "--extra-body"),
         (
             &["sweep", "--rates", "1", "--cooldown", "1e20"],
             "--cooldown",
@@ -821,7 +824,7 @@ fn fake_server(finals: Vec<&'static str>) -> std::net::SocketAddr {
 }
 
 /// Sampled requests carry the run's temperature, seed, top-k, top-p and min-p; greedy ones none of
-/// them (the server's defaults); both carry the penalties given.
+/// them (the server's defaults); both carry the penalties given and `--extra-body`'s fields.
 #[test]
 fn sampled_requests_carry_top_k_top_p_and_min_p() {
     use std::io::{BufRead, BufReader, Write};
@@ -856,6 +859,9 @@ fn sampled_requests_carry_top_k_top_p_and_min_p() {
         o.min_p = Some(0.05);
         o.penalties.repetition = Some(1.1);
         o.penalties.presence = Some(-0.5);
+        o.extra_body = serde_json::json!({"stop_token_ids": [2], "prompt_logprobs": 1})
+            .as_object()
+            .cloned();
         rt().block_on(run(&o, None)).expect("run");
         let got = lines.lock().clone();
         assert_eq!(got.len(), 2);
@@ -876,7 +882,18 @@ fn sampled_requests_carry_top_k_top_p_and_min_p() {
             assert_eq!(v["presence_penalty"], -0.5, "{v}");
             assert!(v.get("frequency_penalty").is_none(), "{v}");
             assert!(v.get("repeat_penalty").is_none(), "{v}");
+            // `--extra-body`'s fields go with every request.
+            assert_eq!(v["stop_token_ids"], serde_json::json!([2]), "{v}");
+            assert_eq!(v["prompt_logprobs"], 1, "{v}");
         }
+    }
+    // Fields the tester sets itself are refused, naming the field.
+    for key in ["n", "max_tokens", "temperature", "stream", "seed"] {
+        let mut o = LoadOptions::new(&format!("arbor://{addr}"));
+        o.extra_body = serde_json::json!({ key: 2 }).as_object().cloned();
+        let e = rt().block_on(run(&o, None)).unwrap_err();
+        assert_eq!(e.error_type(), "invalid_argument");
+        assert!(e.to_string().contains(&format!("\"{key}\"")), "{e}");
     }
 }
 

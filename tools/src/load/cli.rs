@@ -130,6 +130,10 @@ pub struct LoadArgs {
     /// Arbor's per-request `speculation` object, as JSON (e.g. '{"draft":"ngram","adaptive":false}').
     #[arg(long, conflicts_with = "no_speculation")]
     pub speculation: Option<String>,
+    /// More fields for every request body, as a JSON object (e.g. '{"stop_token_ids": [2],
+    /// "prompt_logprobs": 1}'); fields the tester sets from its own options are refused.
+    #[arg(long)]
+    pub extra_body: Option<String>,
     /// Send `"speculation": {"draft": "none"}` (plain decoding on an Arbor server).
     #[arg(long)]
     pub no_speculation: bool,
@@ -209,6 +213,13 @@ impl LoadArgs {
             }
             (None, true) => Some(serde_json::json!({ "draft": "none" })),
             (None, false) => None,
+        };
+        o.extra_body = match &self.extra_body {
+            Some(s) => match serde_json::from_str(s).context("--extra-body is not JSON")? {
+                Value::Object(m) => Some(m),
+                _ => bail!("--extra-body must be a JSON object"),
+            },
+            None => None,
         };
         o.auth_token = self.auth_token.clone();
         o.model = self.model.clone();

@@ -54,6 +54,9 @@ pub struct LoadOptions {
     pub penalties: PenaltyFields,
     /// Arbor's per-request `speculation` object.
     pub speculation: Option<Value>,
+    /// More fields of every request body (`--extra-body`, e.g. `{"stop_token_ids": [2]}`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub extra_body: Option<serde_json::Map<String, Value>>,
     #[serde(skip)]
     pub auth_token: Option<String>,
     /// The `model` field for OpenAI targets.
@@ -142,6 +145,7 @@ impl LoadOptions {
             min_p: None,
             penalties: PenaltyFields::default(),
             speculation: None,
+            extra_body: None,
             auth_token: None,
             model: None,
             progress: false,
@@ -239,6 +243,9 @@ impl LoadOptions {
         }
         .validate()
         .map_err(|e| LoadError::Invalid(e.to_string()))?;
+        if let Some(extra) = &self.extra_body {
+            check_extra_body(extra)?;
+        }
         if !(0.0..1.0).contains(&self.output_range) {
             return Err(LoadError::Invalid(
                 "--output-range must be in [0, 1)".into(),
@@ -246,6 +253,46 @@ impl LoadOptions {
         }
         Ok(())
     }
+}
+
+/// Request fields `--extra-body` may not set: the tester sends them itself (from its own
+/// options, or per request), and `n` / `best_of` would make one request several completions,
+/// which its per-completion latency and token counts do not describe.
+const RESERVED_BODY_FIELDS: [(&str, &str); 20] = [
+    ("id", "the tester numbers its requests"),
+    ("prompt", "use --prompts"),
+    ("messages", "use --prompts"),
+    ("max_tokens", "use --max-tokens"),
+    ("stream", "the tester streams every request"),
+    ("stream_options", "the tester streams every request"),
+    ("model", "use --model"),
+    ("seed", "use --seed (request i gets seed + i)"),
+    ("temperature", "use --temperature"),
+    ("top_k", "use --top-k"),
+    ("top_p", "use --top-p"),
+    ("min_p", "use --min-p"),
+    ("ignore_eos", "use --ignore-eos"),
+    ("repetition_penalty", "use --repetition-penalty"),
+    ("repeat_penalty", "use --repetition-penalty"),
+    ("frequency_penalty", "use --frequency-penalty"),
+    ("presence_penalty", "use --presence-penalty"),
+    ("speculation", "use --speculation"),
+    ("n", ONE_COMPLETION),
+    ("best_of", ONE_COMPLETION),
+];
+const ONE_COMPLETION: &str =
+    "one request must be one completion for its latencies and token counts";
+
+fn check_extra_body(extra: &serde_json::Map<String, Value>) -> Result<(), LoadError> {
+    for key in extra.keys() {
+        let reserved = RESERVED_BODY_FIELDS.iter().find(|(k, _)| k == key);
+        if let Some((_, why)) = reserved {
+            return Err(LoadError::Invalid(format!(
+                "--extra-body may not set \"{key}\": {why}"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// One run's results (what `--out` writes and `compare` reads).
@@ -321,6 +368,7 @@ struct Plan {
     penalties: PenaltyFields,
     seed: u64,
     speculation: Option<Value>,
+    extra_body: Option<Arc<serde_json::Map<String, Value>>>,
 }
 
 impl Plan {
@@ -346,6 +394,7 @@ impl Plan {
             penalties: opts.penalties,
             seed: opts.seed,
             speculation: opts.speculation.clone(),
+            extra_body: opts.extra_body.clone().map(Arc::new),
         }
     }
 
@@ -363,6 +412,7 @@ impl Plan {
             penalties: self.penalties,
             seed: self.seed.wrapping_add(i as u64),
             speculation: self.speculation.clone(),
+            extra_body: self.extra_body.clone(),
         };
         (p, req)
     }

@@ -152,9 +152,18 @@ pub struct Outgoing {
     pub seed: u64,
     /// Arbor's `speculation` object, passed through unchanged.
     pub speculation: Option<Value>,
+    /// More body fields (`--extra-body`), checked not to touch the ones set here.
+    pub extra_body: Option<Arc<serde_json::Map<String, Value>>>,
 }
 
 impl Outgoing {
+    /// `--extra-body`'s fields into a request body.
+    fn extra(&self, body: &mut Value) {
+        if let (Some(extra), Some(obj)) = (&self.extra_body, body.as_object_mut()) {
+            obj.extend(extra.iter().map(|(k, v)| (k.clone(), v.clone())));
+        }
+    }
+
     /// `top_k`, `top_p` and `min_p` into a request body where given (both protocols name
     /// them so: OpenAI's API has `top_p`; vLLM and llama-server take the other two as well).
     fn truncation(&self, body: &mut Value) {
@@ -469,6 +478,7 @@ impl ArborClient {
         if let Some(s) = &req.speculation {
             body["speculation"] = s.clone();
         }
+        req.extra(&mut body);
         let line = body.to_string();
         if line.len() > self.max_line_bytes {
             // The server would drop the line with an error that names no request, and the
@@ -680,6 +690,7 @@ impl OpenAiClient {
         if let Some(m) = &self.model {
             body["model"] = json!(m);
         }
+        req.extra(&mut body);
         let chat = path.ends_with("chat/completions");
         tokio::select! {
             r = self.stream(path, body, chat, req.max_tokens) => r.unwrap_or_else(|(code, msg)| Reply::failed(code, msg)),
