@@ -262,7 +262,7 @@ fn speculative_counts_penalized(
             penalties: *pen,
             ..GenerateParams::default()
         };
-        s.set_penalties(&with, PROMPT.len()).unwrap();
+        s.set_penalties(&with, PROMPT.len(), None).unwrap();
         while s.tokens().len() < PROMPT.len() + 3 {
             s.step(drafters, 4).unwrap();
         }

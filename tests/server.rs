@@ -392,6 +392,24 @@ fn hostile_lines() -> Vec<(Vec<u8>, &'static str)> {
             "invalid_type",
         ),
         (
+            l(r#"{"id": "b7j", "prompt": "hi", "response_format": "json"}"#),
+            "invalid_type",
+        ),
+        (
+            l(r#"{"id": "b7k", "prompt": "hi", "response_format": {"type": "json_schema"}}"#),
+            "invalid_argument",
+        ),
+        (
+            l(
+                r#"{"id": "b7l", "prompt": "hi", "response_format": {"type": "json_object", "schema": {}}}"#,
+            ),
+            "unknown_field",
+        ),
+        (
+            l(r#"{"id": "b7m", "prompt": "hi", "response_format": {}}"#),
+            "missing_field",
+        ),
+        (
             l(r#"{"id": "b7u", "prompt": "hi", "logprobs": true, "top_logprobs": 21}"#),
             "invalid_argument",
         ),
@@ -1651,6 +1669,58 @@ fn stop_token_ids_end_served_requests_as_generate_does() {
         assert_eq!(toks, want, "spec={spec:?}");
         assert_eq!(text, want_text, "spec={spec:?}");
         assert_eq!(fin["usage"]["completion_tokens"], at + 1, "{fin}");
+    }
+}
+
+/// JSON mode (`response_format: {"type": "json_object"}`): the served output is the one
+/// `generate` gives in JSON mode, greedy with and without prompt lookup (adaptive and fixed
+/// trees) and sampled; the text is one JSON object and the request ends with `stop`, where the
+/// same request without JSON mode answers in a Markdown block.
+#[test]
+fn json_mode_serves_one_object_as_generate_does() {
+    let server = TestServer::start(
+        engine_config(vec![DrafterFactory::ngram(3).expect("ngram")]),
+        ServerConfig::default(),
+    );
+    let mut c = server.client();
+    let prompt = "<|im_start|>user\nGive me a JSON object describing a cat with its name and \
+                  age.<|im_end|>\n<|im_start|>assistant\n";
+    let plain = reference(prompt, &params(64, 0.0, 5), None).0;
+    assert!(
+        serde_json::from_str::<Value>(&plain).is_err(),
+        "without JSON mode: {plain:?}"
+    );
+    for (n, (temperature, spec)) in [
+        (0.0f32, None),
+        (0.0, Some(true)),
+        (0.0, Some(false)),
+        (0.7, None),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let p = GenerateParams {
+            response_format: arbor_engine::ResponseFormat::JsonObject,
+            ..params(64, temperature, 5)
+        };
+        let mut req = request(json!(format!("json{n}")), prompt, &p);
+        req["response_format"] = json!({"type": "json_object"});
+        req["speculation"] = match spec {
+            None => json!({"draft": []}),
+            Some(adaptive) => json!({"draft": ["ngram"], "adaptive": adaptive}),
+        };
+        let (events, fin) = c.run(&req);
+        assert_eq!(fin["done"], true, "{fin}");
+        let (text, toks) = streamed(&events);
+        let (want_text, want) = reference(prompt, &p, spec);
+        assert_eq!(toks, want, "t={temperature} spec={spec:?}");
+        assert_eq!(text, want_text);
+        if spec.is_some() {
+            assert_eq!(toks, reference(prompt, &p, None).1, "spec={spec:?}");
+        }
+        assert_eq!(fin["finish_reason"], "stop", "{fin} {text:?}");
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+        assert!(v.is_object(), "{text:?}");
     }
 }
 

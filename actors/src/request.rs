@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use arbor_engine::sample::verify::VerifyMode;
-use arbor_engine::{ChatMessage, GenerateParams, Penalties, SamplingParams};
+use arbor_engine::{ChatMessage, GenerateParams, Penalties, ResponseFormat, SamplingParams};
 
 use crate::config::Limits;
 use crate::error::{codes, Result, ServeError};
@@ -58,6 +58,8 @@ pub struct Request {
     /// `Some(k)`: the prompt's tokens scored by the model (each one's log-probability given
     /// those before it, raw logits), with `k` (0 to 20) alternatives each; on the first event.
     pub prompt_logprobs: Option<usize>,
+    /// What the output must be: any text, or one JSON object (JSON mode).
+    pub response_format: ResponseFormat,
     /// End the request (finish reason `deadline`) this long after submission.
     pub deadline: Option<Duration>,
     /// `None`: the engine's default (speculate with every drafter it has).
@@ -84,6 +86,7 @@ impl Request {
             logprobs: false,
             top_logprobs: 0,
             prompt_logprobs: None,
+            response_format: ResponseFormat::Text,
             deadline: None,
             speculation: None,
         }
@@ -192,6 +195,7 @@ impl ValidRequest {
             logit_bias: req.logit_bias,
             stop_token_ids: req.stop_token_ids,
             prompt_logprobs: req.prompt_logprobs,
+            response_format: req.response_format,
         };
         // Sampling, penalties, bias values and counts; the bias's token ids on submission.
         params.validate(usize::MAX).map_err(ServeError::from)?;

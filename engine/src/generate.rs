@@ -1,11 +1,13 @@
 //! Incremental (token-by-token) generation: prefill in one forward pass, then one pass per token, with streaming.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use crate::backend::{Backend, BatchMask};
 use crate::error::{EngineError, Result};
 use crate::kv::{KvCache, KvPool, BLOCK_SLOTS};
 use crate::model::Model;
+use crate::sample::json::{JsonConstraint, JsonVocab};
 use crate::sample::penalty::{validate_logit_bias, Penalties, PenaltyHistory};
 use crate::sample::{SamplingParams, MAX_TOP_LOGPROBS};
 use crate::sched::{Finish, SchedConfig, Scheduler};
@@ -46,6 +48,18 @@ pub struct GenerateParams {
     /// (at most [`crate::sample::MAX_TOP_LOGPROBS`]); scoring a prompt computes every one of its
     /// rows, so such a request reads no prefix from the cache.
     pub prompt_logprobs: Option<usize>,
+    /// What the output must be: any text, or (JSON mode) one JSON object, every token that
+    /// cannot continue one masked ([`crate::sample::json`]).
+    pub response_format: ResponseFormat,
+}
+
+/// What a request's output must be (OpenAI's `response_format`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ResponseFormat {
+    #[default]
+    Text,
+    /// One JSON object (RFC 8259), then only whitespace and end-of-generation or stop tokens.
+    JsonObject,
 }
 
 /// Most `stop_token_ids` of one request.
@@ -65,6 +79,7 @@ impl Default for GenerateParams {
             logit_bias: Vec::new(),
             stop_token_ids: Vec::new(),
             prompt_logprobs: None,
+            response_format: ResponseFormat::Text,
         }
     }
 }
@@ -107,10 +122,33 @@ impl GenerateParams {
         n_generated > self.min_tokens && self.stop_token_ids.contains(&tok)
     }
 
-    /// The bias and penalties of a request after `prompt`, or `None` when it has neither.
-    pub fn logits_history(&self, prompt: &[u32]) -> Option<PenaltyHistory> {
-        (!self.penalties.is_off() || !self.logit_bias.is_empty())
-            .then(|| PenaltyHistory::new(self.penalties, prompt).with_bias(&self.logit_bias))
+    /// The bias, penalties and JSON mode of a request after `prompt`, or `None` when it has
+    /// none of them. JSON mode reads the model's vocabulary from `json` (an
+    /// `invalid_argument` error without one).
+    pub fn logits_history(
+        &self,
+        prompt: &[u32],
+        json: Option<&Arc<JsonVocab>>,
+    ) -> Result<Option<PenaltyHistory>> {
+        let json = match self.response_format {
+            ResponseFormat::Text => None,
+            ResponseFormat::JsonObject => {
+                let vocab = json.ok_or_else(|| {
+                    EngineError::InvalidArgument(
+                        "response_format json_object needs the model's tokenizer".into(),
+                    )
+                })?;
+                Some(JsonConstraint::new(Arc::clone(vocab), &self.stop_token_ids))
+            }
+        };
+        if self.penalties.is_off() && self.logit_bias.is_empty() && json.is_none() {
+            return Ok(None);
+        }
+        Ok(Some(
+            PenaltyHistory::new(self.penalties, prompt)
+                .with_bias(&self.logit_bias)
+                .with_json(json),
+        ))
     }
 }
 

@@ -17,7 +17,7 @@ pub mod tree;
 
 pub use backend::{AmxUse, Backend, BatchMask, CpuBackend};
 pub use error::{EngineError, Result};
-pub use generate::{generate, FinishReason, GenerateOutput, GenerateParams};
+pub use generate::{generate, FinishReason, GenerateOutput, GenerateParams, ResponseFormat};
 pub use gguf::GgufFile;
 pub use kv::{KvCache, KvPool, PoolStats};
 pub use model::{Model, ModelConfig, SeqBatch};

@@ -7,6 +7,7 @@
 //! so slots equal positions, and drops the rest. The bonus token becomes the next root. Accepted
 //! tokens are never recomputed.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use crate::backend::Backend;
@@ -16,10 +17,11 @@ use crate::draft::{
 };
 use crate::error::{EngineError, Result};
 use crate::generate::{
-    check_prompt, prefill, FinishReason, GenerateOutput, GenerateParams, TokenSink,
+    check_prompt, prefill, FinishReason, GenerateOutput, GenerateParams, ResponseFormat, TokenSink,
 };
 use crate::kv::KvCache;
 use crate::model::Model;
+use crate::sample::json::JsonVocab;
 use crate::sample::penalty::PenaltyHistory;
 use crate::sample::verify::{Verifier, VerifyMode, VerifyOutcome};
 use crate::sample::Sampler;
@@ -737,14 +739,19 @@ impl<'m, B: Backend> SpecSession<'m, B> {
         })
     }
 
-    /// Bias and penalize every row this session verifies from now on, by `params`' logit bias
-    /// and penalties: `tokens[..prompt_len]` are the prompt, the rest generated (params with
-    /// neither turn them off).
-    pub fn set_penalties(&mut self, params: &GenerateParams, prompt_len: usize) -> Result<()> {
+    /// Bias, penalize and (JSON mode, reading the vocabulary `json`) mask every row this
+    /// session verifies from now on, by `params`: `tokens[..prompt_len]` are the prompt, the
+    /// rest generated (params with none of them turn them off).
+    pub fn set_penalties(
+        &mut self,
+        params: &GenerateParams,
+        prompt_len: usize,
+        json: Option<&Arc<JsonVocab>>,
+    ) -> Result<()> {
         params.validate(self.model.config.vocab_size)?;
         let prompt_len = prompt_len.min(self.tokens.len());
         self.penalties = params
-            .logits_history(&self.tokens[..prompt_len])
+            .logits_history(&self.tokens[..prompt_len], json)?
             .map(|mut h| {
                 for &t in &self.tokens[prompt_len..] {
                     h.push(t);
@@ -972,6 +979,8 @@ pub fn generate<B: Backend>(
                 .into(),
         ));
     }
+    // JSON mode reads the tokenizer's vocabulary (built on first use).
+    let json = (params.response_format != ResponseFormat::Text).then(|| tokenizer.json_vocab());
     let limit = model.config.context_length;
     let mode = spec.mode.unwrap_or(VerifyMode::auto(&params.sampling));
     if mode == VerifyMode::Greedy && !params.sampling.is_greedy() {
@@ -1012,7 +1021,7 @@ pub fn generate<B: Backend>(
         None
     } else {
         let mut logits = logits;
-        if let Some(h) = params.logits_history(prompt) {
+        if let Some(h) = params.logits_history(prompt, json.as_ref())? {
             h.penalize_row(&mut logits, &[]);
         }
         Some(sampler.sample(&logits))
@@ -1046,7 +1055,7 @@ pub fn generate<B: Backend>(
     // drafters are asked for their whole depth, since a deeper draft costs no drafter passes.
     let mut cheap_drafting = false;
     let mut session = SpecSession::new(model, backend, cache, seq, verifier, spec.budget)?;
-    session.set_penalties(params, prompt.len())?;
+    session.set_penalties(params, prompt.len(), json.as_ref())?;
     let mut pending: Vec<u32> = first.into_iter().collect();
     let mut finish_reason = FinishReason::Length;
     'gen: loop {

@@ -32,6 +32,46 @@ fn generate_json_reports_tokens_and_rates() {
     assert_eq!(j["finish_reason"], "length");
 }
 
+/// `--json` (JSON mode): the text is one JSON object where the same chat request without it
+/// answers in a Markdown block; with prompt lookup the same tokens.
+#[test]
+fn generate_json_mode_prints_one_object() {
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "generate",
+            "--chat",
+            "--prompt",
+            "Give me a JSON object describing a cat with its name and age.",
+            "--max-tokens",
+            "64",
+            "--format",
+            "json",
+        ];
+        args.extend_from_slice(extra);
+        let out = arbor(&args);
+        assert!(
+            out.status.success(),
+            "stderr: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let j: serde_json::Value =
+            serde_json::from_str(String::from_utf8(out.stdout).unwrap().trim()).unwrap();
+        j
+    };
+    let plain = run(&[]);
+    let text = plain["text"].as_str().unwrap();
+    assert!(
+        serde_json::from_str::<serde_json::Value>(text).is_err(),
+        "{text:?}"
+    );
+    let j = run(&["--json"]);
+    let text = j["text"].as_str().unwrap();
+    let v: serde_json::Value = serde_json::from_str(text).expect("one JSON object");
+    assert!(v.is_object(), "{text:?}");
+    assert_eq!(j["finish_reason"], "eos");
+    assert_eq!(run(&["--json", "--draft", "ngram"])["tokens"], j["tokens"]);
+}
+
 /// A reader that stops early (`arbor generate ... | head`) ends the process quietly, as SIGPIPE
 /// ends other Unix filters, instead of a panic on the next print.
 #[cfg(unix)]

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use arbor_engine::sample::verify::VerifyMode;
-use arbor_engine::{ChatMessage, SamplingParams};
+use arbor_engine::{ChatMessage, ResponseFormat, SamplingParams};
 use serde_json::{json, Map, Value};
 
 use crate::api::EngineInfo;
@@ -40,7 +40,7 @@ pub struct LineError {
 /// Most completions (`n`) of one request line.
 pub const MAX_CHOICES: usize = 64;
 
-const REQUEST_FIELDS: [&str; 24] = [
+const REQUEST_FIELDS: [&str; 25] = [
     "id",
     "n",
     "prompt",
@@ -62,6 +62,7 @@ const REQUEST_FIELDS: [&str; 24] = [
     "seed",
     "stop",
     "stop_token_ids",
+    "response_format",
     "stream",
     "deadline_ms",
     "speculation",
@@ -325,6 +326,7 @@ fn request(obj: &Map<String, Value>) -> Result<(bool, usize, Request), ServeErro
             "seed" => sampling.seed = uint(k, v, u64::MAX)?,
             "stop" => req.stop = strings(k, v)?,
             "stop_token_ids" => req.stop_token_ids = token_ids(k, v)?,
+            "response_format" => req.response_format = response_format(v)?,
             "stream" => stream = boolean(k, v)?,
             "n" => {
                 n = uint(k, v, MAX_CHOICES as u64)? as usize;
@@ -375,6 +377,36 @@ fn logit_bias(v: &Value) -> Result<Vec<(u32, f32)>, ServeError> {
         out.push((t, float("logit_bias", b)? as f32));
     }
     Ok(out)
+}
+
+/// OpenAI's `{"type": "text" | "json_object"}`.
+fn response_format(v: &Value) -> Result<ResponseFormat, ServeError> {
+    let Value::Object(o) = v else {
+        return Err(wrong_type("response_format", "an object", v));
+    };
+    if let Some(k) = o.keys().find(|k| *k != "type") {
+        return Err(err(
+            codes::UNKNOWN_FIELD,
+            format!(
+                "'response_format' has no field '{}' (type; JSON schemas are not supported)",
+                truncate(k)
+            ),
+        ));
+    }
+    let t = o
+        .get("type")
+        .ok_or_else(|| err(codes::MISSING_FIELD, "'response_format' needs a 'type'"))?;
+    match string("response_format.type", t)? {
+        "text" => Ok(ResponseFormat::Text),
+        "json_object" => Ok(ResponseFormat::JsonObject),
+        other => Err(err(
+            codes::INVALID_ARGUMENT,
+            format!(
+                "'response_format.type' must be \"text\" or \"json_object\", got '{}'",
+                truncate(other)
+            ),
+        )),
+    }
 }
 
 fn messages(v: &Value) -> Result<Vec<ChatMessage>, ServeError> {

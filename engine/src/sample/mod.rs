@@ -1,6 +1,7 @@
 //! Token sampling: greedy, temperature, top-k, top-p (nucleus), with a seeded deterministic RNG.
 
 pub(crate) mod draw;
+pub mod json;
 pub mod penalty;
 pub mod verify;
 

@@ -12,6 +12,7 @@
 use std::collections::HashMap;
 
 use crate::error::{EngineError, Result};
+use crate::sample::json::JsonConstraint;
 use crate::tree::TokenTree;
 
 /// How strongly to discourage tokens the request has already seen.
@@ -133,6 +134,8 @@ pub struct PenaltyHistory {
     seen: Vec<Seen>,
     /// Token -> its entry of `seen`.
     index: HashMap<u32, usize>,
+    /// JSON mode: masks every token that cannot continue the object, after the penalties.
+    json: Option<JsonConstraint>,
 }
 
 impl PenaltyHistory {
@@ -143,6 +146,7 @@ impl PenaltyHistory {
             bias: Vec::new(),
             seen: Vec::new(),
             index: HashMap::new(),
+            json: None,
         };
         // Only the repetition penalty reads the prompt.
         if penalties.repetition != 1.0 {
@@ -161,6 +165,12 @@ impl PenaltyHistory {
         self
     }
 
+    /// Mask the rows by `json` (JSON mode) after the bias and penalties.
+    pub fn with_json(mut self, json: Option<JsonConstraint>) -> PenaltyHistory {
+        self.json = json;
+        self
+    }
+
     fn entry(&mut self, token: u32) -> usize {
         let seen = &mut self.seen;
         *self.index.entry(token).or_insert_with(|| {
@@ -175,6 +185,9 @@ impl PenaltyHistory {
 
     /// Count a generated token.
     pub fn push(&mut self, token: u32) {
+        if let Some(j) = self.json.as_mut() {
+            j.push(token);
+        }
         if self.penalties.is_off() {
             return; // a bias alone reads no history
         }
@@ -191,6 +204,13 @@ impl PenaltyHistory {
                 *l += b;
             }
         }
+        self.apply_penalties(row, path);
+        if let Some(j) = &self.json {
+            j.mask_row(row, path);
+        }
+    }
+
+    fn apply_penalties(&self, row: &mut [f32], path: &[u32]) {
         let p = self.penalties;
         if p.is_off() {
             return;
@@ -231,7 +251,7 @@ impl PenaltyHistory {
     /// root.
     pub fn penalize_tree(&self, tree: &TokenTree, logits: &mut [f32], vocab: usize) {
         let rows = logits.chunks_exact_mut(vocab).take(tree.len());
-        if self.penalties.is_off() {
+        if self.penalties.is_off() && self.json.is_none() {
             // A bias alone reads no path.
             rows.for_each(|row| self.penalize_row(row, &[]));
             return;

@@ -21,9 +21,10 @@ use crate::backend::cuda::DeviceForward;
 use crate::backend::{Backend, BatchMask};
 use crate::draft::{Drafter, PassCandidates};
 use crate::error::{EngineError, Result};
-use crate::generate::{FinishReason, GenerateParams, TokenSink};
+use crate::generate::{FinishReason, GenerateParams, ResponseFormat, TokenSink};
 use crate::kv::{KvCache, KvPool, BLOCK_SLOTS};
 use crate::model::{Model, SeqBatch};
+use crate::sample::json::JsonVocab;
 use crate::sample::penalty::PenaltyHistory;
 use crate::sample::verify::{Verifier, VerifyMode, VerifyOutcome};
 use crate::sample::Sampler;
@@ -626,6 +627,9 @@ pub struct Scheduler<'a> {
     /// Where the forward passes run when not on the backend: a device keeping the K/V of the
     /// pool's blocks ([`Scheduler::set_device`]).
     device: Option<Arc<dyn DeviceForward>>,
+    /// The vocabulary JSON mode reads where the tokenizer's is not used
+    /// ([`Scheduler::set_json_vocab`]).
+    json_vocab: Option<Arc<JsonVocab>>,
 }
 
 impl<'a> Scheduler<'a> {
@@ -685,7 +689,14 @@ impl<'a> Scheduler<'a> {
             drafter_failures: Vec::new(),
             commits: Vec::new(),
             device: None,
+            json_vocab: None,
         })
+    }
+
+    /// The vocabulary JSON-mode requests read (by default the tokenizer's; a scheduler
+    /// without a tokenizer refuses them without one).
+    pub fn set_json_vocab(&mut self, vocab: Arc<JsonVocab>) {
+        self.json_vocab = Some(vocab);
     }
 
     /// Run every forward pass (and K/V commit) on `device` instead of the backend passed to
@@ -826,6 +837,13 @@ impl<'a> Scheduler<'a> {
         };
         // Tree passes need `budget + 1` scratch slots past the tokens.
         let capacity = cap.saturating_add(spec.as_ref().map_or(0, |sp| sp.budget + 1));
+        let json = match params.response_format {
+            ResponseFormat::Text => None,
+            ResponseFormat::JsonObject => self
+                .json_vocab
+                .clone()
+                .or_else(|| self.tokenizer.as_ref().map(|t| t.json_vocab())),
+        };
         let id = self.next_id;
         self.next_id += 1;
         let noop: fn(&str) = |_| {};
@@ -841,7 +859,7 @@ impl<'a> Scheduler<'a> {
             prompt_scores,
             prompt_len: prompt.len(),
             sampler: Sampler::new(params.sampling.clone())?,
-            penalties: params.logits_history(&prompt),
+            penalties: params.logits_history(&prompt, json.as_ref())?,
             sink: self
                 .tokenizer
                 .clone()

@@ -1,6 +1,7 @@
 use super::*;
 use crate::backend::CpuBackend;
 use crate::quant::GgmlType;
+use crate::sample::json::JsonState;
 use crate::sample::SamplingParams;
 use crate::testing::{tiny_model, TinySpec};
 
@@ -37,6 +38,21 @@ fn workload(vocab: u32) -> Vec<(Vec<u32>, usize)> {
     .collect()
 }
 
+/// JSON fragments the tiny models' tokens stand for in JSON mode.
+const JSON_PIECES: [&str; 24] = [
+    "{", "}", "[", "]", "\"", ":", ",", " ", "\n", "0", "1", "-", ".", "e", "a", "b", "true",
+    "null", "\"a\"", "\":", "{\"", "}\n", "\\", "x",
+];
+
+/// A JSON-mode vocabulary for a tiny model of `vocab` tokens: token `i` is
+/// `JSON_PIECES[i % 24]`, every 11th token a control token, the last one ends generation.
+fn tiny_json_vocab(vocab: usize) -> Arc<JsonVocab> {
+    let pieces = (0..vocab)
+        .map(|i| (i % 11 != 10 && i + 1 < vocab).then(|| JSON_PIECES[i % 24].as_bytes().to_vec()))
+        .collect();
+    Arc::new(JsonVocab::new(pieces, vec![vocab as u32 - 1]))
+}
+
 /// Incremental decoding of one request with its own sampler (and penalties): the reference.
 fn alone(model: &Model, be: &CpuBackend, prompt: &[u32], params: &GenerateParams) -> Vec<u32> {
     alone_with_logprobs(model, be, prompt, params).0
@@ -62,7 +78,8 @@ fn alone_with_logprobs(
             &[prompt.len() - 1],
         )
         .unwrap();
-    let mut history = params.logits_history(prompt);
+    let json = tiny_json_vocab(model.config.vocab_size);
+    let mut history = params.logits_history(prompt, Some(&json)).unwrap();
     let (mut out, mut lps) = (Vec::new(), Vec::new());
     while out.len() < params.max_tokens {
         if let Some(h) = &history {
@@ -2164,4 +2181,90 @@ fn a_request_waiting_for_a_shared_prefix_does_not_block_the_queue() {
     assert_eq!(outputs[&sharer], alone(&model, &be, &prompts[1], &params));
     assert_eq!(outputs[&other_id], alone(&model, &be, &other, &params));
     assert_eq!(pool.stats().used, 0);
+}
+
+/// JSON mode: every output is a live JSON text (an object once complete, then only the end
+/// token), batched or alone, greedy and seeded sampling, and with drafted trees whose wrong
+/// siblings leave the grammar: each request's tokens equal its masked reference (`alone`).
+/// A scheduler without a tokenizer or a vocabulary refuses such a request.
+#[test]
+fn json_mode_outputs_are_json_and_equal_the_masked_reference() {
+    let be = CpuBackend::new(2).unwrap();
+    let model = tiny_model(&spec("llama", GgmlType::Q8_0), 7).unwrap();
+    let vocab = model.config.vocab_size;
+    let json = tiny_json_vocab(vocab);
+    let pieces = |toks: &[u32]| -> Vec<u8> {
+        toks.iter()
+            .filter(|&&t| (t as usize) + 1 < vocab)
+            .flat_map(|&t| JSON_PIECES[t as usize % 24].bytes())
+            .collect()
+    };
+    let mut completed = 0;
+    for sampling in [
+        SamplingParams::greedy(),
+        SamplingParams {
+            temperature: 1.0,
+            seed: 11,
+            ..SamplingParams::default()
+        },
+    ] {
+        let pool = KvPool::new(&model.config, model.config.n_layers, 64);
+        let mut s = Scheduler::new(&model, None, pool.clone(), SchedConfig::default()).unwrap();
+        s.set_json_vocab(Arc::clone(&json));
+        let mut want = Vec::new();
+        for (i, (p, _)) in workload(vocab as u32).into_iter().take(4).enumerate() {
+            let params = GenerateParams {
+                max_tokens: 40,
+                sampling: SamplingParams {
+                    seed: sampling.seed + i as u64,
+                    ..sampling.clone()
+                },
+                response_format: ResponseFormat::JsonObject,
+                ..GenerateParams::default()
+            };
+            let w = alone(&model, &be, &p, &params);
+            // Greedy requests also verify oracle trees: the true path plus wrong siblings.
+            let sp = sampling.is_greedy().then(|| {
+                let mut truth = p.clone();
+                truth.extend(&w);
+                in_process_spec(
+                    vec![Box::new(crate::draft::OracleDrafter::new(
+                        truth,
+                        "2,2,1,1".parse().unwrap(),
+                        i as u64,
+                    ))],
+                    SpecPolicy::Fixed,
+                    8,
+                )
+            });
+            want.push(w);
+            s.submit_spec(p, params, sp).unwrap();
+        }
+        for (id, f) in s.run_to_completion(&be).unwrap() {
+            let got = done_tokens(&f).0;
+            assert_eq!(got, &want[id as usize][..], "request {id} ({sampling:?})");
+            // A live JSON text; the end token (which does not stop a request without a
+            // tokenizer) only once the object is complete, then whitespace or end tokens.
+            let text = pieces(got);
+            let state = JsonState::start().after(&text);
+            assert!(state.is_some(), "{}", String::from_utf8_lossy(&text));
+            if got.contains(&(vocab as u32 - 1)) {
+                assert!(state.is_some_and(|s| s.is_done()));
+                let v: serde_json::Value = serde_json::from_slice(&text).unwrap();
+                assert!(v.is_object());
+                completed += 1;
+            }
+        }
+        assert_eq!(pool.stats().used, 0);
+    }
+    assert!(completed > 0, "no request completed its object");
+    // Without a vocabulary for JSON mode: refused at submission.
+    let pool = KvPool::new(&model.config, model.config.n_layers, 8);
+    let mut s = Scheduler::new(&model, None, pool, SchedConfig::default()).unwrap();
+    let params = GenerateParams {
+        response_format: ResponseFormat::JsonObject,
+        ..GenerateParams::default()
+    };
+    let e = s.submit(vec![1, 2, 3], params).unwrap_err();
+    assert!(e.to_string().contains("json_object"), "{e}");
 }

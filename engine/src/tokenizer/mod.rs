@@ -29,6 +29,9 @@
 
 use std::collections::{BinaryHeap, HashMap};
 use std::fmt;
+use std::sync::{Arc, OnceLock};
+
+use crate::sample::json::JsonVocab;
 
 use crate::error::{EngineError, Result};
 use crate::gguf::{GgufFile, MetaValue};
@@ -160,6 +163,8 @@ pub struct Tokenizer {
     chat_template: Option<String>,
     default_system: Option<String>,
     byte_chars: [char; 256],
+    /// The vocabulary as JSON mode reads it, built on first use.
+    json_vocab: OnceLock<Arc<JsonVocab>>,
 }
 
 impl fmt::Debug for Tokenizer {
@@ -603,6 +608,7 @@ impl Tokenizer {
             chat_template,
             default_system,
             byte_chars,
+            json_vocab: OnceLock::new(),
         })
     }
 
@@ -716,6 +722,15 @@ impl Tokenizer {
     /// All end-of-generation ids, sorted.
     pub fn eog_ids(&self) -> &[u32] {
         &self.eog
+    }
+
+    /// The vocabulary as JSON mode ([`crate::sample::json`]) reads it, with the masks it has
+    /// computed so far (built on first use, then shared).
+    pub fn json_vocab(&self) -> Arc<JsonVocab> {
+        Arc::clone(
+            self.json_vocab
+                .get_or_init(|| Arc::new(JsonVocab::from_tokenizer(self))),
+        )
     }
 
     /// Whether `id` is a control token (after llama.cpp's attribute fix-ups).

@@ -11,7 +11,8 @@ use arbor_engine::draft::{DraftShape, Drafter, OracleDrafter, RandomDrafter};
 use arbor_engine::sample::verify::VerifyMode;
 use arbor_engine::spec::{self, SpecMetrics, SpecParams};
 use arbor_engine::{
-    generate, ChatMessage, CpuBackend, GenerateParams, Model, Penalties, SamplingParams, Tokenizer,
+    generate, ChatMessage, CpuBackend, GenerateParams, Model, Penalties, ResponseFormat,
+    SamplingParams, Tokenizer,
 };
 use arbor_tools::spec_bench::DraftSpec;
 use arbor_tools::{bench, fetch, spec_bench};
@@ -207,6 +208,9 @@ struct GenerateArgs {
     /// (repeatable).
     #[arg(long, value_name = "ID")]
     stop_token_id: Vec<u32>,
+    /// JSON mode: the output is one JSON object (tokens that cannot continue one are masked).
+    #[arg(long)]
+    json: bool,
     /// Do not stop at end-of-generation tokens.
     #[arg(long)]
     ignore_eos: bool,
@@ -857,6 +861,9 @@ fn cuda_generate(a: &GenerateArgs, params: &GenerateParams, ordinal: usize) -> R
         if !params.penalties.is_off() || !params.logit_bias.is_empty() {
             bail!("--device cuda applies no penalties or logit bias yet: drop --repetition-penalty, --frequency-penalty, --presence-penalty and --logit-bias");
         }
+        if a.json {
+            bail!("--device cuda has no JSON mode yet: drop --json");
+        }
         // Settings this path does not honour are refused, not ignored.
         if a.format != Format::Text {
             bail!("--device cuda prints text only so far: drop --format json");
@@ -991,6 +998,11 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         logit_bias: a.logit_bias.clone(),
         stop_token_ids: a.stop_token_id.clone(),
         prompt_logprobs: None,
+        response_format: if a.json {
+            ResponseFormat::JsonObject
+        } else {
+            ResponseFormat::Text
+        },
     };
     // Token ids against the vocabulary once the model is loaded (`generate`, `spec::generate`).
     params.validate(usize::MAX)?;

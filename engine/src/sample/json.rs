@@ -1,0 +1,659 @@
+//! JSON mode (OpenAI's `response_format: {"type": "json_object"}`): a byte-level pushdown automaton over RFC 8259 JSON masks every token that cannot continue a valid object, as grammar-constrained decoding does (llama.cpp's GBNF sampler, vLLM's guided decoding).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use crate::tokenizer::Tokenizer;
+
+/// Deepest nesting of objects and arrays (the stack is one bit per level).
+pub const MAX_DEPTH: u8 = 64;
+/// Most whitespace bytes in a row between tokens of the JSON text (a model stuck on newlines
+/// ends instead of filling `max_tokens` with them).
+pub const MAX_WHITESPACE_RUN: u8 = 48;
+/// Masks kept per vocabulary (one per automaton state met; cleared when full).
+const MASK_CACHE_ENTRIES: usize = 512;
+
+/// What the automaton expects next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Mode {
+    /// Before the top-level object: whitespace or `{`.
+    Start,
+    /// After `{`: a key or `}`.
+    ObjOpen,
+    /// After `,` in an object: a key.
+    ObjKey,
+    /// After a key: `:`.
+    Colon,
+    /// After `:` or `,` in an array: a value.
+    Value,
+    /// After `[`: a value or `]`.
+    ArrOpen,
+    /// After a value inside a container: `,` or the container's closer.
+    After,
+    /// Inside a string: `esc` 0 none, 1 after `\`, 2..=5 hex digits of `\u` left plus one;
+    /// `utf8` continuation bytes of a multi-byte character left.
+    Str {
+        key: bool,
+        esc: u8,
+        utf8: u8,
+    },
+    Num(Num),
+    /// Inside `true` / `false` / `null` (`word` indexes [`LITERALS`]), `pos` bytes read.
+    Lit {
+        word: u8,
+        pos: u8,
+    },
+    /// The top-level object is complete: whitespace, then end-of-generation.
+    Done,
+}
+
+/// Where in a number (RFC 8259's `-? int frac? exp?`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Num {
+    Minus,
+    Zero,
+    Int,
+    Dot,
+    Frac,
+    Exp,
+    ExpSign,
+    ExpDigits,
+}
+
+const LITERALS: [&[u8]; 3] = [b"true", b"false", b"null"];
+
+/// The automaton's state: small and `Copy`, so every token of the vocabulary is tried on a copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct JsonState {
+    /// Bit `i`: level `i` is an object (else an array).
+    stack: u64,
+    depth: u8,
+    mode: Mode,
+    /// Whitespace bytes just read.
+    ws: u8,
+}
+
+impl Default for JsonState {
+    fn default() -> Self {
+        JsonState::start()
+    }
+}
+
+impl JsonState {
+    /// Before the first byte.
+    pub fn start() -> JsonState {
+        JsonState {
+            stack: 0,
+            depth: 0,
+            mode: Mode::Start,
+            ws: 0,
+        }
+    }
+
+    /// Whether the top-level object is complete.
+    pub fn is_done(&self) -> bool {
+        self.mode == Mode::Done
+    }
+
+    /// The state after `bytes`, or `None` where they leave the grammar.
+    pub fn after(mut self, bytes: &[u8]) -> Option<JsonState> {
+        for &b in bytes {
+            if !self.feed(b) {
+                return None;
+            }
+        }
+        Some(self)
+    }
+
+    /// Read one byte; false when it cannot continue the text (the state is then undefined).
+    fn feed(&mut self, b: u8) -> bool {
+        let ws = matches!(b, b' ' | b'\t' | b'\n' | b'\r');
+        match self.mode {
+            Mode::Str { key, esc, utf8 } => self.string(b, key, esc, utf8),
+            Mode::Num(n) => self.number(b, n),
+            Mode::Lit { word, pos } => {
+                let w = LITERALS[word as usize];
+                if w[pos as usize] != b {
+                    return false;
+                }
+                if pos as usize + 1 == w.len() {
+                    self.close_value();
+                } else {
+                    self.mode = Mode::Lit { word, pos: pos + 1 };
+                }
+                true
+            }
+            _ if ws => {
+                self.ws += 1;
+                self.ws <= MAX_WHITESPACE_RUN
+            }
+            mode => {
+                self.ws = 0;
+                match mode {
+                    Mode::Start => b == b'{' && self.open(true),
+                    Mode::ObjOpen if b == b'}' => self.close(true),
+                    Mode::ObjOpen | Mode::ObjKey => {
+                        self.mode = Mode::Str {
+                            key: true,
+                            esc: 0,
+                            utf8: 0,
+                        };
+                        b == b'"'
+                    }
+                    Mode::Colon => {
+                        self.mode = Mode::Value;
+                        b == b':'
+                    }
+                    Mode::ArrOpen if b == b']' => self.close(false),
+                    Mode::Value | Mode::ArrOpen => self.start_value(b),
+                    Mode::After => {
+                        let in_object = self.top_is_object();
+                        match b {
+                            b',' => {
+                                self.mode = if in_object { Mode::ObjKey } else { Mode::Value };
+                                true
+                            }
+                            b'}' => in_object && self.close(true),
+                            b']' => !in_object && self.close(false),
+                            _ => false,
+                        }
+                    }
+                    Mode::Done => false,
+                    Mode::Str { .. } | Mode::Num(_) | Mode::Lit { .. } => {
+                        unreachable!("handled above")
+                    }
+                }
+            }
+        }
+    }
+
+    fn top_is_object(&self) -> bool {
+        self.depth > 0 && self.stack >> (self.depth - 1) & 1 == 1
+    }
+
+    fn open(&mut self, object: bool) -> bool {
+        if self.depth >= MAX_DEPTH {
+            return false;
+        }
+        if object {
+            self.stack |= 1 << self.depth;
+        } else {
+            self.stack &= !(1 << self.depth);
+        }
+        self.depth += 1;
+        self.mode = if object { Mode::ObjOpen } else { Mode::ArrOpen };
+        true
+    }
+
+    /// Close the innermost container (the caller checked its kind).
+    fn close(&mut self, object: bool) -> bool {
+        if self.depth == 0 || self.top_is_object() != object {
+            return false;
+        }
+        self.depth -= 1;
+        self.stack &= !(1 << self.depth);
+        self.close_value();
+        true
+    }
+
+    /// A value just ended.
+    fn close_value(&mut self) {
+        self.mode = if self.depth == 0 {
+            Mode::Done
+        } else {
+            Mode::After
+        };
+    }
+
+    fn start_value(&mut self, b: u8) -> bool {
+        self.mode = match b {
+            b'{' => return self.open(true),
+            b'[' => return self.open(false),
+            b'"' => Mode::Str {
+                key: false,
+                esc: 0,
+                utf8: 0,
+            },
+            b'-' => Mode::Num(Num::Minus),
+            b'0' => Mode::Num(Num::Zero),
+            b'1'..=b'9' => Mode::Num(Num::Int),
+            b't' => Mode::Lit { word: 0, pos: 1 },
+            b'f' => Mode::Lit { word: 1, pos: 1 },
+            b'n' => Mode::Lit { word: 2, pos: 1 },
+            _ => return false,
+        };
+        true
+    }
+
+    fn string(&mut self, b: u8, key: bool, esc: u8, utf8: u8) -> bool {
+        let set = |esc, utf8| Mode::Str { key, esc, utf8 };
+        self.mode = if utf8 > 0 {
+            if !(0x80..=0xBF).contains(&b) {
+                return false;
+            }
+            set(0, utf8 - 1)
+        } else if esc == 1 {
+            match b {
+                b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => set(0, 0),
+                b'u' => set(5, 0),
+                _ => return false,
+            }
+        } else if esc > 1 {
+            if !b.is_ascii_hexdigit() {
+                return false;
+            }
+            set(if esc == 2 { 0 } else { esc - 1 }, 0)
+        } else {
+            match b {
+                b'"' if key => Mode::Colon,
+                b'"' => {
+                    self.close_value();
+                    return true;
+                }
+                b'\\' => set(1, 0),
+                0x00..=0x1F => return false,
+                0x20..=0x7F => set(0, 0),
+                0xC2..=0xDF => set(0, 1),
+                0xE0..=0xEF => set(0, 2),
+                0xF0..=0xF4 => set(0, 3),
+                _ => return false,
+            }
+        };
+        true
+    }
+
+    fn number(&mut self, b: u8, n: Num) -> bool {
+        let digit = b.is_ascii_digit();
+        let next = match (n, b) {
+            (Num::Minus, b'0') => Num::Zero,
+            (Num::Minus, b'1'..=b'9') => Num::Int,
+            (Num::Int, _) if digit => Num::Int,
+            (Num::Zero | Num::Int, b'.') => Num::Dot,
+            (Num::Dot | Num::Frac, _) if digit => Num::Frac,
+            (Num::Zero | Num::Int | Num::Frac, b'e' | b'E') => Num::Exp,
+            (Num::Exp, b'+' | b'-') => Num::ExpSign,
+            (Num::Exp | Num::ExpSign | Num::ExpDigits, _) if digit => Num::ExpDigits,
+            // A complete number ends at the first byte that cannot extend it, which is then
+            // read in the container.
+            (Num::Zero | Num::Int | Num::Frac | Num::ExpDigits, _) => {
+                self.close_value();
+                return self.feed(b);
+            }
+            _ => return false,
+        };
+        self.mode = Mode::Num(next);
+        true
+    }
+}
+
+/// A vocabulary as JSON mode reads it: each token's bytes (`None` for control and
+/// end-of-generation tokens, which no JSON text holds), the end-of-generation ids allowed once
+/// the object is complete, and the masks computed so far (shared by every request of the model).
+pub struct JsonVocab {
+    pieces: Vec<Option<Box<[u8]>>>,
+    /// Token ids by their first byte: a state tries each first byte once.
+    by_first_byte: Vec<Vec<u32>>,
+    /// Tokens that are plain string content (printable ASCII but `"` and `\`, whole UTF-8
+    /// characters): allowed in any string outside an escape or a character, as a bitset, and
+    /// the other tokens, the only ones a string state tries.
+    plain: Vec<u64>,
+    not_plain: Vec<u32>,
+    ends: Vec<u32>,
+    cache: Mutex<HashMap<JsonState, Arc<Vec<u64>>>>,
+}
+
+impl std::fmt::Debug for JsonVocab {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JsonVocab")
+            .field("tokens", &self.pieces.len())
+            .field("ends", &self.ends)
+            .finish()
+    }
+}
+
+impl JsonVocab {
+    /// From token pieces (`None`: a token no JSON text holds) and the end-of-generation ids.
+    pub fn new(pieces: Vec<Option<Vec<u8>>>, ends: Vec<u32>) -> JsonVocab {
+        let pieces: Vec<Option<Box<[u8]>>> = pieces
+            .into_iter()
+            .map(|p| p.filter(|p| !p.is_empty()).map(Vec::into_boxed_slice))
+            .collect();
+        let mut by_first_byte = vec![Vec::new(); 256];
+        let mut plain = vec![0u64; pieces.len().div_ceil(64)];
+        let mut not_plain = Vec::new();
+        let in_string = JsonState {
+            mode: Mode::Str {
+                key: false,
+                esc: 0,
+                utf8: 0,
+            },
+            ..JsonState::start()
+        };
+        for (id, p) in pieces.iter().enumerate() {
+            let Some(p) = p else { continue };
+            by_first_byte[p[0] as usize].push(id as u32);
+            let content = !p.iter().any(|&b| b == b'"' || b == b'\\')
+                && in_string.after(p) == Some(in_string);
+            if content {
+                plain[id / 64] |= 1 << (id % 64);
+            } else {
+                not_plain.push(id as u32);
+            }
+        }
+        JsonVocab {
+            pieces,
+            by_first_byte,
+            plain,
+            not_plain,
+            ends,
+            cache: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// A model's vocabulary: its normal tokens' bytes; control tokens and end-of-generation
+    /// tokens are never part of the text.
+    pub fn from_tokenizer(t: &Tokenizer) -> JsonVocab {
+        let pieces = (0..t.vocab_size() as u32)
+            .map(|id| {
+                (!t.is_control(id) && !t.is_eog(id))
+                    .then(|| t.token_bytes(id).map(<[u8]>::to_vec))
+                    .flatten()
+            })
+            .collect();
+        JsonVocab::new(pieces, t.eog_ids().to_vec())
+    }
+
+    /// Bitset over token ids: the tokens whose bytes continue `state` within the grammar.
+    fn allowed(&self, state: &JsonState) -> Arc<Vec<u64>> {
+        if let Some(m) = self.cache.lock().ok().and_then(|c| c.get(state).cloned()) {
+            return m;
+        }
+        if let Mode::Str {
+            esc: 0, utf8: 0, ..
+        } = state.mode
+        {
+            // Plain content stays in the string; the rest is tried.
+            let mut bits = self.plain.clone();
+            for &id in &self.not_plain {
+                let p = self.pieces[id as usize].as_deref().unwrap_or_default();
+                if state.after(p).is_some() {
+                    bits[id as usize / 64] |= 1 << (id % 64);
+                }
+            }
+            return self.remember(state, bits);
+        }
+        let mut bits = vec![0u64; self.pieces.len().div_ceil(64)];
+        for (first, ids) in self.by_first_byte.iter().enumerate() {
+            let mut s = *state;
+            if ids.is_empty() || !s.feed(first as u8) {
+                continue;
+            }
+            for &id in ids {
+                let rest = self.pieces[id as usize]
+                    .as_deref()
+                    .map_or(&[][..], |p| &p[1..]);
+                if s.after(rest).is_some() {
+                    bits[id as usize / 64] |= 1 << (id % 64);
+                }
+            }
+        }
+        self.remember(state, bits)
+    }
+
+    fn remember(&self, state: &JsonState, bits: Vec<u64>) -> Arc<Vec<u64>> {
+        let bits = Arc::new(bits);
+        if let Ok(mut c) = self.cache.lock() {
+            if c.len() >= MASK_CACHE_ENTRIES {
+                c.clear();
+            }
+            c.insert(*state, Arc::clone(&bits));
+        }
+        bits
+    }
+}
+
+/// One request's JSON mode: the state after the tokens generated so far.
+#[derive(Clone, Debug)]
+pub struct JsonConstraint {
+    vocab: Arc<JsonVocab>,
+    /// `None` once a token outside the grammar was pushed (the rows are then left as they are).
+    state: Option<JsonState>,
+    /// The request's `stop_token_ids`, allowed (as the end-of-generation ids) once complete.
+    stop_tokens: Vec<u32>,
+}
+
+impl JsonConstraint {
+    pub fn new(vocab: Arc<JsonVocab>, stop_tokens: &[u32]) -> JsonConstraint {
+        JsonConstraint {
+            vocab,
+            state: Some(JsonState::start()),
+            stop_tokens: stop_tokens.to_vec(),
+        }
+    }
+
+    /// The state after the tokens so far.
+    pub fn state(&self) -> Option<JsonState> {
+        self.state
+    }
+
+    /// The state after the tokens so far and then `path`.
+    fn after(&self, path: &[u32]) -> Option<JsonState> {
+        path.iter().try_fold(self.state?, |s, &t| self.step(s, t))
+    }
+
+    fn step(&self, s: JsonState, token: u32) -> Option<JsonState> {
+        if s.is_done() && self.is_end(token) {
+            return Some(s);
+        }
+        let p = self.vocab.pieces.get(token as usize)?.as_deref()?;
+        s.after(p)
+    }
+
+    fn is_end(&self, token: u32) -> bool {
+        self.vocab.ends.contains(&token) || self.stop_tokens.contains(&token)
+    }
+
+    /// Count a generated token.
+    pub fn push(&mut self, token: u32) {
+        self.state = self.state.and_then(|s| self.step(s, token));
+    }
+
+    /// Set to -inf the logit of every token of `row` that cannot follow the tokens so far and
+    /// then `path`: before the object is complete the JSON text's continuations, then
+    /// whitespace and the end-of-generation and stop tokens. A path that already left the
+    /// grammar (a draft the verification rejects before it reads this row) leaves the row.
+    pub fn mask_row(&self, row: &mut [f32], path: &[u32]) {
+        let Some(state) = self.after(path) else {
+            return;
+        };
+        let bits = self.vocab.allowed(&state);
+        let keep: Vec<(usize, f32)> = if state.is_done() {
+            self.vocab
+                .ends
+                .iter()
+                .chain(&self.stop_tokens)
+                .filter_map(|&t| row.get(t as usize).map(|&l| (t as usize, l)))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        for (k, chunk) in row.chunks_mut(64).enumerate() {
+            let w = bits.get(k).copied().unwrap_or(0);
+            if w == u64::MAX {
+                continue;
+            }
+            if w == 0 {
+                chunk.fill(f32::NEG_INFINITY);
+                continue;
+            }
+            for (i, l) in chunk.iter_mut().enumerate() {
+                if w >> i & 1 == 0 {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
+        for (t, l) in keep {
+            row[t] = l;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn valid(text: &str) -> bool {
+        JsonState::start()
+            .after(text.as_bytes())
+            .is_some_and(|s| s.is_done())
+    }
+
+    fn prefix(text: &str) -> bool {
+        JsonState::start().after(text.as_bytes()).is_some()
+    }
+
+    #[test]
+    fn complete_objects_are_accepted_and_agree_with_serde() {
+        let good = [
+            "{}",
+            " {\"a\": 1}",
+            "{\"a\":[1,2.5,-3e+2,0,0.0e-1,true,false,null,\"x\\n\\u00e9\"],\"b\":{\"c\":{}}}",
+            "{\n  \"name\": \"Ada\",\n  \"tags\": [],\n  \"n\": -0.5E3\n}",
+            "{\"é\": \"日本語 🙂\"}",
+            "{\"a\": [[[]]], \"b\": [{}]}",
+        ];
+        for g in good {
+            assert!(valid(g), "{g}");
+            let v: serde_json::Value = serde_json::from_str(g).unwrap();
+            assert!(v.is_object());
+        }
+        let bad = [
+            "[1]",
+            "1",
+            "\"s\"",
+            "{\"a\" 1}",
+            "{\"a\":}",
+            "{\"a\":1,}",
+            "{\"a\":[1,]}",
+            "{\"a\":01}",
+            "{\"a\":1.}",
+            "{\"a\":-}",
+            "{\"a\":1e}",
+            "{\"a\":tru}x",
+            "{\"a\":\"\\x\"}",
+            "{\"a\":\"\\u12g4\"}",
+            "{\"a\":\"tab\there\"}",
+            "{a:1}",
+            "{\"a\":1]",
+            "{\"a\":[1}",
+            "{}}",
+            "{} x",
+        ];
+        for b in bad {
+            assert!(!valid(b), "{b}");
+            assert!(serde_json::from_str::<serde_json::Value>(b).map_or(true, |v| !v.is_object()));
+        }
+        // Prefixes of valid texts are live; the texts above die at their first bad byte.
+        assert!(prefix("{\"a\": [1, 2"));
+        assert!(prefix("{\"a\": \"\\u00"));
+        assert!(!prefix("{\"a\": \"\\u00g"));
+        assert!(!prefix("{\"a\" 1"));
+        // Broken UTF-8 inside strings.
+        assert!(JsonState::start().after(b"{\"a\":\"\xC3\xA9\"}").is_some());
+        assert!(JsonState::start().after(b"{\"a\":\"\xC3\"").is_none());
+        assert!(JsonState::start().after(b"{\"a\":\"\xFF").is_none());
+    }
+
+    #[test]
+    fn nesting_and_whitespace_are_bounded() {
+        let deep = "[".repeat(MAX_DEPTH as usize - 1);
+        assert!(prefix(&format!("{{\"a\":{deep}")));
+        assert!(!prefix(&format!("{{\"a\":{deep}[")));
+        let ws = " ".repeat(MAX_WHITESPACE_RUN as usize);
+        assert!(prefix(&format!("{{{ws}")));
+        assert!(!prefix(&format!("{{{ws} ")));
+        assert!(valid(&format!("{{}}{ws}")));
+        assert!(!valid(&format!("{{}}{ws} ")));
+    }
+
+    /// A hand-built vocabulary: the masks allow exactly the tokens that continue the text,
+    /// end tokens only once the object is complete, stop tokens with them.
+    #[test]
+    fn masks_follow_the_state() {
+        let pieces: Vec<Option<Vec<u8>>> = [
+            "{", "}", "\"", "a", ":", "1", " ", "{\"", "\":", "}\n", "x", "", "<ctl>",
+        ]
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (i != 12).then(|| p.as_bytes().to_vec()))
+        .chain([None]) // 13: end of generation
+        .collect();
+        let vocab = Arc::new(JsonVocab::new(pieces, vec![13]));
+        let allowed = |c: &JsonConstraint, path: &[u32]| -> Vec<usize> {
+            let mut row = vec![0.5f32; 15];
+            c.mask_row(&mut row, path);
+            (0..15).filter(|&i| row[i] == 0.5).collect()
+        };
+        let mut c = JsonConstraint::new(Arc::clone(&vocab), &[10]);
+        // Start: `{`, `{"`, whitespace; row entries past the vocabulary are masked too.
+        assert_eq!(allowed(&c, &[]), vec![0, 6, 7]);
+        c.push(7); // {"
+                   // In a key: any text byte (a newline is not one), the closing quote.
+        assert_eq!(allowed(&c, &[]), vec![0, 1, 2, 3, 4, 5, 6, 7, 8, 10]);
+        // After `{"a":` (a draft path): a value or whitespace (`":` opens a string).
+        assert_eq!(allowed(&c, &[3, 8]), vec![0, 2, 5, 6, 7, 8]);
+        for t in [3, 8, 5] {
+            c.push(t); // {"a":1
+        }
+        assert_eq!(allowed(&c, &[]), vec![1, 5, 6, 9]);
+        c.push(1);
+        assert!(c.state().is_some_and(|s| s.is_done()));
+        // Complete: whitespace, the end token and the stop token.
+        assert_eq!(allowed(&c, &[]), vec![6, 10, 13]);
+        c.push(13);
+        assert!(c.state().is_some_and(|s| s.is_done()));
+        // A token outside the grammar kills the state; rows are then left alone.
+        c.push(3);
+        assert_eq!(c.state(), None);
+        assert_eq!(allowed(&c, &[]).len(), 15);
+    }
+
+    /// The masks (first bytes tried once per state) equal each token tried on its own, over
+    /// a vocabulary of random JSON-ish pieces and the states along a long object.
+    #[test]
+    fn masks_equal_a_token_by_token_check() {
+        let alphabet = b"{}[]\":, \n0123456789-+.eEtruefalsnl\\abu\xC3\xA9";
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let pieces: Vec<Option<Vec<u8>>> = (0..3000)
+            .map(|_| {
+                let len = 1 + next() % 5;
+                Some(
+                    (0..len)
+                        .map(|_| alphabet[(next() % alphabet.len() as u64) as usize])
+                        .collect(),
+                )
+            })
+            .collect();
+        let vocab = JsonVocab::new(pieces.clone(), vec![]);
+        let text = r#"{"a": [1, -2.5e+3, true, null, {"b": "x\u00e9\n é"}], "c": {}, "d": false}"#;
+        let mut state = JsonState::start();
+        let mut checked = 0;
+        for &b in text.as_bytes() {
+            let bits = vocab.allowed(&state);
+            for (id, p) in pieces.iter().enumerate() {
+                let want = state.after(p.as_deref().unwrap()).is_some();
+                assert_eq!(bits[id / 64] >> (id % 64) & 1 == 1, want, "{state:?} {p:?}");
+                checked += want as usize;
+            }
+            assert!(state.feed(b), "{}", b as char);
+        }
+        assert!(state.is_done());
+        assert!(checked > 1000, "{checked}");
+    }
+}
