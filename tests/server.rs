@@ -396,7 +396,9 @@ fn hostile_lines() -> Vec<(Vec<u8>, &'static str)> {
             "invalid_type",
         ),
         (
-            l(r#"{"id": "b7k", "prompt": "hi", "response_format": {"type": "json_schema"}}"#),
+            l(
+                r#"{"id": "b7k", "prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}"#,
+            ),
             "invalid_argument",
         ),
         (

@@ -138,7 +138,12 @@ impl GenerateParams {
                         "response_format json_object needs the model's tokenizer".into(),
                     )
                 })?;
-                Some(JsonConstraint::new(Arc::clone(vocab), &self.stop_token_ids))
+                Some(JsonConstraint::new(
+                    Arc::clone(vocab),
+                    &self.stop_token_ids,
+                    self.min_tokens,
+                    self.ignore_eos,
+                ))
             }
         };
         if self.penalties.is_off() && self.logit_bias.is_empty() && json.is_none() {

@@ -384,29 +384,30 @@ fn response_format(v: &Value) -> Result<ResponseFormat, ServeError> {
     let Value::Object(o) = v else {
         return Err(wrong_type("response_format", "an object", v));
     };
-    if let Some(k) = o.keys().find(|k| *k != "type") {
-        return Err(err(
-            codes::UNKNOWN_FIELD,
-            format!(
-                "'response_format' has no field '{}' (type; JSON schemas are not supported)",
-                truncate(k)
-            ),
-        ));
-    }
     let t = o
         .get("type")
         .ok_or_else(|| err(codes::MISSING_FIELD, "'response_format' needs a 'type'"))?;
-    match string("response_format.type", t)? {
-        "text" => Ok(ResponseFormat::Text),
-        "json_object" => Ok(ResponseFormat::JsonObject),
-        other => Err(err(
-            codes::INVALID_ARGUMENT,
-            format!(
-                "'response_format.type' must be \"text\" or \"json_object\", got '{}'",
-                truncate(other)
-            ),
-        )),
+    let format = match string("response_format.type", t)? {
+        "text" => ResponseFormat::Text,
+        "json_object" => ResponseFormat::JsonObject,
+        other => {
+            return Err(err(
+                codes::INVALID_ARGUMENT,
+                format!(
+                    "'response_format.type' must be \"text\" or \"json_object\" (JSON schemas \
+                     are not supported), got '{}'",
+                    truncate(other)
+                ),
+            ))
+        }
+    };
+    if let Some(k) = o.keys().find(|k| *k != "type") {
+        return Err(err(
+            codes::UNKNOWN_FIELD,
+            format!("'response_format' has no field '{}' (type)", truncate(k)),
+        ));
     }
+    Ok(format)
 }
 
 fn messages(v: &Value) -> Result<Vec<ChatMessage>, ServeError> {

@@ -31,11 +31,13 @@ enum Mode {
     /// After a value inside a container: `,` or the container's closer.
     After,
     /// Inside a string: `esc` 0 none, 1 after `\`, 2..=5 hex digits of `\u` left plus one;
-    /// `utf8` continuation bytes of a multi-byte character left.
+    /// `utf8` continuation bytes of a multi-byte character left, the next one's range
+    /// [`CONTINUATION`]`[first]` (no overlong forms, surrogates or code points past U+10FFFF).
     Str {
         key: bool,
         esc: u8,
         utf8: u8,
+        first: u8,
     },
     Num(Num),
     /// Inside `true` / `false` / `null` (`word` indexes [`LITERALS`]), `pos` bytes read.
@@ -61,6 +63,16 @@ enum Num {
 }
 
 const LITERALS: [&[u8]; 3] = [b"true", b"false", b"null"];
+
+/// The ranges of a UTF-8 continuation byte: any; after E0; after ED; after F0; after F4
+/// (RFC 3629's table).
+const CONTINUATION: [(u8, u8); 5] = [
+    (0x80, 0xBF),
+    (0xA0, 0xBF),
+    (0x80, 0x9F),
+    (0x90, 0xBF),
+    (0x80, 0x8F),
+];
 
 /// The automaton's state: small and `Copy`, so every token of the vocabulary is tried on a copy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -109,7 +121,12 @@ impl JsonState {
     fn feed(&mut self, b: u8) -> bool {
         let ws = matches!(b, b' ' | b'\t' | b'\n' | b'\r');
         match self.mode {
-            Mode::Str { key, esc, utf8 } => self.string(b, key, esc, utf8),
+            Mode::Str {
+                key,
+                esc,
+                utf8,
+                first,
+            } => self.string(b, key, esc, utf8, first),
             Mode::Num(n) => self.number(b, n),
             Mode::Lit { word, pos } => {
                 let w = LITERALS[word as usize];
@@ -137,6 +154,7 @@ impl JsonState {
                             key: true,
                             esc: 0,
                             utf8: 0,
+                            first: 0,
                         };
                         b == b'"'
                     }
@@ -213,6 +231,7 @@ impl JsonState {
                 key: false,
                 esc: 0,
                 utf8: 0,
+                first: 0,
             },
             b'-' => Mode::Num(Num::Minus),
             b'0' => Mode::Num(Num::Zero),
@@ -225,24 +244,30 @@ impl JsonState {
         true
     }
 
-    fn string(&mut self, b: u8, key: bool, esc: u8, utf8: u8) -> bool {
-        let set = |esc, utf8| Mode::Str { key, esc, utf8 };
+    fn string(&mut self, b: u8, key: bool, esc: u8, utf8: u8, first: u8) -> bool {
+        let set = |esc, utf8, first| Mode::Str {
+            key,
+            esc,
+            utf8,
+            first,
+        };
         self.mode = if utf8 > 0 {
-            if !(0x80..=0xBF).contains(&b) {
+            let (lo, hi) = CONTINUATION[first as usize];
+            if !(lo..=hi).contains(&b) {
                 return false;
             }
-            set(0, utf8 - 1)
+            set(0, utf8 - 1, 0)
         } else if esc == 1 {
             match b {
-                b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => set(0, 0),
-                b'u' => set(5, 0),
+                b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => set(0, 0, 0),
+                b'u' => set(5, 0, 0),
                 _ => return false,
             }
         } else if esc > 1 {
             if !b.is_ascii_hexdigit() {
                 return false;
             }
-            set(if esc == 2 { 0 } else { esc - 1 }, 0)
+            set(if esc == 2 { 0 } else { esc - 1 }, 0, 0)
         } else {
             match b {
                 b'"' if key => Mode::Colon,
@@ -250,12 +275,16 @@ impl JsonState {
                     self.close_value();
                     return true;
                 }
-                b'\\' => set(1, 0),
+                b'\\' => set(1, 0, 0),
                 0x00..=0x1F => return false,
-                0x20..=0x7F => set(0, 0),
-                0xC2..=0xDF => set(0, 1),
-                0xE0..=0xEF => set(0, 2),
-                0xF0..=0xF4 => set(0, 3),
+                0x20..=0x7F => set(0, 0, 0),
+                0xC2..=0xDF => set(0, 1, 0),
+                0xE0 => set(0, 2, 1),
+                0xED => set(0, 2, 2),
+                0xE1..=0xEF => set(0, 2, 0),
+                0xF0 => set(0, 3, 3),
+                0xF4 => set(0, 3, 4),
+                0xF1..=0xF3 => set(0, 3, 0),
                 _ => return false,
             }
         };
@@ -298,8 +327,13 @@ pub struct JsonVocab {
     /// the other tokens, the only ones a string state tries.
     plain: Vec<u64>,
     not_plain: Vec<u32>,
+    /// Between tokens of the JSON text, whitespace runs up to this long allow every token a
+    /// shorter run allows (no token starts with more whitespace than the limit minus this):
+    /// masks are cached under the state with its run raised to it.
+    ws_floor: u8,
     ends: Vec<u32>,
-    cache: Mutex<HashMap<JsonState, Arc<Vec<u64>>>>,
+    /// Masks by state, two generations (the newer filled, then it becomes the older).
+    cache: Mutex<[HashMap<JsonState, Arc<Vec<u64>>>; 2]>,
 }
 
 impl std::fmt::Debug for JsonVocab {
@@ -319,6 +353,7 @@ impl JsonVocab {
             .map(|p| p.filter(|p| !p.is_empty()).map(Vec::into_boxed_slice))
             .collect();
         let mut by_first_byte = vec![Vec::new(); 256];
+        let mut lead_ws = 0usize;
         let mut plain = vec![0u64; pieces.len().div_ceil(64)];
         let mut not_plain = Vec::new();
         let in_string = JsonState {
@@ -326,12 +361,18 @@ impl JsonVocab {
                 key: false,
                 esc: 0,
                 utf8: 0,
+                first: 0,
             },
             ..JsonState::start()
         };
         for (id, p) in pieces.iter().enumerate() {
             let Some(p) = p else { continue };
             by_first_byte[p[0] as usize].push(id as u32);
+            let run = p
+                .iter()
+                .take_while(|b| matches!(b, b' ' | b'\t' | b'\n' | b'\r'))
+                .count();
+            lead_ws = lead_ws.max(run);
             let content = !p.iter().any(|&b| b == b'"' || b == b'\\')
                 && in_string.after(p) == Some(in_string);
             if content {
@@ -345,28 +386,37 @@ impl JsonVocab {
             by_first_byte,
             plain,
             not_plain,
+            ws_floor: (MAX_WHITESPACE_RUN as usize).saturating_sub(lead_ws) as u8,
             ends,
-            cache: Mutex::new(HashMap::new()),
+            cache: Mutex::new([HashMap::new(), HashMap::new()]),
         }
     }
 
-    /// A model's vocabulary: its normal tokens' bytes; control tokens and end-of-generation
-    /// tokens are never part of the text.
+    /// A model's vocabulary: the bytes each token emits into the text; end-of-generation,
+    /// control and unknown tokens are never part of it.
     pub fn from_tokenizer(t: &Tokenizer) -> JsonVocab {
         let pieces = (0..t.vocab_size() as u32)
-            .map(|id| {
-                (!t.is_control(id) && !t.is_eog(id))
-                    .then(|| t.token_bytes(id).map(<[u8]>::to_vec))
-                    .flatten()
-            })
+            .map(|id| (!t.is_eog(id)).then(|| t.emitted_bytes(id).to_vec()))
             .collect();
         JsonVocab::new(pieces, t.eog_ids().to_vec())
     }
 
     /// Bitset over token ids: the tokens whose bytes continue `state` within the grammar.
     fn allowed(&self, state: &JsonState) -> Arc<Vec<u64>> {
-        if let Some(m) = self.cache.lock().ok().and_then(|c| c.get(state).cloned()) {
-            return m;
+        let mut key = *state;
+        if !matches!(key.mode, Mode::Str { .. } | Mode::Num(_) | Mode::Lit { .. }) {
+            // Between tokens of the text: only a token's leading whitespace adds to the run.
+            key.ws = key.ws.max(self.ws_floor);
+        }
+        let state = &key;
+        if let Ok(mut c) = self.cache.lock() {
+            if let Some(m) = c[0].get(state).cloned() {
+                return m;
+            }
+            if let Some(m) = c[1].remove(state) {
+                c[0].insert(*state, Arc::clone(&m));
+                return m;
+            }
         }
         if let Mode::Str {
             esc: 0, utf8: 0, ..
@@ -403,10 +453,10 @@ impl JsonVocab {
     fn remember(&self, state: &JsonState, bits: Vec<u64>) -> Arc<Vec<u64>> {
         let bits = Arc::new(bits);
         if let Ok(mut c) = self.cache.lock() {
-            if c.len() >= MASK_CACHE_ENTRIES {
-                c.clear();
+            if c[0].len() >= MASK_CACHE_ENTRIES / 2 {
+                c[1] = std::mem::take(&mut c[0]);
             }
-            c.insert(*state, Arc::clone(&bits));
+            c[0].insert(*state, Arc::clone(&bits));
         }
         bits
     }
@@ -418,16 +468,29 @@ pub struct JsonConstraint {
     vocab: Arc<JsonVocab>,
     /// `None` once a token outside the grammar was pushed (the rows are then left as they are).
     state: Option<JsonState>,
-    /// The request's `stop_token_ids`, allowed (as the end-of-generation ids) once complete.
+    /// What ends the request ([`crate::generate::TokenSink`]'s rule): its `stop_token_ids`,
+    /// and end-of-generation tokens unless `ignore_eos`, once past `min_tokens`.
     stop_tokens: Vec<u32>,
+    min_tokens: usize,
+    ignore_eos: bool,
+    /// Tokens pushed.
+    generated: usize,
 }
 
 impl JsonConstraint {
-    pub fn new(vocab: Arc<JsonVocab>, stop_tokens: &[u32]) -> JsonConstraint {
+    pub fn new(
+        vocab: Arc<JsonVocab>,
+        stop_tokens: &[u32],
+        min_tokens: usize,
+        ignore_eos: bool,
+    ) -> JsonConstraint {
         JsonConstraint {
             vocab,
             state: Some(JsonState::start()),
             stop_tokens: stop_tokens.to_vec(),
+            min_tokens,
+            ignore_eos,
+            generated: 0,
         }
     }
 
@@ -438,45 +501,67 @@ impl JsonConstraint {
 
     /// The state after the tokens so far and then `path`.
     fn after(&self, path: &[u32]) -> Option<JsonState> {
-        path.iter().try_fold(self.state?, |s, &t| self.step(s, t))
+        let mut s = self.state?;
+        for (i, &t) in path.iter().enumerate() {
+            s = self.step(s, t, self.generated + i + 1)?;
+        }
+        Some(s)
     }
 
-    fn step(&self, s: JsonState, token: u32) -> Option<JsonState> {
-        if s.is_done() && self.is_end(token) {
+    /// The state after `token`, generated as the `n`-th token.
+    fn step(&self, s: JsonState, token: u32, n: usize) -> Option<JsonState> {
+        if s.is_done() && self.end_allowed(token, n) {
             return Some(s);
         }
-        let p = self.vocab.pieces.get(token as usize)?.as_deref()?;
-        s.after(p)
+        s.after(self.vocab.pieces.get(token as usize)?.as_deref()?)
     }
 
-    fn is_end(&self, token: u32) -> bool {
-        self.vocab.ends.contains(&token) || self.stop_tokens.contains(&token)
+    /// Whether the complete object may be followed by `token` as the `n`-th token whatever its
+    /// text: it ends the request there, or it is an end or stop token without text (the
+    /// request goes on, e.g. under `ignore_eos`, and nothing is emitted).
+    fn end_allowed(&self, token: u32, n: usize) -> bool {
+        let end = self.vocab.ends.contains(&token);
+        let stop = self.stop_tokens.contains(&token);
+        let ends_here = n > self.min_tokens && ((end && !self.ignore_eos) || stop);
+        let textless = self
+            .vocab
+            .pieces
+            .get(token as usize)
+            .is_none_or(Option::is_none);
+        ends_here || ((end || stop) && textless)
     }
 
     /// Count a generated token.
     pub fn push(&mut self, token: u32) {
-        self.state = self.state.and_then(|s| self.step(s, token));
+        self.generated += 1;
+        self.state = self.state.and_then(|s| self.step(s, token, self.generated));
     }
 
     /// Set to -inf the logit of every token of `row` that cannot follow the tokens so far and
     /// then `path`: before the object is complete the JSON text's continuations, then
-    /// whitespace and the end-of-generation and stop tokens. A path that already left the
-    /// grammar (a draft the verification rejects before it reads this row) leaves the row.
+    /// whitespace and the tokens that end the request. A path that already left the grammar
+    /// (a draft the verification rejects before it reads this row) leaves the row, and so does
+    /// a state no token can follow (a vocabulary without end tokens).
     pub fn mask_row(&self, row: &mut [f32], path: &[u32]) {
         let Some(state) = self.after(path) else {
             return;
         };
         let bits = self.vocab.allowed(&state);
+        let n = self.generated + path.len() + 1;
         let keep: Vec<(usize, f32)> = if state.is_done() {
             self.vocab
                 .ends
                 .iter()
                 .chain(&self.stop_tokens)
+                .filter(|&&t| self.end_allowed(t, n))
                 .filter_map(|&t| row.get(t as usize).map(|&l| (t as usize, l)))
                 .collect()
         } else {
             Vec::new()
         };
+        if keep.is_empty() && bits.iter().all(|&w| w == 0) {
+            return;
+        }
         for (k, chunk) in row.chunks_mut(64).enumerate() {
             let w = bits.get(k).copied().unwrap_or(0);
             if w == u64::MAX {
@@ -562,6 +647,28 @@ mod tests {
         assert!(JsonState::start().after(b"{\"a\":\"\xC3\xA9\"}").is_some());
         assert!(JsonState::start().after(b"{\"a\":\"\xC3\"").is_none());
         assert!(JsonState::start().after(b"{\"a\":\"\xFF").is_none());
+        // Overlong forms, surrogates and code points past U+10FFFF are not UTF-8.
+        for bad in [
+            &b"\xE0\x80\x80"[..],
+            b"\xED\xA0\x80",
+            b"\xF0\x80\x80\x80",
+            b"\xF4\x90\x80\x80",
+            b"\xC0\x80",
+        ] {
+            let text = [&b"{\"a\":\""[..], bad].concat();
+            assert!(JsonState::start().after(&text).is_none(), "{bad:?}");
+        }
+        for good in [
+            "\u{7FF}",
+            "\u{800}",
+            "\u{D7FF}",
+            "\u{E000}",
+            "\u{FFFF}",
+            "\u{10000}",
+            "\u{10FFFF}",
+        ] {
+            assert!(valid(&format!("{{\"a\":\"{good}\"}}")), "{good:?}");
+        }
     }
 
     #[test]
@@ -594,7 +701,7 @@ mod tests {
             c.mask_row(&mut row, path);
             (0..15).filter(|&i| row[i] == 0.5).collect()
         };
-        let mut c = JsonConstraint::new(Arc::clone(&vocab), &[10]);
+        let mut c = JsonConstraint::new(Arc::clone(&vocab), &[10], 0, false);
         // Start: `{`, `{"`, whitespace; row entries past the vocabulary are masked too.
         assert_eq!(allowed(&c, &[]), vec![0, 6, 7]);
         c.push(7); // {"
@@ -616,6 +723,50 @@ mod tests {
         c.push(3);
         assert_eq!(c.state(), None);
         assert_eq!(allowed(&c, &[]).len(), 15);
+        // Before `min_tokens` a stop token with text would be emitted, not end the request:
+        // masked after the object, the textless end token kept (from the 8th token on, as
+        // the 8th ends the request, the stop token too).
+        let mut c = JsonConstraint::new(Arc::clone(&vocab), &[10], 7, false);
+        for t in [0, 1] {
+            c.push(t); // {}
+        }
+        assert_eq!(allowed(&c, &[]), vec![6, 13]);
+        assert_eq!(allowed(&c, &[6, 6, 6, 6]), vec![6, 13]);
+        assert_eq!(allowed(&c, &[6, 6, 6, 6, 6]), vec![6, 10, 13]);
+        // An end token with text under `ignore_eos` would be emitted: masked after the object
+        // (token 3, "a", as the vocabulary's end token here).
+        let ends_with_text = Arc::new(JsonVocab::new(
+            ["{", "}", "a", " "]
+                .iter()
+                .map(|p| Some(p.as_bytes().to_vec()))
+                .collect(),
+            vec![2],
+        ));
+        for (ignore_eos, want) in [(false, vec![2, 3]), (true, vec![3])] {
+            let mut c = JsonConstraint::new(Arc::clone(&ends_with_text), &[], 0, ignore_eos);
+            c.push(0);
+            c.push(1);
+            let mut row = vec![0.5f32; 4];
+            c.mask_row(&mut row, &[]);
+            let got: Vec<usize> = (0..4).filter(|&i| row[i] == 0.5).collect();
+            assert_eq!(got, want, "ignore_eos {ignore_eos}");
+        }
+        // No token can follow (no end tokens, the whitespace run full): the row is left.
+        let no_ends = Arc::new(JsonVocab::new(
+            vec![Some(b"{}".to_vec()), Some(b" ".to_vec())],
+            vec![],
+        ));
+        let mut c = JsonConstraint::new(no_ends, &[], 0, false);
+        for _ in 0..=MAX_WHITESPACE_RUN {
+            c.push(if c.state().is_some_and(|s| s.is_done()) {
+                1
+            } else {
+                0
+            });
+        }
+        let mut row = vec![0.5f32; 2];
+        c.mask_row(&mut row, &[]);
+        assert_eq!(row, vec![0.5, 0.5]);
     }
 
     /// The masks (first bytes tried once per state) equal each token tried on its own, over

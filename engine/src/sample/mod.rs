@@ -208,7 +208,9 @@ pub fn log_softmax_top(logits: &[f32], tok: u32, n: usize) -> (f32, Vec<(u32, f3
         all.truncate(n);
         all
     });
-    (at, head.into_iter().map(|(t, v)| (t, lp(v))).collect())
+    // Tokens a mask ruled out (-inf: JSON mode) are no alternatives.
+    let head = head.into_iter().filter(|&(_, v)| v > f32::NEG_INFINITY);
+    (at, head.map(|(t, v)| (t, lp(v))).collect())
 }
 
 /// What the logits are shifted by before scaling: a temperature so small that `logit / t`

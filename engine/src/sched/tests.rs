@@ -2184,9 +2184,11 @@ fn a_request_waiting_for_a_shared_prefix_does_not_block_the_queue() {
 }
 
 /// JSON mode: every output is a live JSON text (an object once complete, then only the end
-/// token), batched or alone, greedy and seeded sampling, and with drafted trees whose wrong
-/// siblings leave the grammar: each request's tokens equal its masked reference (`alone`).
-/// A scheduler without a tokenizer or a vocabulary refuses such a request.
+/// token or whitespace), batched or alone, greedy and seeded sampling, with drafted trees
+/// whose wrong siblings leave the grammar, in a roomy pool and in one that preempts: each
+/// request's tokens equal its masked reference (`alone`), but sampled requests verifying trees
+/// (MSS draws differently), which are only checked to be JSON. A scheduler without a
+/// tokenizer or a vocabulary refuses such a request.
 #[test]
 fn json_mode_outputs_are_json_and_equal_the_masked_reference() {
     let be = CpuBackend::new(2).unwrap();
@@ -2200,15 +2202,20 @@ fn json_mode_outputs_are_json_and_equal_the_masked_reference() {
             .collect()
     };
     let mut completed = 0;
-    for sampling in [
-        SamplingParams::greedy(),
-        SamplingParams {
-            temperature: 1.0,
-            seed: 11,
-            ..SamplingParams::default()
-        },
+    let mut preempted = 0;
+    for (sampling, blocks) in [
+        (SamplingParams::greedy(), 64),
+        (SamplingParams::greedy(), 9),
+        (
+            SamplingParams {
+                temperature: 1.0,
+                seed: 11,
+                ..SamplingParams::default()
+            },
+            64,
+        ),
     ] {
-        let pool = KvPool::new(&model.config, model.config.n_layers, 64);
+        let pool = KvPool::new(&model.config, model.config.n_layers, blocks);
         let mut s = Scheduler::new(&model, None, pool.clone(), SchedConfig::default()).unwrap();
         s.set_json_vocab(Arc::clone(&json));
         let mut want = Vec::new();
@@ -2223,8 +2230,9 @@ fn json_mode_outputs_are_json_and_equal_the_masked_reference() {
                 ..GenerateParams::default()
             };
             let w = alone(&model, &be, &p, &params);
-            // Greedy requests also verify oracle trees: the true path plus wrong siblings.
-            let sp = sampling.is_greedy().then(|| {
+            // Greedy requests, and every other sampled one, verify oracle trees: the true path
+            // plus wrong siblings.
+            let sp = (sampling.is_greedy() || i % 2 == 1).then(|| {
                 let mut truth = p.clone();
                 truth.extend(&w);
                 in_process_spec(
@@ -2242,7 +2250,9 @@ fn json_mode_outputs_are_json_and_equal_the_masked_reference() {
         }
         for (id, f) in s.run_to_completion(&be).unwrap() {
             let got = done_tokens(&f).0;
-            assert_eq!(got, &want[id as usize][..], "request {id} ({sampling:?})");
+            if sampling.is_greedy() || id % 2 == 0 {
+                assert_eq!(got, &want[id as usize][..], "request {id} ({sampling:?})");
+            }
             // A live JSON text; the end token (which does not stop a request without a
             // tokenizer) only once the object is complete, then whitespace or end tokens.
             let text = pieces(got);
@@ -2256,8 +2266,10 @@ fn json_mode_outputs_are_json_and_equal_the_masked_reference() {
             }
         }
         assert_eq!(pool.stats().used, 0);
+        preempted += s.stats().preemptions;
     }
     assert!(completed > 0, "no request completed its object");
+    assert!(preempted > 0, "the small pool preempted nobody");
     // Without a vocabulary for JSON mode: refused at submission.
     let pool = KvPool::new(&model.config, model.config.n_layers, 8);
     let mut s = Scheduler::new(&model, None, pool, SchedConfig::default()).unwrap();

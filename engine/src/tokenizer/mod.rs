@@ -658,6 +658,12 @@ impl Tokenizer {
         self.pieces.get(id as usize).map(Vec::as_slice)
     }
 
+    /// The bytes decoding `id` emits into generated text (`decode(.., skip_special = true)`):
+    /// control and unknown tokens none.
+    pub fn emitted_bytes(&self, id: u32) -> &[u8] {
+        self.piece(id, true)
+    }
+
     /// The token's text as stored in the model (byte-level encoded for normal tokens).
     pub fn token_text(&self, id: u32) -> Option<&str> {
         self.texts.get(id as usize).map(String::as_str)
