@@ -61,6 +61,15 @@ fn reference(prompt: &str, p: &GenerateParams, spec: Option<bool>) -> (String, V
     }
 }
 
+/// A request's `speculation`: none, or prompt lookup with adaptive (`Some(true)`) or fixed
+/// trees, as `reference(.., spec)` runs.
+fn ngram_or_none(spec: Option<bool>) -> Value {
+    match spec {
+        None => json!({"draft": []}),
+        Some(adaptive) => json!({"draft": ["ngram"], "adaptive": adaptive}),
+    }
+}
+
 fn request(id: Value, prompt: &str, p: &GenerateParams) -> Value {
     json!({
         "id": id,
@@ -1591,10 +1600,7 @@ fn penalties_through_the_server_equal_generate_with_and_without_speculation() {
         req["repetition_penalty"] = json!(penalties.repetition);
         req["frequency_penalty"] = json!(penalties.frequency);
         req["presence_penalty"] = json!(penalties.presence);
-        req["speculation"] = match spec {
-            None => json!({"draft": []}),
-            Some(adaptive) => json!({"draft": ["ngram"], "adaptive": adaptive}),
-        };
+        req["speculation"] = ngram_or_none(spec);
         let (events, fin) = c.run(&req);
         assert_eq!(fin["done"], true, "{fin}");
         let (_, toks) = streamed(&events);
@@ -1660,10 +1666,7 @@ fn stop_token_ids_end_served_requests_as_generate_does() {
         let mut req = request(json!(format!("stop{n}")), prompt, &p);
         req["ignore_eos"] = json!(true);
         req["stop_token_ids"] = json!([full[at]]);
-        req["speculation"] = match spec {
-            None => json!({"draft": []}),
-            Some(adaptive) => json!({"draft": ["ngram"], "adaptive": adaptive}),
-        };
+        req["speculation"] = ngram_or_none(spec);
         let (events, fin) = c.run(&req);
         assert_eq!(fin["done"], true, "{fin}");
         assert_eq!(fin["finish_reason"], "stop", "{fin}");
@@ -1707,10 +1710,7 @@ fn json_mode_serves_one_object_as_generate_does() {
         };
         let mut req = request(json!(format!("json{n}")), prompt, &p);
         req["response_format"] = json!({"type": "json_object"});
-        req["speculation"] = match spec {
-            None => json!({"draft": []}),
-            Some(adaptive) => json!({"draft": ["ngram"], "adaptive": adaptive}),
-        };
+        req["speculation"] = ngram_or_none(spec);
         let (events, fin) = c.run(&req);
         assert_eq!(fin["done"], true, "{fin}");
         let (text, toks) = streamed(&events);
@@ -1768,10 +1768,7 @@ fn n_choices_are_requests_with_consecutive_seeds_sharing_the_prompt() {
         req["n"] = json!(n);
         req["ignore_eos"] = json!(true);
         req["stream"] = json!(stream);
-        req["speculation"] = match spec {
-            None => json!({"draft": []}),
-            Some(adaptive) => json!({"draft": ["ngram"], "adaptive": adaptive}),
-        };
+        req["speculation"] = ngram_or_none(spec);
         let (events, fin) = c.run(&req);
         assert_eq!(fin["done"], true, "{fin}");
         let choices = fin["choices"].as_array().expect("choices");

@@ -888,7 +888,15 @@ fn sampled_requests_carry_top_k_top_p_and_min_p() {
         }
     }
     // Fields the tester sets itself are refused, naming the field.
-    for key in ["n", "max_tokens", "temperature", "stream", "seed"] {
+    for key in [
+        "n",
+        "max_tokens",
+        "temperature",
+        "stream",
+        "seed",
+        "auth",
+        "max_completion_tokens",
+    ] {
         let mut o = LoadOptions::new(&format!("arbor://{addr}"));
         o.extra_body = serde_json::json!({ key: 2 }).as_object().cloned();
         let e = rt().block_on(run(&o, None)).unwrap_err();

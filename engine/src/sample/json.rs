@@ -332,6 +332,9 @@ pub struct JsonVocab {
     /// masks are cached under the state with its run raised to it.
     ws_floor: u8,
     ends: Vec<u32>,
+    /// End-of-generation tokens that emit text where they do not end the request (not
+    /// control tokens: under `ignore_eos` or before `min_tokens` their text is output).
+    ends_with_text: Vec<u32>,
     /// Masks by state, two generations (the newer filled, then it becomes the older).
     cache: Mutex<[HashMap<JsonState, Arc<Vec<u64>>>; 2]>,
 }
@@ -388,6 +391,7 @@ impl JsonVocab {
             not_plain,
             ws_floor: (MAX_WHITESPACE_RUN as usize).saturating_sub(lead_ws) as u8,
             ends,
+            ends_with_text: Vec::new(),
             cache: Mutex::new([HashMap::new(), HashMap::new()]),
         }
     }
@@ -398,7 +402,14 @@ impl JsonVocab {
         let pieces = (0..t.vocab_size() as u32)
             .map(|id| (!t.is_eog(id)).then(|| t.emitted_bytes(id).to_vec()))
             .collect();
-        JsonVocab::new(pieces, t.eog_ids().to_vec())
+        let mut v = JsonVocab::new(pieces, t.eog_ids().to_vec());
+        v.ends_with_text = t
+            .eog_ids()
+            .iter()
+            .copied()
+            .filter(|&id| !t.emitted_bytes(id).is_empty())
+            .collect();
+        v
     }
 
     /// Bitset over token ids: the tokens whose bytes continue `state` within the grammar.
@@ -414,6 +425,9 @@ impl JsonVocab {
                 return m;
             }
             if let Some(m) = c[1].remove(state) {
+                if c[0].len() >= MASK_CACHE_ENTRIES / 2 {
+                    c[1] = std::mem::take(&mut c[0]);
+                }
                 c[0].insert(*state, Arc::clone(&m));
                 return m;
             }
@@ -527,7 +541,8 @@ impl JsonConstraint {
             .vocab
             .pieces
             .get(token as usize)
-            .is_none_or(Option::is_none);
+            .is_none_or(Option::is_none)
+            && !self.vocab.ends_with_text.contains(&token);
         ends_here || ((end || stop) && textless)
     }
 
@@ -733,23 +748,36 @@ mod tests {
         assert_eq!(allowed(&c, &[]), vec![6, 13]);
         assert_eq!(allowed(&c, &[6, 6, 6, 6]), vec![6, 13]);
         assert_eq!(allowed(&c, &[6, 6, 6, 6, 6]), vec![6, 10, 13]);
-        // An end token with text under `ignore_eos` would be emitted: masked after the object
-        // (token 3, "a", as the vocabulary's end token here).
-        let ends_with_text = Arc::new(JsonVocab::new(
+        // An end token with text under `ignore_eos` would be emitted: masked after the object.
+        // Token 2 ends generation: "a" in the first vocabulary, a non-control token (no
+        // piece, text when decoded) in the second.
+        let with_piece = JsonVocab::new(
             ["{", "}", "a", " "]
                 .iter()
                 .map(|p| Some(p.as_bytes().to_vec()))
                 .collect(),
             vec![2],
-        ));
-        for (ignore_eos, want) in [(false, vec![2, 3]), (true, vec![3])] {
-            let mut c = JsonConstraint::new(Arc::clone(&ends_with_text), &[], 0, ignore_eos);
-            c.push(0);
-            c.push(1);
-            let mut row = vec![0.5f32; 4];
-            c.mask_row(&mut row, &[]);
-            let got: Vec<usize> = (0..4).filter(|&i| row[i] == 0.5).collect();
-            assert_eq!(got, want, "ignore_eos {ignore_eos}");
+        );
+        let mut eos_text = JsonVocab::new(
+            vec![
+                Some(b"{".to_vec()),
+                Some(b"}".to_vec()),
+                None,
+                Some(b" ".to_vec()),
+            ],
+            vec![2],
+        );
+        eos_text.ends_with_text = vec![2];
+        for v in [Arc::new(with_piece), Arc::new(eos_text)] {
+            for (ignore_eos, want) in [(false, vec![2, 3]), (true, vec![3])] {
+                let mut c = JsonConstraint::new(Arc::clone(&v), &[], 0, ignore_eos);
+                c.push(0);
+                c.push(1);
+                let mut row = vec![0.5f32; 4];
+                c.mask_row(&mut row, &[]);
+                let got: Vec<usize> = (0..4).filter(|&i| row[i] == 0.5).collect();
+                assert_eq!(got, want, "ignore_eos {ignore_eos}");
+            }
         }
         // No token can follow (no end tokens, the whitespace run full): the row is left.
         let no_ends = Arc::new(JsonVocab::new(

@@ -991,7 +991,9 @@ impl<'a> Scheduler<'a> {
                     .zip(&r.seq)
                     .take_while(|(a, b)| a == b)
                     .count();
-                let shared = common / BLOCK_SLOTS;
+                // The prompt's last token is computed again (`KvCache::with_prefix`), so its
+                // block is never read from the cache.
+                let shared = common.min(req.seq.len().saturating_sub(1)) / BLOCK_SLOTS;
                 (shared * BLOCK_SLOTS > have).then_some(shared)
             })
             .max()

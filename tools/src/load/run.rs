@@ -258,7 +258,7 @@ impl LoadOptions {
 /// Request fields `--extra-body` may not set: the tester sends them itself (from its own
 /// options, or per request), and `n` / `best_of` would make one request several completions,
 /// which its per-completion latency and token counts do not describe.
-const RESERVED_BODY_FIELDS: [(&str, &str); 20] = [
+const RESERVED_BODY_FIELDS: [(&str, &str); 27] = [
     ("id", "the tester numbers its requests"),
     ("prompt", "use --prompts"),
     ("messages", "use --prompts"),
@@ -279,6 +279,14 @@ const RESERVED_BODY_FIELDS: [(&str, &str); 20] = [
     ("speculation", "use --speculation"),
     ("n", ONE_COMPLETION),
     ("best_of", ONE_COMPLETION),
+    ("use_beam_search", ONE_COMPLETION),
+    ("max_completion_tokens", "use --max-tokens"),
+    ("echo", "the prompt's text would count as output"),
+    // Arbor's control lines: a request carrying one of these is not a request.
+    ("auth", "use --auth-token"),
+    ("stats", "it makes each line a control line"),
+    ("health", "it makes each line a control line"),
+    ("cancel", "it makes each line a control line"),
 ];
 const ONE_COMPLETION: &str =
     "one request must be one completion for its latencies and token counts";
