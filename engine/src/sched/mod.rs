@@ -1035,7 +1035,9 @@ impl<'a> Scheduler<'a> {
         blocks
     }
 
-    /// Free the newest running request's blocks and queue it first (it recomputes later).
+    /// Free the newest running request's blocks and queue it (it recomputes later) before every
+    /// waiting request that arrived after it: first, unless an older request was passed over
+    /// while waiting for a shared prefix, which then stays ahead of it.
     fn preempt_newest(&mut self) -> bool {
         if self.running.len() <= 1 {
             return false;
@@ -1047,7 +1049,13 @@ impl<'a> Scheduler<'a> {
         req.cache = None;
         req.preemptions += 1;
         self.stats.preemptions += 1;
-        self.waiting.push_front(req);
+        // Ids follow submission order.
+        let at = self
+            .waiting
+            .iter()
+            .position(|w| w.id > req.id)
+            .unwrap_or(self.waiting.len());
+        self.waiting.insert(at, req);
         true
     }
 

@@ -2183,6 +2183,35 @@ fn a_request_waiting_for_a_shared_prefix_does_not_block_the_queue() {
     assert_eq!(pool.stats().used, 0);
 }
 
+/// A request admitted past one waiting for a shared prefix and then preempted queues behind
+/// that older request, not ahead of it.
+#[test]
+fn a_preempted_request_queues_behind_an_older_passed_over_one() {
+    let be = CpuBackend::new(2).unwrap();
+    let (model, prompts, params) = shared_prefix_case(GgmlType::Q8_0);
+    let pool = KvPool::new(&model.config, model.config.n_layers, 128);
+    let config = SchedConfig {
+        prefill_chunk: 16,
+        ..SchedConfig::default()
+    };
+    let mut s = Scheduler::new(&model, None, pool.clone(), config).unwrap();
+    s.submit(prompts[0].clone(), params.clone()).unwrap();
+    let _ = s.step(&be).unwrap();
+    let sharer = s.submit(prompts[1].clone(), params.clone()).unwrap();
+    let other = s.submit(vec![3, 1, 4, 1, 5], params.clone()).unwrap();
+    let _ = s.step(&be).unwrap();
+    let waiting = |s: &Scheduler| s.waiting.iter().map(|r| r.id).collect::<Vec<_>>();
+    assert_eq!(
+        waiting(&s),
+        vec![sharer],
+        "the sharer waits, the other runs"
+    );
+    assert!(s.preempt_newest());
+    assert_eq!(waiting(&s), vec![sharer, other]);
+    let done = s.run_to_completion(&be).unwrap();
+    assert_eq!(done.len(), 3);
+    assert_eq!(pool.stats().used, 0);
+}
 /// JSON mode: every output is a live JSON text (an object once complete, then only the end
 /// token or whitespace), batched or alone, greedy and seeded sampling, with drafted trees
 /// whose wrong siblings leave the grammar, in a roomy pool and in one that preempts: each
