@@ -10,7 +10,7 @@ pub const MAX_DEPTH: u8 = 64;
 /// Most whitespace bytes in a row between tokens of the JSON text (a model stuck on newlines
 /// ends instead of filling `max_tokens` with them).
 pub const MAX_WHITESPACE_RUN: u8 = 48;
-/// Masks kept per vocabulary (one per automaton state met; cleared when full).
+/// Masks kept per vocabulary (one per automaton state met), in two generations of half each.
 const MASK_CACHE_ENTRIES: usize = 512;
 
 /// What the automaton expects next.
@@ -336,8 +336,11 @@ pub struct JsonVocab {
     /// control tokens: under `ignore_eos` or before `min_tokens` their text is output).
     ends_with_text: Vec<u32>,
     /// Masks by state, two generations (the newer filled, then it becomes the older).
-    cache: Mutex<[HashMap<JsonState, Arc<Vec<u64>>>; 2]>,
+    cache: Mutex<MaskCache>,
 }
+
+/// Masks by state: the newer generation, then the older one.
+type MaskCache = [HashMap<JsonState, Arc<Vec<u64>>>; 2];
 
 impl std::fmt::Debug for JsonVocab {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -425,10 +428,7 @@ impl JsonVocab {
                 return m;
             }
             if let Some(m) = c[1].remove(state) {
-                if c[0].len() >= MASK_CACHE_ENTRIES / 2 {
-                    c[1] = std::mem::take(&mut c[0]);
-                }
-                c[0].insert(*state, Arc::clone(&m));
+                Self::insert_newer(&mut c, state, &m);
                 return m;
             }
         }
@@ -467,12 +467,17 @@ impl JsonVocab {
     fn remember(&self, state: &JsonState, bits: Vec<u64>) -> Arc<Vec<u64>> {
         let bits = Arc::new(bits);
         if let Ok(mut c) = self.cache.lock() {
-            if c[0].len() >= MASK_CACHE_ENTRIES / 2 {
-                c[1] = std::mem::take(&mut c[0]);
-            }
-            c[0].insert(*state, Arc::clone(&bits));
+            Self::insert_newer(&mut c, state, &bits);
         }
         bits
+    }
+
+    /// Into the newer generation, which becomes the older one (the oldest dropped) when full.
+    fn insert_newer(c: &mut MaskCache, state: &JsonState, bits: &Arc<Vec<u64>>) {
+        if c[0].len() >= MASK_CACHE_ENTRIES / 2 {
+            c[1] = std::mem::take(&mut c[0]);
+        }
+        c[0].insert(*state, Arc::clone(bits));
     }
 }
 

@@ -204,6 +204,13 @@ fn shared_prefix_case(ty: GgmlType) -> (Model, Vec<Vec<u32>>, GenerateParams) {
     (model, prompts, params)
 }
 
+/// A scheduler for [`shared_prefix_case`]'s model over a 128-block pool, and the pool.
+fn shared_prefix_scheduler(model: &Model, config: SchedConfig) -> (Scheduler<'_>, KvPool) {
+    let pool = KvPool::new(&model.config, model.config.n_layers, 128);
+    let s = Scheduler::new(model, None, pool.clone(), config).unwrap();
+    (s, pool)
+}
+
 /// Requests sharing a 200-token prefix (admitted after the first one's prefill) take its
 /// blocks from the prefix cache: fewer blocks at the peak, the same outputs.
 #[test]
@@ -212,12 +219,13 @@ fn shared_prefixes_use_fewer_blocks_and_change_nothing() {
     let (model, prompts, params) = shared_prefix_case(GgmlType::Q4_K);
     let mut results = Vec::new();
     for caching in [false, true] {
-        let pool = KvPool::new(&model.config, model.config.n_layers, 128);
-        let config = SchedConfig {
-            prefix_caching: caching,
-            ..SchedConfig::default()
-        };
-        let mut s = Scheduler::new(&model, None, pool.clone(), config).unwrap();
+        let (mut s, pool) = shared_prefix_scheduler(
+            &model,
+            SchedConfig {
+                prefix_caching: caching,
+                ..SchedConfig::default()
+            },
+        );
         s.submit(prompts[0].clone(), params.clone()).unwrap();
         // The first request's prompt is in the cache once it produced a token.
         let mut events = Vec::new();
@@ -2099,12 +2107,13 @@ fn prompts_sharing_a_prefix_submitted_together_compute_it_once() {
     let (model, prompts, params) = shared_prefix_case(GgmlType::Q8_0);
     let mut rows = Vec::new();
     for caching in [false, true] {
-        let pool = KvPool::new(&model.config, model.config.n_layers, 128);
-        let config = SchedConfig {
-            prefix_caching: caching,
-            ..SchedConfig::default()
-        };
-        let mut s = Scheduler::new(&model, None, pool.clone(), config).unwrap();
+        let (mut s, pool) = shared_prefix_scheduler(
+            &model,
+            SchedConfig {
+                prefix_caching: caching,
+                ..SchedConfig::default()
+            },
+        );
         for p in &prompts {
             s.submit(p.clone(), params.clone()).unwrap();
         }
@@ -2135,12 +2144,13 @@ fn prompts_sharing_a_prefix_submitted_together_compute_it_once() {
 fn a_request_waiting_for_a_shared_prefix_does_not_block_the_queue() {
     let be = CpuBackend::new(2).unwrap();
     let (model, prompts, params) = shared_prefix_case(GgmlType::Q8_0);
-    let pool = KvPool::new(&model.config, model.config.n_layers, 128);
-    let config = SchedConfig {
-        prefill_chunk: 16,
-        ..SchedConfig::default()
-    };
-    let mut s = Scheduler::new(&model, None, pool.clone(), config).unwrap();
+    let (mut s, pool) = shared_prefix_scheduler(
+        &model,
+        SchedConfig {
+            prefill_chunk: 16,
+            ..SchedConfig::default()
+        },
+    );
     let first = s.submit(prompts[0].clone(), params.clone()).unwrap();
     let _ = s.step(&be).unwrap();
     let sharer = s.submit(prompts[1].clone(), params.clone()).unwrap();
@@ -2189,12 +2199,13 @@ fn a_request_waiting_for_a_shared_prefix_does_not_block_the_queue() {
 fn a_preempted_request_queues_behind_an_older_passed_over_one() {
     let be = CpuBackend::new(2).unwrap();
     let (model, prompts, params) = shared_prefix_case(GgmlType::Q8_0);
-    let pool = KvPool::new(&model.config, model.config.n_layers, 128);
-    let config = SchedConfig {
-        prefill_chunk: 16,
-        ..SchedConfig::default()
-    };
-    let mut s = Scheduler::new(&model, None, pool.clone(), config).unwrap();
+    let (mut s, pool) = shared_prefix_scheduler(
+        &model,
+        SchedConfig {
+            prefill_chunk: 16,
+            ..SchedConfig::default()
+        },
+    );
     s.submit(prompts[0].clone(), params.clone()).unwrap();
     let _ = s.step(&be).unwrap();
     let sharer = s.submit(prompts[1].clone(), params.clone()).unwrap();

@@ -31,10 +31,9 @@ use std::collections::{BinaryHeap, HashMap};
 use std::fmt;
 use std::sync::{Arc, OnceLock};
 
-use crate::sample::json::JsonVocab;
-
 use crate::error::{EngineError, Result};
 use crate::gguf::{GgufFile, MetaValue};
+use crate::sample::json::JsonVocab;
 use crate::shared::Shared;
 
 mod pretok;
