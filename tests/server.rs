@@ -4,6 +4,7 @@ mod common;
 #[path = "server/harness.rs"]
 mod harness;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use arbor_actors::server::ServerConfig;
@@ -408,7 +409,25 @@ fn hostile_lines() -> Vec<(Vec<u8>, &'static str)> {
             l(
                 r#"{"id": "b7k", "prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}"#,
             ),
+            "missing_field",
+        ),
+        (
+            l(
+                r#"{"id": "b7x", "prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {"e": {"type": "string", "pattern": "@"}}}}}}"#,
+            ),
             "invalid_argument",
+        ),
+        (
+            l(
+                r#"{"id": "b7y", "prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}, "strictly": true}}}"#,
+            ),
+            "unknown_field",
+        ),
+        (
+            l(
+                r#"{"id": "b7z", "prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}, "strict": "yes"}}}"#,
+            ),
+            "invalid_type",
         ),
         (
             l(
@@ -1723,6 +1742,49 @@ fn json_mode_serves_one_object_as_generate_does() {
         assert_eq!(fin["finish_reason"], "stop", "{fin} {text:?}");
         let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
         assert!(v.is_object(), "{text:?}");
+    }
+    // A schema: the same, and the object holds the listed properties in order.
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 24},
+            "age": {"type": "integer"},
+            "indoor": {"type": "boolean"}
+        },
+        "required": ["name", "age"]
+    });
+    let grammar = Arc::new(arbor_engine::JsonGrammar::from_schema(&schema).expect("schema"));
+    for (n, (temperature, spec)) in [(0.0f32, None), (0.0, Some(true)), (0.7, Some(false))]
+        .into_iter()
+        .enumerate()
+    {
+        let p = GenerateParams {
+            response_format: arbor_engine::ResponseFormat::JsonSchema(Arc::clone(&grammar)),
+            ..params(64, temperature, 5)
+        };
+        let mut req = request(json!(format!("schema{n}")), prompt, &p);
+        req["response_format"] = json!({"type": "json_schema", "json_schema": {"name": "cat", "schema": schema, "strict": true}});
+        req["speculation"] = ngram_or_none(spec);
+        let (events, fin) = c.run(&req);
+        assert_eq!(fin["done"], true, "{fin}");
+        let (text, toks) = streamed(&events);
+        let (want_text, want) = reference(prompt, &p, spec);
+        assert_eq!(toks, want, "t={temperature} spec={spec:?}");
+        assert_eq!(text, want_text);
+        assert_eq!(fin["finish_reason"], "stop", "{fin} {text:?}");
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+        let o = v.as_object().expect("an object");
+        let keys: Vec<&str> = o.keys().map(String::as_str).collect();
+        assert!(
+            keys.starts_with(&["name", "age"]) && keys.len() <= 3,
+            "{text:?}"
+        );
+        assert!(
+            o["name"].as_str().is_some_and(|s| s.chars().count() <= 24),
+            "{text:?}"
+        );
+        assert!(o["age"].is_i64(), "{text:?}");
+        assert!(o.get("indoor").is_none_or(Value::is_boolean), "{text:?}");
     }
 }
 

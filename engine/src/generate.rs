@@ -9,6 +9,7 @@ use crate::kv::{KvCache, KvPool, BLOCK_SLOTS};
 use crate::model::Model;
 use crate::sample::json::{JsonConstraint, JsonVocab};
 use crate::sample::penalty::{validate_logit_bias, Penalties, PenaltyHistory};
+use crate::sample::schema::JsonGrammar;
 use crate::sample::{SamplingParams, MAX_TOP_LOGPROBS};
 use crate::sched::{Finish, SchedConfig, Scheduler};
 use crate::shared::Shared;
@@ -48,18 +49,33 @@ pub struct GenerateParams {
     /// (at most [`crate::sample::MAX_TOP_LOGPROBS`]); scoring a prompt computes every one of its
     /// rows, so such a request reads no prefix from the cache.
     pub prompt_logprobs: Option<usize>,
-    /// What the output must be: any text, or (JSON mode) one JSON object, every token that
-    /// cannot continue one masked ([`crate::sample::json`]).
+    /// What the output must be: any text, or (JSON mode) one JSON object, or one JSON text
+    /// matching a schema, every token that cannot continue one masked
+    /// ([`crate::sample::json`]).
     pub response_format: ResponseFormat,
 }
 
 /// What a request's output must be (OpenAI's `response_format`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum ResponseFormat {
     #[default]
     Text,
     /// One JSON object (RFC 8259), then only whitespace and end-of-generation or stop tokens.
     JsonObject,
+    /// One JSON text matching a compiled schema ([`JsonGrammar::from_schema`]), then as
+    /// `JsonObject`.
+    JsonSchema(Arc<JsonGrammar>),
+}
+
+impl ResponseFormat {
+    /// The grammar the output follows (`None` for any text).
+    pub fn grammar(&self) -> Option<Arc<JsonGrammar>> {
+        match self {
+            ResponseFormat::Text => None,
+            ResponseFormat::JsonObject => Some(JsonGrammar::any_object()),
+            ResponseFormat::JsonSchema(g) => Some(Arc::clone(g)),
+        }
+    }
 }
 
 /// Most `stop_token_ids` of one request.
@@ -130,16 +146,18 @@ impl GenerateParams {
         prompt: &[u32],
         json: Option<&Arc<JsonVocab>>,
     ) -> Result<Option<PenaltyHistory>> {
-        let json = match self.response_format {
-            ResponseFormat::Text => None,
-            ResponseFormat::JsonObject => {
+        let json = match self.response_format.grammar() {
+            None => None,
+            Some(grammar) => {
                 let vocab = json.ok_or_else(|| {
                     EngineError::InvalidArgument(
-                        "response_format json_object needs the model's tokenizer".into(),
+                        "response_format json_object / json_schema needs the model's tokenizer"
+                            .into(),
                     )
                 })?;
                 Some(JsonConstraint::new(
                     Arc::clone(vocab),
+                    grammar,
                     &self.stop_token_ids,
                     self.min_tokens,
                     self.ignore_eos,

@@ -70,6 +70,38 @@ fn generate_json_mode_prints_one_object() {
     assert!(v.is_object(), "{text:?}");
     assert_eq!(j["finish_reason"], "eos");
     assert_eq!(run(&["--json", "--draft", "ngram"])["tokens"], j["tokens"]);
+    // `--json-schema FILE`: the object holds the schema's properties in its order; a schema
+    // with what is not supported is refused naming it.
+    let dir = std::env::temp_dir().join(format!("arbor-cli-schema-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("cat.json");
+    std::fs::write(
+        &file,
+        r#"{"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]}"#,
+    )
+    .unwrap();
+    let j = run(&["--json-schema", file.to_str().unwrap()]);
+    let text = j["text"].as_str().unwrap();
+    let v: serde_json::Value = serde_json::from_str(text).expect("one JSON object");
+    let keys: Vec<&String> = v.as_object().expect("an object").keys().collect();
+    assert_eq!(keys, ["name", "age"], "{text:?}");
+    assert!(v["name"].is_string() && v["age"].is_i64(), "{text:?}");
+    assert_eq!(j["finish_reason"], "eos");
+    std::fs::write(
+        &file,
+        r#"{"type": "object", "properties": {"e": {"type": "string", "format": "email"}}}"#,
+    )
+    .unwrap();
+    let out = arbor(&[
+        "generate",
+        "--prompt",
+        "hi",
+        "--json-schema",
+        file.to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("'format'"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// A reader that stops early (`arbor generate ... | head`) ends the process quietly, as SIGPIPE

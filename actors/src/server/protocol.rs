@@ -1,9 +1,10 @@
 //! The line protocol: parsing client lines (checked field by field, each mistake its own code) and rendering events, stats and errors as lines (`docs/protocol.md`).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use arbor_engine::sample::verify::VerifyMode;
-use arbor_engine::{ChatMessage, ResponseFormat, SamplingParams};
+use arbor_engine::{ChatMessage, JsonGrammar, ResponseFormat, SamplingParams};
 use serde_json::{json, Map, Value};
 
 use crate::api::EngineInfo;
@@ -379,7 +380,9 @@ fn logit_bias(v: &Value) -> Result<Vec<(u32, f32)>, ServeError> {
     Ok(out)
 }
 
-/// OpenAI's `{"type": "text" | "json_object"}`.
+/// OpenAI's `{"type": "text" | "json_object"}` and `{"type": "json_schema", "json_schema":
+/// {"name", "description", "schema", "strict"}}` (the schema compiled here: what it holds
+/// that Arbor does not support is an `invalid_argument` naming it).
 fn response_format(v: &Value) -> Result<ResponseFormat, ServeError> {
     let Value::Object(o) = v else {
         return Err(wrong_type("response_format", "an object", v));
@@ -387,27 +390,82 @@ fn response_format(v: &Value) -> Result<ResponseFormat, ServeError> {
     let t = o
         .get("type")
         .ok_or_else(|| err(codes::MISSING_FIELD, "'response_format' needs a 'type'"))?;
-    let format = match string("response_format.type", t)? {
-        "text" => ResponseFormat::Text,
-        "json_object" => ResponseFormat::JsonObject,
+    let (format, fields) = match string("response_format.type", t)? {
+        "text" => (ResponseFormat::Text, &["type"][..]),
+        "json_object" => (ResponseFormat::JsonObject, &["type"][..]),
+        "json_schema" => {
+            let spec = o.get("json_schema").ok_or_else(|| {
+                err(
+                    codes::MISSING_FIELD,
+                    "'response_format' of type json_schema needs 'json_schema': {\"name\", \"schema\"}",
+                )
+            })?;
+            (json_schema(spec)?, &["type", "json_schema"][..])
+        }
         other => {
             return Err(err(
                 codes::INVALID_ARGUMENT,
                 format!(
-                    "'response_format.type' must be \"text\" or \"json_object\" (JSON schemas \
-                     are not supported), got '{}'",
+                    "'response_format.type' must be \"text\", \"json_object\" or \"json_schema\", \
+                     got '{}'",
                     truncate(other)
                 ),
             ))
         }
     };
-    if let Some(k) = o.keys().find(|k| *k != "type") {
+    if let Some(k) = o.keys().find(|k| !fields.contains(&k.as_str())) {
         return Err(err(
             codes::UNKNOWN_FIELD,
-            format!("'response_format' has no field '{}' (type)", truncate(k)),
+            format!(
+                "'response_format' has no field '{}' ({})",
+                truncate(k),
+                fields.join(", ")
+            ),
         ));
     }
     Ok(format)
+}
+
+/// `response_format.json_schema`: the schema compiled (`strict` is always on: outputs match
+/// the schema).
+fn json_schema(v: &Value) -> Result<ResponseFormat, ServeError> {
+    let Value::Object(o) = v else {
+        return Err(wrong_type("response_format.json_schema", "an object", v));
+    };
+    for (k, x) in o {
+        match k.as_str() {
+            "name" | "description" => {
+                string(&format!("response_format.json_schema.{k}"), x)?;
+            }
+            "strict" => {
+                boolean("response_format.json_schema.strict", x)?;
+            }
+            "schema" => {}
+            _ => {
+                return Err(err(
+                    codes::UNKNOWN_FIELD,
+                    format!(
+                        "'response_format.json_schema' has no field '{}' (name, description, \
+                         schema, strict)",
+                        truncate(k)
+                    ),
+                ))
+            }
+        }
+    }
+    let schema = o.get("schema").ok_or_else(|| {
+        err(
+            codes::MISSING_FIELD,
+            "'response_format.json_schema' needs a 'schema'",
+        )
+    })?;
+    let grammar = JsonGrammar::from_schema(schema).map_err(|e| {
+        err(
+            codes::INVALID_ARGUMENT,
+            format!("'response_format.json_schema.schema': {e}"),
+        )
+    })?;
+    Ok(ResponseFormat::JsonSchema(Arc::new(grammar)))
 }
 
 fn messages(v: &Value) -> Result<Vec<ChatMessage>, ServeError> {

@@ -1,51 +1,81 @@
-//! JSON mode (OpenAI's `response_format: {"type": "json_object"}`): a byte-level pushdown automaton over RFC 8259 JSON masks every token that cannot continue a valid object, as grammar-constrained decoding does (llama.cpp's GBNF sampler, vLLM's guided decoding).
+//! JSON mode and JSON schemas (OpenAI's `response_format` `json_object` and `json_schema`): a byte-level pushdown automaton over RFC 8259 JSON, walking a compiled schema ([`crate::sample::schema`]), masks every token that cannot continue a valid text, as grammar-constrained decoding does (llama.cpp's GBNF sampler, vLLM's guided decoding).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use crate::sample::schema::{
+    JsonGrammar, Node, NodeId, ANY, FREE_LITERALS, MAX_SCHEMA_DEPTH, UNBOUNDED,
+};
 use crate::tokenizer::Tokenizer;
 
-/// Deepest nesting of objects and arrays (the stack is one bit per level).
+/// Deepest nesting of free JSON's objects and arrays (the stack is one bit per level).
 pub const MAX_DEPTH: u8 = 64;
 /// Most whitespace bytes in a row between tokens of the JSON text (a model stuck on newlines
 /// ends instead of filling `max_tokens` with them).
 pub const MAX_WHITESPACE_RUN: u8 = 48;
-/// Masks kept per vocabulary (one per automaton state met), in two generations of half each.
+/// Masks kept per vocabulary (one per grammar and automaton state met), in two generations of
+/// half each.
 const MASK_CACHE_ENTRIES: usize = 512;
+/// Grammars named per vocabulary (by their digests) before the names start afresh.
+const MAX_GRAMMAR_IDS: usize = 4096;
 
 /// What the automaton expects next.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum Mode {
-    /// Before the top-level object: whitespace or `{`.
-    Start,
-    /// After `{`: a key or `}`.
+    /// A value of this node (after whitespace).
+    Expect(NodeId),
+    /// Free JSON (inside an `any` node), after `{`: a key or `}`.
     ObjOpen,
-    /// After `,` in an object: a key.
+    /// Free JSON, after `,` in an object: a key.
     ObjKey,
-    /// After a key: `:`.
+    /// Free JSON, after a key: `:`.
     Colon,
-    /// After `:` or `,` in an array: a value.
-    Value,
-    /// After `[`: a value or `]`.
+    /// Free JSON, after `[`: a value or `]`.
     ArrOpen,
-    /// After a value inside a container: `,` or the container's closer.
+    /// Free JSON, after a value inside a container: `,` or the container's closer.
     After,
-    /// Inside a string: `esc` 0 none, 1 after `\`, 2..=5 hex digits of `\u` left plus one;
-    /// `utf8` continuation bytes of a multi-byte character left, the next one's range
-    /// [`CONTINUATION`]`[first]` (no overlong forms, surrogates or code points past U+10FFFF).
+    /// A schema object after `{` (`first`: `}` may come) or `,`: a key.
+    SchemaKey {
+        first: bool,
+    },
+    /// Inside a schema object's key: `cand`, the properties whose quoted name starts with the
+    /// `pos` bytes read.
+    Key {
+        cand: u64,
+        pos: u8,
+    },
+    /// After property `prop`'s key: `:`.
+    SchemaColon {
+        prop: u8,
+    },
+    /// A schema array after `[`: an item or `]`.
+    SchemaArrOpen,
+    /// After a value inside a schema container: `,` or the closer where the schema allows.
+    SchemaAfter,
+    /// Inside a string of `node` (a free key with `key`): `esc` 0 none, 1 after `\`, 2..=5 hex
+    /// digits of `\u` left plus one; `utf8` continuation bytes of a multi-byte character left,
+    /// the next one's range [`CONTINUATION`]`[first]` (no overlong forms, surrogates or code
+    /// points past U+10FFFF); `len` characters read (counted only up to what the node's bounds
+    /// tell apart).
     Str {
+        node: NodeId,
         key: bool,
         esc: u8,
         utf8: u8,
         first: u8,
+        len: u16,
     },
-    Num(Num),
-    /// Inside `true` / `false` / `null` (`word` indexes [`LITERALS`]), `pos` bytes read.
+    Num {
+        num: Num,
+        integer: bool,
+    },
+    /// Inside one of `node`'s literal texts: `cand`, those starting with the `pos` bytes read.
     Lit {
-        word: u8,
+        node: NodeId,
+        cand: u64,
         pos: u8,
     },
-    /// The top-level object is complete: whitespace, then end-of-generation.
+    /// The top-level value is complete: whitespace, then end-of-generation.
     Done,
 }
 
@@ -62,8 +92,6 @@ enum Num {
     ExpDigits,
 }
 
-const LITERALS: [&[u8]; 3] = [b"true", b"false", b"null"];
-
 /// The ranges of a UTF-8 continuation byte: any; after E0; after ED; after F0; after F4
 /// (RFC 3629's table).
 const CONTINUATION: [(u8, u8); 5] = [
@@ -74,43 +102,71 @@ const CONTINUATION: [(u8, u8); 5] = [
     (0x80, 0x8F),
 ];
 
-/// The automaton's state: small and `Copy`, so every token of the vocabulary is tried on a copy.
+/// An open schema container: its node and the properties passed (objects) or items read
+/// (arrays; counted only up to what the bounds tell apart).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+struct Frame {
+    node: NodeId,
+    count: u16,
+}
+
+/// The automaton's state: small and `Copy`, so every token of the vocabulary is tried on a
+/// copy. Read with the grammar it started from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct JsonState {
-    /// Bit `i`: level `i` is an object (else an array).
-    stack: u64,
+    /// Open schema containers, innermost last (unused frames zeroed).
+    frames: [Frame; MAX_SCHEMA_DEPTH],
     depth: u8,
+    /// Free JSON nesting: bit `i` set where level `i` is an object (else an array).
+    stack: u64,
+    free_depth: u8,
     mode: Mode,
     /// Whitespace bytes just read.
     ws: u8,
 }
 
-impl Default for JsonState {
-    fn default() -> Self {
-        JsonState::start()
+/// Bits `0..n`.
+fn all(n: usize) -> u64 {
+    if n >= 64 {
+        u64::MAX
+    } else {
+        (1 << n) - 1
     }
 }
 
+/// The indices of the set bits.
+fn bits(mut w: u64) -> impl Iterator<Item = usize> {
+    std::iter::from_fn(move || {
+        (w != 0).then(|| {
+            let i = w.trailing_zeros() as usize;
+            w &= w - 1;
+            i
+        })
+    })
+}
+
 impl JsonState {
-    /// Before the first byte.
-    pub fn start() -> JsonState {
+    /// Before the first byte of a text of `g`.
+    pub fn start(g: &JsonGrammar) -> JsonState {
         JsonState {
-            stack: 0,
+            frames: [Frame::default(); MAX_SCHEMA_DEPTH],
             depth: 0,
-            mode: Mode::Start,
+            stack: 0,
+            free_depth: 0,
+            mode: Mode::Expect(g.root()),
             ws: 0,
         }
     }
 
-    /// Whether the top-level object is complete.
+    /// Whether the top-level value is complete.
     pub fn is_done(&self) -> bool {
         self.mode == Mode::Done
     }
 
     /// The state after `bytes`, or `None` where they leave the grammar.
-    pub fn after(mut self, bytes: &[u8]) -> Option<JsonState> {
+    pub fn after(mut self, g: &JsonGrammar, bytes: &[u8]) -> Option<JsonState> {
         for &b in bytes {
-            if !self.feed(b) {
+            if !self.feed(g, b) {
                 return None;
             }
         }
@@ -118,28 +174,20 @@ impl JsonState {
     }
 
     /// Read one byte; false when it cannot continue the text (the state is then undefined).
-    fn feed(&mut self, b: u8) -> bool {
+    fn feed(&mut self, g: &JsonGrammar, b: u8) -> bool {
         let ws = matches!(b, b' ' | b'\t' | b'\n' | b'\r');
         match self.mode {
             Mode::Str {
+                node,
                 key,
                 esc,
                 utf8,
                 first,
-            } => self.string(b, key, esc, utf8, first),
-            Mode::Num(n) => self.number(b, n),
-            Mode::Lit { word, pos } => {
-                let w = LITERALS[word as usize];
-                if w[pos as usize] != b {
-                    return false;
-                }
-                if pos as usize + 1 == w.len() {
-                    self.close_value();
-                } else {
-                    self.mode = Mode::Lit { word, pos: pos + 1 };
-                }
-                true
-            }
+                len,
+            } => self.string(g, b, node, key, esc, utf8, first, len),
+            Mode::Num { num, integer } => self.number(g, b, num, integer),
+            Mode::Lit { node, cand, pos } => self.literal(g, b, node, cand, pos),
+            Mode::Key { cand, pos } => self.key(g, b, cand, pos),
             _ if ws => {
                 self.ws += 1;
                 self.ws <= MAX_WHITESPACE_RUN
@@ -147,37 +195,84 @@ impl JsonState {
             mode => {
                 self.ws = 0;
                 match mode {
-                    Mode::Start => b == b'{' && self.open(true),
-                    Mode::ObjOpen if b == b'}' => self.close(true),
+                    Mode::Expect(node) => self.start_value(g, node, b),
+                    Mode::ObjOpen if b == b'}' => self.close_free(g, true),
                     Mode::ObjOpen | Mode::ObjKey => {
                         self.mode = Mode::Str {
+                            node: ANY,
                             key: true,
                             esc: 0,
                             utf8: 0,
                             first: 0,
+                            len: 0,
                         };
                         b == b'"'
                     }
                     Mode::Colon => {
-                        self.mode = Mode::Value;
+                        self.mode = Mode::Expect(ANY);
                         b == b':'
                     }
-                    Mode::ArrOpen if b == b']' => self.close(false),
-                    Mode::Value | Mode::ArrOpen => self.start_value(b),
+                    Mode::ArrOpen if b == b']' => self.close_free(g, false),
+                    Mode::ArrOpen => self.start_value(g, ANY, b),
                     Mode::After => {
-                        let in_object = self.top_is_object();
+                        let in_object = self.free_top_is_object();
                         match b {
                             b',' => {
-                                self.mode = if in_object { Mode::ObjKey } else { Mode::Value };
+                                self.mode = if in_object {
+                                    Mode::ObjKey
+                                } else {
+                                    Mode::Expect(ANY)
+                                };
                                 true
                             }
-                            b'}' => in_object && self.close(true),
-                            b']' => !in_object && self.close(false),
+                            b'}' => in_object && self.close_free(g, true),
+                            b']' => !in_object && self.close_free(g, false),
+                            _ => false,
+                        }
+                    }
+                    Mode::SchemaKey { first } => {
+                        let f = self.top();
+                        if b == b'}' {
+                            return first && g.may_close(f.node, f.count) && self.pop(g);
+                        }
+                        let cand = g.next_keys(f.node, f.count, self.depth);
+                        self.mode = Mode::Key { cand, pos: 1 };
+                        b == b'"' && cand != 0
+                    }
+                    Mode::SchemaColon { prop } => {
+                        let f = self.top_mut();
+                        f.count = prop as u16 + 1;
+                        let node = f.node;
+                        self.mode = Mode::Expect(g.props(node)[prop as usize].node);
+                        b == b':'
+                    }
+                    Mode::SchemaArrOpen => {
+                        let Some((items, min, max)) = g.array(self.top().node) else {
+                            return false;
+                        };
+                        if b == b']' {
+                            return min == 0 && self.pop(g);
+                        }
+                        max > 0 && self.start_value(g, items, b)
+                    }
+                    Mode::SchemaAfter => {
+                        let f = self.top();
+                        match (g.array(f.node), b) {
+                            (Some((items, _, max)), b',') => {
+                                self.mode = Mode::Expect(items);
+                                (max == UNBOUNDED || f.count < max) && g.fits(items, self.depth)
+                            }
+                            (Some((_, min, _)), b']') => f.count >= min && self.pop(g),
+                            (None, b',') => {
+                                self.mode = Mode::SchemaKey { first: false };
+                                g.next_keys(f.node, f.count, self.depth) != 0
+                            }
+                            (None, b'}') => g.may_close(f.node, f.count) && self.pop(g),
                             _ => false,
                         }
                     }
                     Mode::Done => false,
-                    Mode::Str { .. } | Mode::Num(_) | Mode::Lit { .. } => {
+                    Mode::Str { .. } | Mode::Num { .. } | Mode::Lit { .. } | Mode::Key { .. } => {
                         unreachable!("handled above")
                     }
                 }
@@ -185,132 +280,284 @@ impl JsonState {
         }
     }
 
-    fn top_is_object(&self) -> bool {
-        self.depth > 0 && self.stack >> (self.depth - 1) & 1 == 1
+    fn top(&self) -> Frame {
+        self.frames[(self.depth as usize).saturating_sub(1)]
     }
 
-    fn open(&mut self, object: bool) -> bool {
-        if self.depth >= MAX_DEPTH {
+    fn top_mut(&mut self) -> &mut Frame {
+        &mut self.frames[(self.depth as usize).saturating_sub(1)]
+    }
+
+    /// Open a schema container.
+    fn push(&mut self, node: NodeId, mode: Mode) -> bool {
+        if self.depth as usize >= MAX_SCHEMA_DEPTH {
+            return false;
+        }
+        self.frames[self.depth as usize] = Frame { node, count: 0 };
+        self.depth += 1;
+        self.mode = mode;
+        true
+    }
+
+    /// Close the innermost schema container (the caller checked the closer).
+    fn pop(&mut self, g: &JsonGrammar) -> bool {
+        if self.depth == 0 {
+            return false;
+        }
+        self.depth -= 1;
+        self.frames[self.depth as usize] = Frame::default();
+        self.close_value(g);
+        true
+    }
+
+    fn free_top_is_object(&self) -> bool {
+        self.free_depth > 0 && self.stack >> (self.free_depth - 1) & 1 == 1
+    }
+
+    fn open_free(&mut self, object: bool) -> bool {
+        if self.free_depth >= MAX_DEPTH {
             return false;
         }
         if object {
-            self.stack |= 1 << self.depth;
+            self.stack |= 1 << self.free_depth;
         } else {
-            self.stack &= !(1 << self.depth);
+            self.stack &= !(1 << self.free_depth);
         }
-        self.depth += 1;
+        self.free_depth += 1;
         self.mode = if object { Mode::ObjOpen } else { Mode::ArrOpen };
         true
     }
 
-    /// Close the innermost container (the caller checked its kind).
-    fn close(&mut self, object: bool) -> bool {
-        if self.depth == 0 || self.top_is_object() != object {
+    /// Close the innermost free container (the caller checked its kind).
+    fn close_free(&mut self, g: &JsonGrammar, object: bool) -> bool {
+        if self.free_depth == 0 || self.free_top_is_object() != object {
             return false;
         }
-        self.depth -= 1;
-        self.stack &= !(1 << self.depth);
-        self.close_value();
+        self.free_depth -= 1;
+        self.stack &= !(1 << self.free_depth);
+        self.close_value(g);
         true
     }
 
-    /// A value just ended.
-    fn close_value(&mut self) {
-        self.mode = if self.depth == 0 {
+    /// A value just ended: in free JSON, in a schema container (an array counts it), or at the
+    /// top.
+    fn close_value(&mut self, g: &JsonGrammar) {
+        self.mode = if self.free_depth > 0 {
+            Mode::After
+        } else if self.depth == 0 {
             Mode::Done
         } else {
-            Mode::After
+            let f = self.top_mut();
+            if let Some((_, min, max)) = g.array(f.node) {
+                // Counts past what the bounds tell apart are one state.
+                let cap = if max == UNBOUNDED { min } else { max };
+                f.count = f.count.saturating_add(1).min(cap);
+            }
+            Mode::SchemaAfter
         };
     }
 
-    fn start_value(&mut self, b: u8) -> bool {
-        self.mode = match b {
-            b'{' => return self.open(true),
-            b'[' => return self.open(false),
-            b'"' => Mode::Str {
-                key: false,
-                esc: 0,
-                utf8: 0,
-                first: 0,
+    /// The first byte of a value of `node`, which must fit in the schema frames left (every
+    /// state the automaton accepts can be completed).
+    fn start_value(&mut self, g: &JsonGrammar, node: NodeId, b: u8) -> bool {
+        if !g.fits(node, self.depth) {
+            return false;
+        }
+        let string = Mode::Str {
+            node,
+            key: false,
+            esc: 0,
+            utf8: 0,
+            first: 0,
+            len: 0,
+        };
+        let number = |integer| {
+            match b {
+                b'-' => Some(Num::Minus),
+                b'0' => Some(Num::Zero),
+                b'1'..=b'9' => Some(Num::Int),
+                _ => None,
+            }
+            .map(|num| Mode::Num { num, integer })
+        };
+        self.mode = match g.node(node) {
+            Node::Any => match b {
+                b'{' => return self.open_free(true),
+                b'[' => return self.open_free(false),
+                b'"' => string,
+                b't' | b'f' | b'n' => {
+                    return self.literal(g, b, FREE_LITERALS, all(3), 0);
+                }
+                _ => match number(false) {
+                    Some(m) => m,
+                    None => return false,
+                },
             },
-            b'-' => Mode::Num(Num::Minus),
-            b'0' => Mode::Num(Num::Zero),
-            b'1'..=b'9' => Mode::Num(Num::Int),
-            b't' => Mode::Lit { word: 0, pos: 1 },
-            b'f' => Mode::Lit { word: 1, pos: 1 },
-            b'n' => Mode::Lit { word: 2, pos: 1 },
-            _ => return false,
+            Node::AnyObject => return b == b'{' && self.open_free(true),
+            Node::Object(_) => {
+                return b == b'{' && self.push(node, Mode::SchemaKey { first: true })
+            }
+            Node::Array { .. } => return b == b'[' && self.push(node, Mode::SchemaArrOpen),
+            Node::String { .. } if b == b'"' => string,
+            Node::Number { integer } => match number(*integer) {
+                Some(m) => m,
+                None => return false,
+            },
+            Node::Literals(v) => return self.literal(g, b, node, all(v.len()), 0),
+            Node::Union(opts) => {
+                return g.pick(opts, b).is_some_and(|o| self.start_value(g, o, b));
+            }
+            Node::String { .. } | Node::Pending => return false,
         };
         true
     }
 
-    fn string(&mut self, b: u8, key: bool, esc: u8, utf8: u8, first: u8) -> bool {
-        let set = |esc, utf8, first| Mode::Str {
+    /// One byte of one of `node`'s literal texts; a text that is complete while a longer one
+    /// goes on (`1` and `12`) ends at the first byte that does not extend the other, which
+    /// is then read in the container.
+    fn literal(&mut self, g: &JsonGrammar, b: u8, node: NodeId, cand: u64, pos: u8) -> bool {
+        let texts = g.literals(node);
+        let (mut next, mut complete) = (0u64, false);
+        for i in bits(cand) {
+            match texts[i].get(pos as usize) {
+                None => complete = true,
+                Some(&c) if c == b => next |= 1 << i,
+                Some(_) => {}
+            }
+        }
+        if next == 0 {
+            if complete {
+                self.close_value(g);
+                return self.feed(g, b);
+            }
+            return false;
+        }
+        let pos = pos + 1;
+        if bits(next).all(|i| texts[i].len() == pos as usize) {
+            self.close_value(g);
+        } else {
+            self.mode = Mode::Lit {
+                node,
+                cand: next,
+                pos,
+            };
+        }
+        true
+    }
+
+    /// One byte of a schema object's key (each name ends with its own quote: one completes).
+    fn key(&mut self, g: &JsonGrammar, b: u8, cand: u64, pos: u8) -> bool {
+        let props = g.props(self.top().node);
+        let next = bits(cand)
+            .filter(|&i| props[i].key.get(pos as usize) == Some(&b))
+            .fold(0u64, |w, i| w | 1 << i);
+        if next == 0 {
+            return false;
+        }
+        let pos = pos + 1;
+        self.mode = match bits(next).find(|&i| props[i].key.len() == pos as usize) {
+            Some(prop) => Mode::SchemaColon { prop: prop as u8 },
+            None => Mode::Key { cand: next, pos },
+        };
+        true
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn string(
+        &mut self,
+        g: &JsonGrammar,
+        b: u8,
+        node: NodeId,
+        key: bool,
+        esc: u8,
+        utf8: u8,
+        first: u8,
+        len: u16,
+    ) -> bool {
+        let (min, max) = g.string_bounds(node);
+        let set = |esc, utf8, first, len| Mode::Str {
+            node,
             key,
             esc,
             utf8,
             first,
+            len,
+        };
+        // A character starts: count it where the bounds tell counts apart.
+        let counted = || {
+            let cap = if max == UNBOUNDED { min } else { max };
+            (max == UNBOUNDED || len < max).then(|| len.saturating_add(1).min(cap))
         };
         self.mode = if utf8 > 0 {
             let (lo, hi) = CONTINUATION[first as usize];
             if !(lo..=hi).contains(&b) {
                 return false;
             }
-            set(0, utf8 - 1, 0)
+            set(0, utf8 - 1, 0, len)
         } else if esc == 1 {
             match b {
-                b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => set(0, 0, 0),
-                b'u' => set(5, 0, 0),
+                b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => set(0, 0, 0, len),
+                b'u' => set(5, 0, 0, len),
                 _ => return false,
             }
         } else if esc > 1 {
             if !b.is_ascii_hexdigit() {
                 return false;
             }
-            set(if esc == 2 { 0 } else { esc - 1 }, 0, 0)
+            set(if esc == 2 { 0 } else { esc - 1 }, 0, 0, len)
         } else {
-            match b {
-                b'"' if key => Mode::Colon,
-                b'"' => {
-                    self.close_value();
+            let (esc, utf8, first) = match b {
+                b'"' if key => {
+                    self.mode = Mode::Colon;
                     return true;
                 }
-                b'\\' => set(1, 0, 0),
+                b'"' => {
+                    if len < min {
+                        return false;
+                    }
+                    self.close_value(g);
+                    return true;
+                }
+                b'\\' => (1, 0, 0),
                 0x00..=0x1F => return false,
-                0x20..=0x7F => set(0, 0, 0),
-                0xC2..=0xDF => set(0, 1, 0),
-                0xE0 => set(0, 2, 1),
-                0xED => set(0, 2, 2),
-                0xE1..=0xEF => set(0, 2, 0),
-                0xF0 => set(0, 3, 3),
-                0xF4 => set(0, 3, 4),
-                0xF1..=0xF3 => set(0, 3, 0),
+                0x20..=0x7F => (0, 0, 0),
+                0xC2..=0xDF => (0, 1, 0),
+                0xE0 => (0, 2, 1),
+                0xED => (0, 2, 2),
+                0xE1..=0xEF => (0, 2, 0),
+                0xF0 => (0, 3, 3),
+                0xF4 => (0, 3, 4),
+                0xF1..=0xF3 => (0, 3, 0),
                 _ => return false,
-            }
+            };
+            let Some(len) = counted() else {
+                return false;
+            };
+            set(esc, utf8, first, len)
         };
         true
     }
 
-    fn number(&mut self, b: u8, n: Num) -> bool {
+    fn number(&mut self, g: &JsonGrammar, b: u8, n: Num, integer: bool) -> bool {
         let digit = b.is_ascii_digit();
         let next = match (n, b) {
             (Num::Minus, b'0') => Num::Zero,
             (Num::Minus, b'1'..=b'9') => Num::Int,
             (Num::Int, _) if digit => Num::Int,
-            (Num::Zero | Num::Int, b'.') => Num::Dot,
+            (Num::Zero | Num::Int, b'.') if !integer => Num::Dot,
             (Num::Dot | Num::Frac, _) if digit => Num::Frac,
-            (Num::Zero | Num::Int | Num::Frac, b'e' | b'E') => Num::Exp,
+            (Num::Zero | Num::Int | Num::Frac, b'e' | b'E') if !integer => Num::Exp,
             (Num::Exp, b'+' | b'-') => Num::ExpSign,
             (Num::Exp | Num::ExpSign | Num::ExpDigits, _) if digit => Num::ExpDigits,
             // A complete number ends at the first byte that cannot extend it, which is then
             // read in the container.
             (Num::Zero | Num::Int | Num::Frac | Num::ExpDigits, _) => {
-                self.close_value();
-                return self.feed(b);
+                self.close_value(g);
+                return self.feed(g, b);
             }
             _ => return false,
         };
-        self.mode = Mode::Num(next);
+        self.mode = Mode::Num { num: next, integer };
         true
     }
 }
@@ -327,6 +574,9 @@ pub struct JsonVocab {
     /// the other tokens, the only ones a string state tries.
     plain: Vec<u64>,
     not_plain: Vec<u32>,
+    /// Characters of each plain token (others 0): a string with a maximum length allows the
+    /// plain tokens that fit in what is left of it.
+    plain_chars: Vec<u16>,
     /// Between tokens of the JSON text, whitespace runs up to this long allow every token a
     /// shorter run allows (no token starts with more whitespace than the limit minus this):
     /// masks are cached under the state with its run raised to it.
@@ -335,12 +585,17 @@ pub struct JsonVocab {
     /// End-of-generation tokens that emit text where they do not end the request (not
     /// control tokens: under `ignore_eos` or before `min_tokens` their text is output).
     ends_with_text: Vec<u32>,
-    /// Masks by state, two generations (the newer filled, then it becomes the older).
+    /// Masks by grammar name and state, two generations (the newer filled, then it becomes
+    /// the older).
     cache: Mutex<MaskCache>,
+    /// Grammars by their schema text's SHA-256: a number that names each in the masks' keys
+    /// (requests with equal schemas share their masks); cleared when full, numbers never
+    /// reused.
+    grammar_ids: Mutex<(HashMap<[u8; 32], u64>, u64)>,
 }
 
-/// Masks by state: the newer generation, then the older one.
-type MaskCache = [HashMap<JsonState, Arc<Vec<u64>>>; 2];
+/// Masks by grammar name and state: the newer generation, then the older one.
+type MaskCache = [HashMap<(u64, JsonState), Arc<Vec<u64>>>; 2];
 
 impl std::fmt::Debug for JsonVocab {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -362,14 +617,18 @@ impl JsonVocab {
         let mut lead_ws = 0usize;
         let mut plain = vec![0u64; pieces.len().div_ceil(64)];
         let mut not_plain = Vec::new();
+        let mut plain_chars = vec![0u16; pieces.len()];
+        let free = JsonGrammar::any_object();
         let in_string = JsonState {
             mode: Mode::Str {
+                node: ANY,
                 key: false,
                 esc: 0,
                 utf8: 0,
                 first: 0,
+                len: 0,
             },
-            ..JsonState::start()
+            ..JsonState::start(&free)
         };
         for (id, p) in pieces.iter().enumerate() {
             let Some(p) = p else { continue };
@@ -380,9 +639,11 @@ impl JsonVocab {
                 .count();
             lead_ws = lead_ws.max(run);
             let content = !p.iter().any(|&b| b == b'"' || b == b'\\')
-                && in_string.after(p) == Some(in_string);
+                && in_string.after(&free, p) == Some(in_string);
             if content {
                 plain[id / 64] |= 1 << (id % 64);
+                let chars = p.iter().filter(|&&b| !(0x80..=0xBF).contains(&b)).count();
+                plain_chars[id] = chars.min(u16::MAX as usize) as u16;
             } else {
                 not_plain.push(id as u32);
             }
@@ -392,11 +653,33 @@ impl JsonVocab {
             by_first_byte,
             plain,
             not_plain,
+            plain_chars,
             ws_floor: (MAX_WHITESPACE_RUN as usize).saturating_sub(lead_ws) as u8,
             ends,
             ends_with_text: Vec::new(),
             cache: Mutex::new([HashMap::new(), HashMap::new()]),
+            grammar_ids: Mutex::new((HashMap::new(), 0)),
         }
+    }
+
+    /// The number naming `g` in this vocabulary's mask cache.
+    fn grammar_id(&self, g: &JsonGrammar) -> u64 {
+        let Ok(mut ids) = self.grammar_ids.lock() else {
+            // A poisoned lock: a number of its own (masks computed afresh).
+            static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1 << 63);
+            return NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        };
+        let (map, next) = &mut *ids;
+        if let Some(&id) = map.get(g.digest()) {
+            return id;
+        }
+        if map.len() >= MAX_GRAMMAR_IDS {
+            map.clear();
+        }
+        let id = *next;
+        *next += 1;
+        map.insert(*g.digest(), id);
+        id
     }
 
     /// A model's vocabulary: the bytes each token emits into the text; end-of-generation,
@@ -415,76 +698,98 @@ impl JsonVocab {
         v
     }
 
-    /// Bitset over token ids: the tokens whose bytes continue `state` within the grammar.
-    fn allowed(&self, state: &JsonState) -> Arc<Vec<u64>> {
+    /// Bitset over token ids: the tokens whose bytes continue `state` within grammar `g`
+    /// (named `gid` in the cache).
+    fn allowed(&self, g: &JsonGrammar, gid: u64, state: &JsonState) -> Arc<Vec<u64>> {
         let mut key = *state;
-        if !matches!(key.mode, Mode::Str { .. } | Mode::Num(_) | Mode::Lit { .. }) {
+        if !matches!(
+            key.mode,
+            Mode::Str { .. } | Mode::Num { .. } | Mode::Lit { .. } | Mode::Key { .. }
+        ) {
             // Between tokens of the text: only a token's leading whitespace adds to the run.
             key.ws = key.ws.max(self.ws_floor);
         }
         let state = &key;
+        let key = (gid, key);
         if let Ok(mut c) = self.cache.lock() {
-            if let Some(m) = c[0].get(state).cloned() {
+            if let Some(m) = c[0].get(&key).cloned() {
                 return m;
             }
-            if let Some(m) = c[1].remove(state) {
-                Self::insert_newer(&mut c, state, &m);
+            if let Some(m) = c[1].remove(&key) {
+                Self::insert_newer(&mut c, key, &m);
                 return m;
             }
         }
         if let Mode::Str {
-            esc: 0, utf8: 0, ..
+            node,
+            esc: 0,
+            utf8: 0,
+            len,
+            ..
         } = state.mode
         {
-            // Plain content stays in the string; the rest is tried.
+            // Plain content continues a string as far as its maximum length allows (the
+            // minimum only matters at the closing quote); the rest is tried.
+            let max = g.string_bounds(node).1;
             let mut bits = self.plain.clone();
+            if max != UNBOUNDED {
+                let room = max.saturating_sub(len);
+                for (id, &c) in self.plain_chars.iter().enumerate() {
+                    if c > room {
+                        bits[id / 64] &= !(1 << (id % 64));
+                    }
+                }
+            }
             for &id in &self.not_plain {
                 let p = self.pieces[id as usize].as_deref().unwrap_or_default();
-                if state.after(p).is_some() {
+                if state.after(g, p).is_some() {
                     bits[id as usize / 64] |= 1 << (id % 64);
                 }
             }
-            return self.remember(state, bits);
+            return self.remember(key, bits);
         }
         let mut bits = vec![0u64; self.pieces.len().div_ceil(64)];
         for (first, ids) in self.by_first_byte.iter().enumerate() {
             let mut s = *state;
-            if ids.is_empty() || !s.feed(first as u8) {
+            if ids.is_empty() || !s.feed(g, first as u8) {
                 continue;
             }
             for &id in ids {
                 let rest = self.pieces[id as usize]
                     .as_deref()
                     .map_or(&[][..], |p| &p[1..]);
-                if s.after(rest).is_some() {
+                if s.after(g, rest).is_some() {
                     bits[id as usize / 64] |= 1 << (id % 64);
                 }
             }
         }
-        self.remember(state, bits)
+        self.remember(key, bits)
     }
 
-    fn remember(&self, state: &JsonState, bits: Vec<u64>) -> Arc<Vec<u64>> {
+    fn remember(&self, key: (u64, JsonState), bits: Vec<u64>) -> Arc<Vec<u64>> {
         let bits = Arc::new(bits);
         if let Ok(mut c) = self.cache.lock() {
-            Self::insert_newer(&mut c, state, &bits);
+            Self::insert_newer(&mut c, key, &bits);
         }
         bits
     }
 
     /// Into the newer generation, which becomes the older one (the oldest dropped) when full.
-    fn insert_newer(c: &mut MaskCache, state: &JsonState, bits: &Arc<Vec<u64>>) {
+    fn insert_newer(c: &mut MaskCache, key: (u64, JsonState), bits: &Arc<Vec<u64>>) {
         if c[0].len() >= MASK_CACHE_ENTRIES / 2 {
             c[1] = std::mem::take(&mut c[0]);
         }
-        c[0].insert(*state, Arc::clone(bits));
+        c[0].insert(key, Arc::clone(bits));
     }
 }
 
-/// One request's JSON mode: the state after the tokens generated so far.
+/// One request's JSON mode or schema: the state after the tokens generated so far.
 #[derive(Clone, Debug)]
 pub struct JsonConstraint {
     vocab: Arc<JsonVocab>,
+    grammar: Arc<JsonGrammar>,
+    /// `grammar`'s number in `vocab`'s mask cache.
+    gid: u64,
     /// `None` once a token outside the grammar was pushed (the rows are then left as they are).
     state: Option<JsonState>,
     /// What ends the request ([`crate::generate::TokenSink`]'s rule): its `stop_token_ids`,
@@ -499,13 +804,16 @@ pub struct JsonConstraint {
 impl JsonConstraint {
     pub fn new(
         vocab: Arc<JsonVocab>,
+        grammar: Arc<JsonGrammar>,
         stop_tokens: &[u32],
         min_tokens: usize,
         ignore_eos: bool,
     ) -> JsonConstraint {
         JsonConstraint {
+            gid: vocab.grammar_id(&grammar),
+            state: Some(JsonState::start(&grammar)),
             vocab,
-            state: Some(JsonState::start()),
+            grammar,
             stop_tokens: stop_tokens.to_vec(),
             min_tokens,
             ignore_eos,
@@ -532,7 +840,10 @@ impl JsonConstraint {
         if s.is_done() && self.end_allowed(token, n) {
             return Some(s);
         }
-        s.after(self.vocab.pieces.get(token as usize)?.as_deref()?)
+        s.after(
+            &self.grammar,
+            self.vocab.pieces.get(token as usize)?.as_deref()?,
+        )
     }
 
     /// Whether the complete object may be followed by `token` as the `n`-th token whatever its
@@ -566,7 +877,7 @@ impl JsonConstraint {
         let Some(state) = self.after(path) else {
             return;
         };
-        let bits = self.vocab.allowed(&state);
+        let bits = self.vocab.allowed(&self.grammar, self.gid, &state);
         let n = self.generated + path.len() + 1;
         let keep: Vec<(usize, f32)> = if state.is_done() {
             self.vocab
@@ -607,14 +918,20 @@ impl JsonConstraint {
 mod tests {
     use super::*;
 
+    fn free() -> Arc<JsonGrammar> {
+        JsonGrammar::any_object()
+    }
+
     fn valid(text: &str) -> bool {
-        JsonState::start()
-            .after(text.as_bytes())
+        JsonState::start(&free())
+            .after(&free(), text.as_bytes())
             .is_some_and(|s| s.is_done())
     }
 
     fn prefix(text: &str) -> bool {
-        JsonState::start().after(text.as_bytes()).is_some()
+        JsonState::start(&free())
+            .after(&free(), text.as_bytes())
+            .is_some()
     }
 
     #[test]
@@ -664,9 +981,15 @@ mod tests {
         assert!(!prefix("{\"a\": \"\\u00g"));
         assert!(!prefix("{\"a\" 1"));
         // Broken UTF-8 inside strings.
-        assert!(JsonState::start().after(b"{\"a\":\"\xC3\xA9\"}").is_some());
-        assert!(JsonState::start().after(b"{\"a\":\"\xC3\"").is_none());
-        assert!(JsonState::start().after(b"{\"a\":\"\xFF").is_none());
+        assert!(JsonState::start(&free())
+            .after(&free(), b"{\"a\":\"\xC3\xA9\"}")
+            .is_some());
+        assert!(JsonState::start(&free())
+            .after(&free(), b"{\"a\":\"\xC3\"")
+            .is_none());
+        assert!(JsonState::start(&free())
+            .after(&free(), b"{\"a\":\"\xFF")
+            .is_none());
         // Overlong forms, surrogates and code points past U+10FFFF are not UTF-8.
         for bad in [
             &b"\xE0\x80\x80"[..],
@@ -676,7 +999,10 @@ mod tests {
             b"\xC0\x80",
         ] {
             let text = [&b"{\"a\":\""[..], bad].concat();
-            assert!(JsonState::start().after(&text).is_none(), "{bad:?}");
+            assert!(
+                JsonState::start(&free()).after(&free(), &text).is_none(),
+                "{bad:?}"
+            );
         }
         for good in [
             "\u{7FF}",
@@ -721,7 +1047,7 @@ mod tests {
             c.mask_row(&mut row, path);
             (0..15).filter(|&i| row[i] == 0.5).collect()
         };
-        let mut c = JsonConstraint::new(Arc::clone(&vocab), &[10], 0, false);
+        let mut c = JsonConstraint::new(Arc::clone(&vocab), free(), &[10], 0, false);
         // Start: `{`, `{"`, whitespace; row entries past the vocabulary are masked too.
         assert_eq!(allowed(&c, &[]), vec![0, 6, 7]);
         c.push(7); // {"
@@ -746,7 +1072,7 @@ mod tests {
         // Before `min_tokens` a stop token with text would be emitted, not end the request:
         // masked after the object, the textless end token kept (from the 8th token on, as
         // the 8th ends the request, the stop token too).
-        let mut c = JsonConstraint::new(Arc::clone(&vocab), &[10], 7, false);
+        let mut c = JsonConstraint::new(Arc::clone(&vocab), free(), &[10], 7, false);
         for t in [0, 1] {
             c.push(t); // {}
         }
@@ -775,7 +1101,7 @@ mod tests {
         eos_text.ends_with_text = vec![2];
         for v in [Arc::new(with_piece), Arc::new(eos_text)] {
             for (ignore_eos, want) in [(false, vec![2, 3]), (true, vec![3])] {
-                let mut c = JsonConstraint::new(Arc::clone(&v), &[], 0, ignore_eos);
+                let mut c = JsonConstraint::new(Arc::clone(&v), free(), &[], 0, ignore_eos);
                 c.push(0);
                 c.push(1);
                 let mut row = vec![0.5f32; 4];
@@ -789,7 +1115,7 @@ mod tests {
             vec![Some(b"{}".to_vec()), Some(b" ".to_vec())],
             vec![],
         ));
-        let mut c = JsonConstraint::new(no_ends, &[], 0, false);
+        let mut c = JsonConstraint::new(no_ends, free(), &[], 0, false);
         for _ in 0..=MAX_WHITESPACE_RUN {
             c.push(if c.state().is_some_and(|s| s.is_done()) {
                 1
@@ -826,16 +1152,17 @@ mod tests {
             .collect();
         let vocab = JsonVocab::new(pieces.clone(), vec![]);
         let text = r#"{"a": [1, -2.5e+3, true, null, {"b": "x\u00e9\n é"}], "c": {}, "d": false}"#;
-        let mut state = JsonState::start();
+        let g = free();
+        let mut state = JsonState::start(&g);
         let mut checked = 0;
         for &b in text.as_bytes() {
-            let bits = vocab.allowed(&state);
+            let bits = vocab.allowed(&g, 0, &state);
             for (id, p) in pieces.iter().enumerate() {
-                let want = state.after(p.as_deref().unwrap()).is_some();
+                let want = state.after(&g, p.as_deref().unwrap()).is_some();
                 assert_eq!(bits[id / 64] >> (id % 64) & 1 == 1, want, "{state:?} {p:?}");
                 checked += want as usize;
             }
-            assert!(state.feed(b), "{}", b as char);
+            assert!(state.feed(&g, b), "{}", b as char);
         }
         assert!(state.is_done());
         assert!(checked > 1000, "{checked}");

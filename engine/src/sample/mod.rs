@@ -3,6 +3,7 @@
 pub(crate) mod draw;
 pub mod json;
 pub mod penalty;
+pub mod schema;
 pub mod verify;
 
 use crate::backend::simd::widened;

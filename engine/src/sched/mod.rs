@@ -839,7 +839,7 @@ impl<'a> Scheduler<'a> {
         let capacity = cap.saturating_add(spec.as_ref().map_or(0, |sp| sp.budget + 1));
         let json = match params.response_format {
             ResponseFormat::Text => None,
-            ResponseFormat::JsonObject => self
+            ResponseFormat::JsonObject | ResponseFormat::JsonSchema(_) => self
                 .json_vocab
                 .clone()
                 .or_else(|| self.tokenizer.as_ref().map(|t| t.json_vocab())),

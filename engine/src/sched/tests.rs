@@ -2228,7 +2228,8 @@ fn a_preempted_request_queues_behind_an_older_passed_over_one() {
 /// whose wrong siblings leave the grammar, in a roomy pool and in one that preempts: each
 /// request's tokens equal its masked reference (`alone`), but sampled requests verifying trees
 /// (MSS draws differently), which are only checked to be JSON. A scheduler without a
-/// tokenizer or a vocabulary refuses such a request.
+/// tokenizer or a vocabulary refuses such a request. The same with a schema (an object of an
+/// array of at most three integers and an optional literal), whose complete outputs match it.
 #[test]
 fn json_mode_outputs_are_json_and_equal_the_masked_reference() {
     let be = CpuBackend::new(2).unwrap();
@@ -2241,20 +2242,38 @@ fn json_mode_outputs_are_json_and_equal_the_masked_reference() {
             .flat_map(|&t| JSON_PIECES[t as usize % 24].bytes())
             .collect()
     };
-    let mut completed = 0;
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "a": {"type": "array", "items": {"type": "integer"}, "maxItems": 3},
+            "b": {"enum": [true, null]}
+        },
+        "required": ["a"]
+    });
+    let grammar = Arc::new(crate::JsonGrammar::from_schema(&schema).unwrap());
+    let mut completed = [0, 0];
     let mut preempted = 0;
-    for (sampling, blocks) in [
-        (SamplingParams::greedy(), 64),
-        (SamplingParams::greedy(), 9),
-        (
-            SamplingParams {
-                temperature: 1.0,
-                seed: 11,
-                ..SamplingParams::default()
-            },
-            64,
-        ),
-    ] {
+    for (format, sampling, blocks) in [
+        ResponseFormat::JsonObject,
+        ResponseFormat::JsonSchema(Arc::clone(&grammar)),
+    ]
+    .into_iter()
+    .flat_map(|f| {
+        [
+            (SamplingParams::greedy(), 64),
+            (SamplingParams::greedy(), 9),
+            (
+                SamplingParams {
+                    temperature: 1.0,
+                    seed: 11,
+                    ..SamplingParams::default()
+                },
+                64,
+            ),
+        ]
+        .map(|(s, b)| (f.clone(), s, b))
+    }) {
+        let g = format.grammar().unwrap();
         let pool = KvPool::new(&model.config, model.config.n_layers, blocks);
         let mut s = Scheduler::new(&model, None, pool.clone(), SchedConfig::default()).unwrap();
         s.set_json_vocab(Arc::clone(&json));
@@ -2266,7 +2285,7 @@ fn json_mode_outputs_are_json_and_equal_the_masked_reference() {
                     seed: sampling.seed + i as u64,
                     ..sampling.clone()
                 },
-                response_format: ResponseFormat::JsonObject,
+                response_format: format.clone(),
                 ..GenerateParams::default()
             };
             let w = alone(&model, &be, &p, &params);
@@ -2296,19 +2315,29 @@ fn json_mode_outputs_are_json_and_equal_the_masked_reference() {
             // A live JSON text; the end token (which does not stop a request without a
             // tokenizer) only once the object is complete, then whitespace or end tokens.
             let text = pieces(got);
-            let state = JsonState::start().after(&text);
+            let state = JsonState::start(&g).after(&g, &text);
             assert!(state.is_some(), "{}", String::from_utf8_lossy(&text));
             if got.contains(&(vocab as u32 - 1)) {
                 assert!(state.is_some_and(|s| s.is_done()));
                 let v: serde_json::Value = serde_json::from_slice(&text).unwrap();
                 assert!(v.is_object());
-                completed += 1;
+                if let ResponseFormat::JsonSchema(_) = format {
+                    let o = v.as_object().unwrap();
+                    let a = o["a"].as_array().unwrap();
+                    assert!(a.len() <= 3 && a.iter().all(|x| x.is_i64()), "{v}");
+                    assert!(o.keys().all(|k| k == "a" || k == "b"), "{v}");
+                    assert!(o.get("b").is_none_or(|b| b.is_null() || b == true), "{v}");
+                }
+                completed[matches!(format, ResponseFormat::JsonSchema(_)) as usize] += 1;
             }
         }
         assert_eq!(pool.stats().used, 0);
         preempted += s.stats().preemptions;
     }
-    assert!(completed > 0, "no request completed its object");
+    assert!(
+        completed.iter().all(|&c| c > 0),
+        "{completed:?}: none completed its object"
+    );
     assert!(preempted > 0, "the small pool preempted nobody");
     // Without a vocabulary for JSON mode: refused at submission.
     let pool = KvPool::new(&model.config, model.config.n_layers, 8);

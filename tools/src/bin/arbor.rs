@@ -2,6 +2,7 @@
 
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -11,8 +12,8 @@ use arbor_engine::draft::{DraftShape, Drafter, OracleDrafter, RandomDrafter};
 use arbor_engine::sample::verify::VerifyMode;
 use arbor_engine::spec::{self, SpecMetrics, SpecParams};
 use arbor_engine::{
-    generate, ChatMessage, CpuBackend, GenerateParams, Model, Penalties, ResponseFormat,
-    SamplingParams, Tokenizer,
+    generate, ChatMessage, CpuBackend, GenerateParams, JsonGrammar, Model, Penalties,
+    ResponseFormat, SamplingParams, Tokenizer,
 };
 use arbor_tools::spec_bench::DraftSpec;
 use arbor_tools::{bench, fetch, spec_bench};
@@ -209,8 +210,12 @@ struct GenerateArgs {
     #[arg(long, value_name = "ID")]
     stop_token_id: Vec<u32>,
     /// JSON mode: the output is one JSON object (tokens that cannot continue one are masked).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "json_schema")]
     json: bool,
+    /// The output is one JSON text matching the JSON schema in this file (the subset
+    /// docs/protocol.md lists under `response_format`).
+    #[arg(long, value_name = "FILE")]
+    json_schema: Option<PathBuf>,
     /// Do not stop at end-of-generation tokens.
     #[arg(long)]
     ignore_eos: bool,
@@ -861,8 +866,8 @@ fn cuda_generate(a: &GenerateArgs, params: &GenerateParams, ordinal: usize) -> R
         if !params.penalties.is_off() || !params.logit_bias.is_empty() {
             bail!("--device cuda applies no penalties or logit bias yet: drop --repetition-penalty, --frequency-penalty, --presence-penalty and --logit-bias");
         }
-        if a.json {
-            bail!("--device cuda has no JSON mode yet: drop --json");
+        if a.json || a.json_schema.is_some() {
+            bail!("--device cuda has no JSON mode yet: drop --json / --json-schema");
         }
         // Settings this path does not honour are refused, not ignored.
         if a.format != Format::Text {
@@ -998,10 +1003,19 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         logit_bias: a.logit_bias.clone(),
         stop_token_ids: a.stop_token_id.clone(),
         prompt_logprobs: None,
-        response_format: if a.json {
-            ResponseFormat::JsonObject
-        } else {
-            ResponseFormat::Text
+        response_format: match &a.json_schema {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading --json-schema {}", path.display()))?;
+                let schema: serde_json::Value = serde_json::from_str(&text)
+                    .with_context(|| format!("--json-schema {}: not JSON", path.display()))?;
+                ResponseFormat::JsonSchema(Arc::new(
+                    JsonGrammar::from_schema(&schema)
+                        .with_context(|| format!("--json-schema {}", path.display()))?,
+                ))
+            }
+            None if a.json => ResponseFormat::JsonObject,
+            None => ResponseFormat::Text,
         },
     };
     // Token ids against the vocabulary once the model is loaded (`generate`, `spec::generate`).
