@@ -413,7 +413,7 @@ fn hostile_lines() -> Vec<(Vec<u8>, &'static str)> {
         ),
         (
             l(
-                r#"{"id": "b7x", "prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {"e": {"type": "string", "pattern": "@"}}}}}}"#,
+                r#"{"id": "b7x", "prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {"e": {"type": "integer", "minimum": 0}}}}}}"#,
             ),
             "invalid_argument",
         ),
@@ -1753,13 +1753,13 @@ fn json_mode_serves_one_object_as_generate_does() {
         },
         "required": ["name", "age"]
     });
-    let grammar = Arc::new(arbor_engine::JsonGrammar::from_schema(&schema).expect("schema"));
+    let compiled = Arc::new(arbor_engine::JsonSchema::new(schema.clone()));
     for (n, (temperature, spec)) in [(0.0f32, None), (0.0, Some(true)), (0.7, Some(false))]
         .into_iter()
         .enumerate()
     {
         let p = GenerateParams {
-            response_format: arbor_engine::ResponseFormat::JsonSchema(Arc::clone(&grammar)),
+            response_format: arbor_engine::ResponseFormat::JsonSchema(Arc::clone(&compiled)),
             ..params(64, temperature, 5)
         };
         let mut req = request(json!(format!("schema{n}")), prompt, &p);

@@ -9,7 +9,7 @@ use crate::kv::{KvCache, KvPool, BLOCK_SLOTS};
 use crate::model::Model;
 use crate::sample::json::{JsonConstraint, JsonVocab};
 use crate::sample::penalty::{validate_logit_bias, Penalties, PenaltyHistory};
-use crate::sample::schema::JsonGrammar;
+use crate::sample::schema::{JsonGrammar, JsonSchema};
 use crate::sample::{SamplingParams, MAX_TOP_LOGPROBS};
 use crate::sched::{Finish, SchedConfig, Scheduler};
 use crate::shared::Shared;
@@ -62,19 +62,20 @@ pub enum ResponseFormat {
     Text,
     /// One JSON object (RFC 8259), then only whitespace and end-of-generation or stop tokens.
     JsonObject,
-    /// One JSON text matching a compiled schema ([`JsonGrammar::from_schema`]), then as
+    /// One JSON text matching a schema ([`JsonSchema`], compiled on submission), then as
     /// `JsonObject`.
-    JsonSchema(Arc<JsonGrammar>),
+    JsonSchema(Arc<JsonSchema>),
 }
 
 impl ResponseFormat {
-    /// The grammar the output follows (`None` for any text).
-    pub fn grammar(&self) -> Option<Arc<JsonGrammar>> {
-        match self {
+    /// The grammar the output follows (`None` for any text); a schema Arbor cannot compile
+    /// is an `invalid_argument` error.
+    pub fn grammar(&self) -> Result<Option<Arc<JsonGrammar>>> {
+        Ok(match self {
             ResponseFormat::Text => None,
             ResponseFormat::JsonObject => Some(JsonGrammar::any_object()),
-            ResponseFormat::JsonSchema(g) => Some(Arc::clone(g)),
-        }
+            ResponseFormat::JsonSchema(s) => Some(s.grammar()?),
+        })
     }
 }
 
@@ -146,7 +147,7 @@ impl GenerateParams {
         prompt: &[u32],
         json: Option<&Arc<JsonVocab>>,
     ) -> Result<Option<PenaltyHistory>> {
-        let json = match self.response_format.grammar() {
+        let json = match self.response_format.grammar()? {
             None => None,
             Some(grammar) => {
                 let vocab = json.ok_or_else(|| {

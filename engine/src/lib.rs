@@ -22,7 +22,7 @@ pub use gguf::GgufFile;
 pub use kv::{KvCache, KvPool, PoolStats};
 pub use model::{Model, ModelConfig, SeqBatch};
 pub use sample::penalty::Penalties;
-pub use sample::schema::JsonGrammar;
+pub use sample::schema::{JsonGrammar, JsonSchema};
 pub use sample::{Sampler, SamplingParams};
 pub use shared::Shared;
 pub use tokenizer::{ChatMessage, StreamDecoder, Tokenizer};

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arbor_engine::sample::verify::VerifyMode;
-use arbor_engine::{ChatMessage, JsonGrammar, ResponseFormat, SamplingParams};
+use arbor_engine::{ChatMessage, JsonSchema, ResponseFormat, SamplingParams};
 use serde_json::{json, Map, Value};
 
 use crate::api::EngineInfo;
@@ -381,8 +381,8 @@ fn logit_bias(v: &Value) -> Result<Vec<(u32, f32)>, ServeError> {
 }
 
 /// OpenAI's `{"type": "text" | "json_object"}` and `{"type": "json_schema", "json_schema":
-/// {"name", "description", "schema", "strict"}}` (the schema compiled here: what it holds
-/// that Arbor does not support is an `invalid_argument` naming it).
+/// {"name", "description", "schema", "strict"}}` (the schema is compiled on submission: what
+/// it holds that Arbor does not support is an `invalid_argument` naming it).
 fn response_format(v: &Value) -> Result<ResponseFormat, ServeError> {
     let Value::Object(o) = v else {
         return Err(wrong_type("response_format", "an object", v));
@@ -459,13 +459,10 @@ fn json_schema(v: &Value) -> Result<ResponseFormat, ServeError> {
             "'response_format.json_schema' needs a 'schema'",
         )
     })?;
-    let grammar = JsonGrammar::from_schema(schema).map_err(|e| {
-        err(
-            codes::INVALID_ARGUMENT,
-            format!("'response_format.json_schema.schema': {e}"),
-        )
-    })?;
-    Ok(ResponseFormat::JsonSchema(Arc::new(grammar)))
+    // Compiled on submission, on the scheduler's thread: not here, on the event loop.
+    Ok(ResponseFormat::JsonSchema(Arc::new(JsonSchema::new(
+        schema.clone(),
+    ))))
 }
 
 fn messages(v: &Value) -> Result<Vec<ChatMessage>, ServeError> {

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use crate::sample::schema::{
-    JsonGrammar, Node, NodeId, ANY, FREE_LITERALS, MAX_SCHEMA_DEPTH, UNBOUNDED,
+    JsonGrammar, Node, NodeId, Pattern, ANY, FREE_LITERALS, MAX_SCHEMA_DEPTH, UNBOUNDED,
 };
 use crate::tokenizer::Tokenizer;
 
@@ -56,7 +56,7 @@ enum Mode {
     /// digits of `\u` left plus one; `utf8` continuation bytes of a multi-byte character left,
     /// the next one's range [`CONTINUATION`]`[first]` (no overlong forms, surrogates or code
     /// points past U+10FFFF); `len` characters read (counted only up to what the node's bounds
-    /// tell apart).
+    /// tell apart); `dfa` the node's pattern's state (0 without one).
     Str {
         node: NodeId,
         key: bool,
@@ -64,6 +64,7 @@ enum Mode {
         utf8: u8,
         first: u8,
         len: u16,
+        dfa: u32,
     },
     Num {
         num: Num,
@@ -184,7 +185,8 @@ impl JsonState {
                 utf8,
                 first,
                 len,
-            } => self.string(g, b, node, key, esc, utf8, first, len),
+                dfa,
+            } => self.string(g, b, node, key, esc, utf8, first, len, dfa),
             Mode::Num { num, integer } => self.number(g, b, num, integer),
             Mode::Lit { node, cand, pos } => self.literal(g, b, node, cand, pos),
             Mode::Key { cand, pos } => self.key(g, b, cand, pos),
@@ -205,6 +207,7 @@ impl JsonState {
                             utf8: 0,
                             first: 0,
                             len: 0,
+                            dfa: 0,
                         };
                         b == b'"'
                     }
@@ -370,6 +373,7 @@ impl JsonState {
             utf8: 0,
             first: 0,
             len: 0,
+            dfa: 0,
         };
         let number = |integer| {
             match b {
@@ -473,8 +477,21 @@ impl JsonState {
         utf8: u8,
         first: u8,
         len: u16,
+        dfa: u32,
     ) -> bool {
         let (min, max) = g.string_bounds(node);
+        let pattern = g.pattern(node);
+        // A pattern reads the string's raw bytes: every byte but the closing quote.
+        let dfa = match pattern {
+            Some(p) if b != b'"' || esc > 0 || utf8 > 0 => {
+                let next = p.step(dfa, b);
+                if next == Pattern::DEAD {
+                    return false;
+                }
+                next
+            }
+            _ => dfa,
+        };
         let set = |esc, utf8, first, len| Mode::Str {
             node,
             key,
@@ -482,6 +499,7 @@ impl JsonState {
             utf8,
             first,
             len,
+            dfa,
         };
         // A character starts: count it where the bounds tell counts apart.
         let counted = || {
@@ -512,7 +530,7 @@ impl JsonState {
                     return true;
                 }
                 b'"' => {
-                    if len < min {
+                    if len < min || pattern.is_some_and(|p| !p.accepts(dfa)) {
                         return false;
                     }
                     self.close_value(g);
@@ -627,6 +645,7 @@ impl JsonVocab {
                 utf8: 0,
                 first: 0,
                 len: 0,
+                dfa: 0,
             },
             ..JsonState::start(&free)
         };
@@ -728,25 +747,27 @@ impl JsonVocab {
             ..
         } = state.mode
         {
-            // Plain content continues a string as far as its maximum length allows (the
-            // minimum only matters at the closing quote); the rest is tried.
-            let max = g.string_bounds(node).1;
-            let mut bits = self.plain.clone();
-            if max != UNBOUNDED {
-                let room = max.saturating_sub(len);
-                for (id, &c) in self.plain_chars.iter().enumerate() {
-                    if c > room {
-                        bits[id / 64] &= !(1 << (id % 64));
+            if g.pattern(node).is_none() {
+                // Plain content continues a string as far as its maximum length allows (the
+                // minimum only matters at the closing quote); the rest is tried.
+                let max = g.string_bounds(node).1;
+                let mut bits = self.plain.clone();
+                if max != UNBOUNDED {
+                    let room = max.saturating_sub(len);
+                    for (id, &c) in self.plain_chars.iter().enumerate() {
+                        if c > room {
+                            bits[id / 64] &= !(1 << (id % 64));
+                        }
                     }
                 }
-            }
-            for &id in &self.not_plain {
-                let p = self.pieces[id as usize].as_deref().unwrap_or_default();
-                if state.after(g, p).is_some() {
-                    bits[id as usize / 64] |= 1 << (id % 64);
+                for &id in &self.not_plain {
+                    let p = self.pieces[id as usize].as_deref().unwrap_or_default();
+                    if state.after(g, p).is_some() {
+                        bits[id as usize / 64] |= 1 << (id % 64);
+                    }
                 }
+                return self.remember(key, bits);
             }
-            return self.remember(key, bits);
         }
         let mut bits = vec![0u64; self.pieces.len().div_ceil(64)];
         for (first, ids) in self.by_first_byte.iter().enumerate() {

@@ -42,6 +42,8 @@ const KEYWORDS: &[&str] = &[
     "maxItems",
     "minLength",
     "maxLength",
+    "pattern",
+    "format",
     "enum",
     "const",
     "anyOf",
@@ -76,10 +78,12 @@ pub(crate) enum Node {
         min: u16,
         max: u16,
     },
-    /// A string of `min..=max` characters (an escape counts as one).
+    /// A string of `min..=max` characters (an escape counts as one), matching
+    /// `JsonGrammar::patterns[pattern]` where it has one.
     String {
         min: u16,
         max: u16,
+        pattern: Option<u16>,
     },
     Number {
         integer: bool,
@@ -101,6 +105,60 @@ pub(crate) struct Prop {
     pub required: bool,
 }
 
+/// A JSON schema as a request carries it: compiled on first use, where the request is
+/// submitted (the scheduler's thread, not the connection that read it), once for all the
+/// request's choices; a schema Arbor cannot compile fails there with `invalid_argument`.
+pub struct JsonSchema {
+    schema: Value,
+    grammar: OnceLock<std::result::Result<Arc<JsonGrammar>, String>>,
+}
+
+impl JsonSchema {
+    pub fn new(schema: Value) -> JsonSchema {
+        JsonSchema {
+            schema,
+            grammar: OnceLock::new(),
+        }
+    }
+
+    /// The schema as given.
+    pub fn schema(&self) -> &Value {
+        &self.schema
+    }
+
+    /// The compiled grammar ([`JsonGrammar::from_schema`]), compiled on the first call.
+    pub fn grammar(&self) -> Result<Arc<JsonGrammar>> {
+        self.grammar
+            .get_or_init(|| {
+                JsonGrammar::from_schema(&self.schema)
+                    .map(Arc::new)
+                    .map_err(|e| match e {
+                        EngineError::InvalidArgument(m) => m,
+                        e => e.to_string(),
+                    })
+            })
+            .clone()
+            .map_err(EngineError::InvalidArgument)
+    }
+}
+
+impl PartialEq for JsonSchema {
+    fn eq(&self, other: &Self) -> bool {
+        self.schema == other.schema
+    }
+}
+
+impl Eq for JsonSchema {}
+
+impl std::fmt::Debug for JsonSchema {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let text = self.schema.to_string();
+        f.debug_tuple("JsonSchema")
+            .field(&text.chars().take(80).collect::<String>())
+            .finish()
+    }
+}
+
 /// A compiled schema (or JSON mode's "any object"): the nodes, the first bytes each can start
 /// with, the root, and the schema's text, which names it (equal texts, equal grammars).
 pub struct JsonGrammar {
@@ -114,6 +172,28 @@ pub struct JsonGrammar {
     text: String,
     /// SHA-256 of `text`: names the grammar in a vocabulary's mask cache.
     digest: [u8; 32],
+    /// The string patterns (`pattern`, `format`) as byte automata.
+    patterns: Vec<Pattern>,
+}
+
+/// A string pattern as a byte automaton over the string's raw bytes (no escapes): state 0
+/// starts; `next[s * 256 + b]` is the state after byte `b`, [`Pattern::DEAD`] where no string
+/// matching the pattern can follow; `accept[s]`: the string may end in state `s`.
+pub(crate) struct Pattern {
+    next: Vec<u32>,
+    accept: Vec<bool>,
+}
+
+impl Pattern {
+    pub(crate) const DEAD: u32 = u32::MAX;
+
+    pub(crate) fn step(&self, s: u32, b: u8) -> u32 {
+        self.next[s as usize * 256 + b as usize]
+    }
+
+    pub(crate) fn accepts(&self, s: u32) -> bool {
+        self.accept[s as usize]
+    }
 }
 
 impl std::fmt::Debug for JsonGrammar {
@@ -257,8 +337,18 @@ impl JsonGrammar {
     /// A string node's bounds in characters (free strings: none).
     pub(crate) fn string_bounds(&self, id: NodeId) -> (u16, u16) {
         match self.node(id) {
-            Node::String { min, max } => (*min, *max),
+            Node::String { min, max, .. } => (*min, *max),
             _ => (0, UNBOUNDED),
+        }
+    }
+
+    /// A string node's pattern.
+    pub(crate) fn pattern(&self, id: NodeId) -> Option<&Pattern> {
+        match self.node(id) {
+            Node::String {
+                pattern: Some(p), ..
+            } => self.patterns.get(*p as usize),
+            _ => None,
         }
     }
 
@@ -321,6 +411,9 @@ struct Compiler<'a> {
     refs: HashMap<String, NodeId>,
     /// Unions written in the schema (`anyOf`, `oneOf`, type lists) and where.
     unions: Vec<(NodeId, String)>,
+    patterns: Vec<Pattern>,
+    /// States of all patterns so far.
+    pattern_states: usize,
 }
 
 impl<'a> Compiler<'a> {
@@ -331,6 +424,8 @@ impl<'a> Compiler<'a> {
             nodes: vec![Node::Any, Node::Literals(lits.to_vec()), Node::AnyObject],
             refs: HashMap::new(),
             unions: Vec::new(),
+            patterns: Vec::new(),
+            pattern_states: 0,
         }
     }
 
@@ -361,6 +456,7 @@ impl<'a> Compiler<'a> {
             root,
             text,
             digest,
+            patterns: self.patterns,
         })
     }
 
@@ -519,7 +615,50 @@ impl<'a> Compiler<'a> {
         let node = match t {
             "string" => {
                 let (min, max) = bounds("minLength", "maxLength")?;
-                Node::String { min, max }
+                let regex = match (o.get("pattern"), o.get("format")) {
+                    (Some(_), Some(_)) => {
+                        return Err(invalid(path, "'pattern' beside 'format' is not supported"))
+                    }
+                    (Some(Value::String(p)), None) => {
+                        // Checked alone first, so that the wrapping cannot change its meaning.
+                        regex_automata::util::syntax::parse(p)
+                            .map_err(|e| invalid(path, &format!("'pattern': {e}")))?;
+                        // JSON Schema's patterns match anywhere in the string.
+                        Some(format!("(?s:.*)(?:{p})(?s:.*)"))
+                    }
+                    (None, Some(Value::String(f))) => match format_regex(f) {
+                        Some(r) => Some(r.to_string()),
+                        None => {
+                            return Err(invalid(
+                                path,
+                                &format!(
+                                    "'format' '{}' is not supported ({})",
+                                    f.chars().take(32).collect::<String>(),
+                                    FORMATS
+                                        .iter()
+                                        .map(|(n, _)| *n)
+                                        .collect::<Vec<_>>()
+                                        .join(", ")
+                                ),
+                            ))
+                        }
+                    },
+                    (Some(_), None) => return Err(invalid(path, "'pattern' must be a string")),
+                    (None, Some(_)) => return Err(invalid(path, "'format' must be a string")),
+                    (None, None) => None,
+                };
+                let pattern = match regex {
+                    Some(_) if (min, max) != (0, UNBOUNDED) => {
+                        return Err(invalid(
+                            path,
+                            "'minLength' / 'maxLength' beside 'pattern' / 'format' are not \
+                             supported (write the length into the pattern)",
+                        ))
+                    }
+                    Some(r) => Some(self.pattern(&r, path)?),
+                    None => None,
+                };
+                Node::String { min, max, pattern }
             }
             "integer" => Node::Number { integer: true },
             "number" => Node::Number { integer: false },
@@ -648,6 +787,115 @@ impl<'a> Compiler<'a> {
         Ok(slot)
     }
 
+    /// Compile a regular expression into a [`Pattern`]: regex-automata's dense DFA, walked
+    /// from its anchored start over the bytes a JSON string may hold raw (no control bytes,
+    /// `"` or `\`), keeping only states from which a match can still be reached.
+    fn pattern(&mut self, regex: &str, path: &str) -> Result<u16> {
+        use regex_automata::dfa::{dense, Automaton, StartKind};
+        use regex_automata::nfa::thompson;
+        use regex_automata::{util::start, Anchored, MatchKind};
+        if self.patterns.len() >= MAX_PATTERNS {
+            return Err(invalid(
+                path,
+                &format!("a schema may hold at most {MAX_PATTERNS} patterns / formats"),
+            ));
+        }
+        let too_big = || {
+            invalid(
+                path,
+                &format!(
+                    "the patterns / formats need more than {MAX_PATTERN_STATES} automaton states"
+                ),
+            )
+        };
+        let raw = |b: u8| b >= 0x20 && b != b'"' && b != b'\\';
+        // Bytes a raw string never holds stop the determinization (quit), so that the DFA's
+        // budget goes to the bytes walked; the NFA is bounded too (a repetition count copies).
+        let config = (0..=255u8)
+            .filter(|&b| !raw(b))
+            .fold(dense::Config::new(), |c, b| c.quit(b, true))
+            .match_kind(MatchKind::All)
+            .start_kind(StartKind::Anchored)
+            .dfa_size_limit(Some(8 << 20))
+            .determinize_size_limit(Some(8 << 20));
+        let dfa = dense::Builder::new()
+            .configure(config)
+            .thompson(thompson::Config::new().nfa_size_limit(Some(4 << 20)))
+            .build(regex)
+            .map_err(|e| invalid(path, &format!("'pattern' / 'format': {e}")))?;
+        let start = dfa
+            .start_state(&start::Config::new().anchored(Anchored::Yes))
+            .map_err(|e| invalid(path, &format!("'pattern' / 'format': {e}")))?;
+        // Breadth first from the start: the DFA's states as 0, 1, 2, ...
+        let mut index: HashMap<regex_automata::util::primitives::StateID, u32> = HashMap::new();
+        let mut order = vec![start];
+        index.insert(start, 0);
+        let mut edges: Vec<u32> = Vec::new();
+        let mut i = 0;
+        while i < order.len() {
+            let s = order[i];
+            for b in 0..=255u8 {
+                let t = dfa.next_state(s, b);
+                if !raw(b) || dfa.is_dead_state(t) || dfa.is_quit_state(t) {
+                    edges.push(Pattern::DEAD);
+                    continue;
+                }
+                let n = order.len() as u32;
+                let id = *index.entry(t).or_insert_with(|| {
+                    order.push(t);
+                    n
+                });
+                edges.push(id);
+            }
+            if self.pattern_states + order.len() > MAX_PATTERN_STATES {
+                return Err(too_big());
+            }
+            i += 1;
+        }
+        let accept: Vec<bool> = order
+            .iter()
+            .map(|&s| dfa.is_match_state(dfa.next_eoi_state(s)))
+            .collect();
+        // Live states reach an accepting one (backwards from those, over reversed edges);
+        // edges into the others are cut.
+        let mut into: Vec<Vec<u32>> = vec![Vec::new(); order.len()];
+        for (k, &t) in edges.iter().enumerate() {
+            if t != Pattern::DEAD {
+                into[t as usize].push((k / 256) as u32);
+            }
+        }
+        let mut live = accept.clone();
+        let mut work: Vec<u32> = (0..order.len() as u32)
+            .filter(|&s| live[s as usize])
+            .collect();
+        while let Some(t) = work.pop() {
+            for &s in &into[t as usize] {
+                if !live[s as usize] {
+                    live[s as usize] = true;
+                    work.push(s);
+                }
+            }
+        }
+        if !live[0] {
+            return Err(invalid(
+                path,
+                "no JSON string Arbor can write matches the 'pattern' (strings under a \
+                 pattern hold no escapes: no '\"', '\\' or control characters)",
+            ));
+        }
+        for t in edges.iter_mut() {
+            if *t != Pattern::DEAD && !live[*t as usize] {
+                *t = Pattern::DEAD;
+            }
+        }
+        self.pattern_states += order.len();
+        self.patterns.push(Pattern {
+            next: edges,
+            accept,
+        });
+        Ok((self.patterns.len() - 1) as u16)
+    }
+
     fn literals(&mut self, values: &[Value], path: &str) -> Result<NodeId> {
         if values.is_empty() || values.len() > MAX_CHOICES {
             return Err(invalid(
@@ -708,6 +956,73 @@ impl<'a> Compiler<'a> {
         self.nodes[slot as usize] = Node::Union(vec![body]);
         Ok(slot)
     }
+}
+
+/// Most patterns / formats of one schema, and states of all their automata (each 1 KiB).
+const MAX_PATTERNS: usize = 64;
+const MAX_PATTERN_STATES: usize = 16_384;
+
+/// An RFC 3339 `full-date`: days by month, February 29th in leap years only.
+macro_rules! date {
+    () => {
+        concat!(
+            r"([0-9]{4}-(0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])",
+            r"|[0-9]{4}-(0[469]|11)-(0[1-9]|[12][0-9]|30)",
+            r"|[0-9]{4}-02-(0[1-9]|1[0-9]|2[0-8])",
+            r"|([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)-02-29)"
+        )
+    };
+}
+
+/// An RFC 3339 `full-time` (the offset required; no leap second, `T` and `Z` upper case).
+macro_rules! time {
+    () => {
+        r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]{1,9})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+    };
+}
+
+/// A DNS label: 1 to 63 letters, digits and inner hyphens.
+macro_rules! label {
+    () => {
+        r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+    };
+}
+
+/// The `format`s supported, as regular expressions over the whole string: RFC 3339 dates and
+/// times, RFC 4122 UUIDs, dotted IPv4, e-mail addresses as a dot-atom at a domain of DNS labels
+/// (RFC 5322's common form), host names of DNS labels, URIs as a scheme and RFC 3986's
+/// characters.
+const FORMATS: &[(&str, &str)] = &[
+    ("date", concat!("^", date!(), "$")),
+    ("time", concat!("^", time!(), "$")),
+    ("date-time", concat!("^", date!(), "T", time!(), "$")),
+    (
+        "uuid",
+        r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$",
+    ),
+    (
+        "ipv4",
+        r"^(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])(\.(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])){3}$",
+    ),
+    (
+        "email",
+        concat!(
+            r"^[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+(\.[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+)*@",
+            label!(),
+            r"(\.",
+            label!(),
+            r")+$"
+        ),
+    ),
+    ("hostname", concat!("^", label!(), r"(\.", label!(), ")*$")),
+    (
+        "uri",
+        r"^[A-Za-z][A-Za-z0-9+.-]*:([A-Za-z0-9\-._~:/?#\[\]@!$&'()*+,;=]|%[0-9A-Fa-f]{2})+$",
+    ),
+];
+
+fn format_regex(name: &str) -> Option<&'static str> {
+    FORMATS.iter().find(|(n, _)| *n == name).map(|(_, r)| *r)
 }
 
 /// Whether `v` is of JSON schema type `t`.
@@ -862,7 +1177,16 @@ mod tests {
         let n = |k: &str, d: u64| o.get(k).and_then(Value::as_u64).unwrap_or(d) as usize;
         types.iter().any(|&t| match (t, v) {
             ("string", Value::String(x)) => {
+                let re = match (o.get("pattern"), o.get("format")) {
+                    (Some(p), _) => p.as_str().map(str::to_string),
+                    (_, Some(f)) => {
+                        format_regex(f.as_str().unwrap_or_default()).map(str::to_string)
+                    }
+                    _ => None,
+                };
                 (n("minLength", 0)..=n("maxLength", u64::MAX)).contains(&x.chars().count())
+                    && re
+                        .is_none_or(|re| fancy_regex::Regex::new(&re).unwrap().is_match(x).unwrap())
             }
             ("integer", Value::Number(x)) => x.is_i64() || x.is_u64(),
             ("number", Value::Number(_)) => true,
@@ -909,6 +1233,7 @@ mod tests {
                 "nick": {"type": ["string", "null"]},
                 "pet": {"anyOf": [{"$ref": "#/$defs/pet"}, {"type": "null"}]},
                 "extra": {},
+                "when": {"type": "string", "format": "date"},
                 "v": {"const": "1.0"}
             },
             "required": ["name", "age", "ok", "v"],
@@ -934,7 +1259,7 @@ mod tests {
             r#"{"name":"é","age":-1,"height":1.5e0,"tags":["x","y"],"kind":12,"ok":false,"nick":null,"pet":{"name":"Rex","kids":[{"name":"P","kids":[]}]},"extra":{"any":[1,{"k":null}]},"v":"1.0"}"#,
             r#"{"name": "12345678", "age": 0, "kind": 1, "ok": true, "nick": "x", "pet": null, "extra": "s", "v": "1.0"}"#,
             r#"{"name": "\u00e9\n", "age": 7, "kind": "ab", "ok": true, "v": "1.0"} "#,
-            r#"{"name": "a", "age": 1, "kind": "a", "ok": false, "extra": 3, "v": "1.0"}"#,
+            r#"{"name": "a", "age": 1, "kind": "a", "ok": false, "extra": 3, "when": "2024-02-29", "v": "1.0"}"#,
         ];
         for t in good {
             assert!(accepts(&g, t), "{t}");
@@ -962,6 +1287,8 @@ mod tests {
             r#"{"name": "Ada", "age": 36, "ok": true, "pet": {}, "v": "1.0"}"#,
             r#"{"name": "Ada", "age": 36, "ok": true, "pet": {"name": "R", "kids": [{"name": "a"}, {"name": "b"}, {"name": "c"}]}, "v": "1.0"}"#,
             r#"{"name": "Ada", "age": 36, "ok": true, "v": "1.1"}"#,
+            r#"{"name": "Ada", "age": 36, "ok": true, "when": "2024-13-01", "v": "1.0"}"#,
+            r#"{"name": "Ada", "age": 36, "ok": true, "when": "2024-1-01", "v": "1.0"}"#,
             r#"{"name": "Ada", "age": 36, "ok": true, "v": "1.0""#,
             r#"[]"#,
         ];
@@ -1011,12 +1338,12 @@ mod tests {
     fn unsupported_schemas_are_refused_with_a_reason() {
         let cases = [
             (
-                json!({"type": "object", "properties": {"e": {"type": "string", "pattern": "^a"}}}),
-                "'pattern'",
+                json!({"type": "object", "patternProperties": {"^a": {}}}),
+                "'patternProperties'",
             ),
             (
-                json!({"type": "object", "properties": {"d": {"type": "string", "format": "date"}}}),
-                "'format'",
+                json!({"type": "object", "properties": {"d": {"type": "string", "format": "ipv6"}}}),
+                "'format' 'ipv6'",
             ),
             (
                 json!({"type": "object", "additionalProperties": {"type": "integer"}}),
@@ -1158,7 +1485,7 @@ mod tests {
             x ^= x << 17;
             x
         };
-        let text = r#"{"name": "é\nnamet", "age": -10, "tags": ["a"], "kind": 12, "ok": true, "pet": {"name": "d", "kids": []}, "extra": [1], "v": "1.0"}"#;
+        let text = r#"{"name": "é\nnamet", "age": -10, "tags": ["a"], "kind": 12, "ok": true, "pet": {"name": "d", "kids": []}, "extra": [1], "when": "1999-12-31", "v": "1.0"}"#;
         let pieces: Vec<Option<Vec<u8>>> = (0..3000)
             .map(|_| {
                 let len = 1 + next() % 5;
@@ -1196,6 +1523,115 @@ mod tests {
         }
         assert!(c.state().is_some_and(|s| s.is_done()));
         assert!(checked > 1000, "{checked}");
+    }
+
+    /// `pattern` (matched anywhere in the string, as JSON Schema does, unless anchored) and
+    /// the supported `format`s, with length bounds beside them; no escapes under a pattern;
+    /// patterns that cannot match, do not parse or need what the DFA lacks are refused.
+    #[test]
+    fn patterns_and_formats_constrain_strings() {
+        let g = JsonGrammar::from_schema(&json!({
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,3}$"},
+                "code": {"type": "string", "pattern": "[0-9]{3}"},
+                "at": {"type": "string", "format": "date-time"},
+                "id": {"type": "string", "format": "uuid"},
+                "mail": {"type": "string", "format": "email"},
+                "ip": {"type": "string", "format": "ipv4"},
+                "day": {"type": "string", "format": "date"},
+                "t": {"type": "string", "format": "time"},
+                "host": {"type": "string", "format": "hostname"},
+                "uri": {"type": "string", "format": "uri"}
+            }
+        }))
+        .unwrap();
+        let one = |k: &str, v: &str| accepts(&g, &format!(r#"{{"{k}": "{v}"}}"#));
+        for (k, v) in [
+            ("name", "Ada"),
+            ("name", "Abcd"),
+            ("code", "ab123cd"),
+            ("code", "123"),
+            ("code", "é999"),
+            ("at", "2024-02-29T12:30:00Z"),
+            ("at", "2000-02-29T23:59:59.25+05:30"),
+            ("day", "2023-04-30"),
+            ("id", "123e4567-e89b-12d3-a456-426614174000"),
+            ("mail", "a.b+c@ex-ample.co.uk"),
+            ("ip", "192.168.0.1"),
+            ("ip", "255.0.10.9"),
+            ("day", "1999-12-31"),
+            ("t", "00:00:00-01:00"),
+            ("host", "a-b.example"),
+            ("uri", "https://example.com/a?b=c#d"),
+        ] {
+            assert!(one(k, v), "{k}: {v}");
+        }
+        for (k, v) in [
+            ("name", "ada"),
+            ("name", "A"),
+            ("name", "Abcde"),
+            ("name", "A\\u0062c"),
+            ("code", "12a3"),
+            ("at", "2024-02-29 12:30:00Z"),
+            ("at", "2024-02-29T12:30:00"),
+            ("at", "2024-02-29T24:00:00Z"),
+            ("at", "2024-02-29t12:30:00Z"),
+            ("at", "2024-02-29T12:30:60Z"),
+            ("day", "2023-02-29"),
+            ("day", "1900-02-29"),
+            ("day", "2024-04-31"),
+            ("mail", ".a@b.co"),
+            ("mail", "a..b@b.co"),
+            ("mail", "a@-b.co"),
+            ("uri", "x:<>"),
+            ("uri", "x:%zz"),
+            ("id", "123e4567-e89b-12d3-a456-42661417400"),
+            ("mail", "a@b"),
+            ("mail", "@b.com"),
+            ("ip", "256.1.1.1"),
+            ("ip", "01.1.1.1"),
+            ("day", "1999-00-10"),
+            ("t", "12:60:00Z"),
+            ("host", "-a.example"),
+            ("uri", "no scheme"),
+        ] {
+            assert!(!one(k, v), "{k}: {v}");
+        }
+        let refused = [
+            (
+                json!({"type": "string", "pattern": "a", "format": "date"}),
+                "'pattern' beside 'format'",
+            ),
+            (json!({"type": "string", "pattern": "([a-z"}), "'pattern'"),
+            (json!({"type": "string", "pattern": "a(?=b)"}), "'pattern'"),
+            (
+                json!({"type": "string", "pattern": "^\"$"}),
+                "no JSON string",
+            ),
+            (
+                json!({"type": "string", "pattern": r"^a\\b$"}),
+                "no JSON string",
+            ),
+            (
+                json!({"type": "string", "format": "ipv6"}),
+                "'format' 'ipv6' is not supported",
+            ),
+            (
+                json!({"type": "string", "pattern": "a{2000000000}"}),
+                "'pattern'",
+            ),
+            (
+                json!({"type": "string", "format": "date", "maxLength": 5}),
+                "beside 'pattern' / 'format'",
+            ),
+            (json!({"type": "string", "pattern": 3}), "must be a string"),
+        ];
+        for (s, want) in refused {
+            let schema = json!({"type": "object", "properties": {"s": s}});
+            let e = JsonGrammar::from_schema(&schema).unwrap_err();
+            assert!(e.to_string().contains(want), "{want}: {e}");
+        }
     }
 
     /// A recursive schema nests as deep as the automaton's frames allow and no deeper: an
@@ -1328,6 +1764,7 @@ mod tests {
             person(),
             json!({"type": "array", "items": {"enum": ["x", 1, [2], {"k": false}]}, "minItems": 2, "maxItems": 3}),
             json!({"type": "object", "properties": {"s": {"type": "string", "minLength": 2, "maxLength": 3}, "o": {"type": "object", "properties": {}}}, "required": ["o"]}),
+            json!({"type": "object", "properties": {"p": {"type": "string", "pattern": "^[a-c]+-[0-9]{2}$"}, "q": {"type": "string", "pattern": "^[xyz]{1,3}$"}, "d": {"type": "string", "format": "date"}, "r": {"type": "string", "pattern": "^(x\"|y)$"}}, "required": ["p", "q", "d", "r"]}),
         ];
         for schema in schemas {
             let g = Arc::new(JsonGrammar::from_schema(&schema).unwrap());

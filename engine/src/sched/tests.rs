@@ -2250,12 +2250,12 @@ fn json_mode_outputs_are_json_and_equal_the_masked_reference() {
         },
         "required": ["a"]
     });
-    let grammar = Arc::new(crate::JsonGrammar::from_schema(&schema).unwrap());
+    let schema = Arc::new(crate::JsonSchema::new(schema));
     let mut completed = [0, 0];
     let mut preempted = 0;
     for (format, sampling, blocks) in [
         ResponseFormat::JsonObject,
-        ResponseFormat::JsonSchema(Arc::clone(&grammar)),
+        ResponseFormat::JsonSchema(Arc::clone(&schema)),
     ]
     .into_iter()
     .flat_map(|f| {
@@ -2273,7 +2273,7 @@ fn json_mode_outputs_are_json_and_equal_the_masked_reference() {
         ]
         .map(|(s, b)| (f.clone(), s, b))
     }) {
-        let g = format.grammar().unwrap();
+        let g = format.grammar().unwrap().unwrap();
         let pool = KvPool::new(&model.config, model.config.n_layers, blocks);
         let mut s = Scheduler::new(&model, None, pool.clone(), SchedConfig::default()).unwrap();
         s.set_json_vocab(Arc::clone(&json));

@@ -12,7 +12,7 @@ use arbor_engine::draft::{DraftShape, Drafter, OracleDrafter, RandomDrafter};
 use arbor_engine::sample::verify::VerifyMode;
 use arbor_engine::spec::{self, SpecMetrics, SpecParams};
 use arbor_engine::{
-    generate, ChatMessage, CpuBackend, GenerateParams, JsonGrammar, Model, Penalties,
+    generate, ChatMessage, CpuBackend, GenerateParams, JsonSchema, Model, Penalties,
     ResponseFormat, SamplingParams, Tokenizer,
 };
 use arbor_tools::spec_bench::DraftSpec;
@@ -1009,10 +1009,11 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
                     .with_context(|| format!("reading --json-schema {}", path.display()))?;
                 let schema: serde_json::Value = serde_json::from_str(&text)
                     .with_context(|| format!("--json-schema {}: not JSON", path.display()))?;
-                ResponseFormat::JsonSchema(Arc::new(
-                    JsonGrammar::from_schema(&schema)
-                        .with_context(|| format!("--json-schema {}", path.display()))?,
-                ))
+                let schema = JsonSchema::new(schema);
+                schema
+                    .grammar()
+                    .with_context(|| format!("--json-schema {}", path.display()))?;
+                ResponseFormat::JsonSchema(Arc::new(schema))
             }
             None if a.json => ResponseFormat::JsonObject,
             None => ResponseFormat::Text,
