@@ -189,8 +189,8 @@ impl Engine {
     }
 
     /// Submit `req`; its events arrive on the handle's blocking receiver. Bad settings are an
-    /// error here; what can only be known later (prompt too long, overload) is the stream's
-    /// final `Event::Error`.
+    /// error here; what can only be known later (prompt too long, overload, a JSON schema that
+    /// does not compile) is the stream's final `Event::Error`.
     pub fn submit(&self, req: Request) -> Result<RequestHandle> {
         let (tx, rx) = crossbeam_channel::unbounded();
         let id = self.submit_to(self.validate(req)?, EventSink::Blocking(tx))?;

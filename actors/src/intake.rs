@@ -735,6 +735,7 @@ impl Handler<Submit> for Intake {
         // Tokenized on the PromptTokenizer's thread, then queued on the Verifier's.
         let tokenized = self.tokenizer.send(Tokenize {
             input: req.input.clone(),
+            format: req.params.response_format.clone(),
         });
         let queued = tokenized.into_actor(self).then(move |res, act, _| {
             let res = res.unwrap_or_else(|e| Err(ServeError::internal(e.to_string())));

@@ -90,11 +90,13 @@ pub struct Shutdown {
     pub done: Box<dyn FnOnce() + Send>,
 }
 
-/// Intake → PromptTokenizer: a request's prompt tokens.
+/// Intake → PromptTokenizer: a request's prompt tokens; its JSON schema compiled (and the
+/// JSON vocabulary built) there too, off the Verifier's thread.
 #[derive(Message)]
 #[rtype(result = "Result<Vec<u32>, ServeError>")]
 pub struct Tokenize {
     pub input: crate::request::Input,
+    pub format: arbor_engine::ResponseFormat,
 }
 
 /// Intake → Verifier: queue a request (its prompt tokenized by the PromptTokenizer); replies

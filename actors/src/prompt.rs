@@ -1,9 +1,9 @@
-//! The PromptTokenizer actor: renders a request's chat messages with the model's template and tokenizes its prompt on a thread of its own, so a long prompt (up to the line limit, a MiB) never stalls the Verifier's steps for the requests already running.
+//! The PromptTokenizer actor: renders a request's chat messages with the model's template and tokenizes its prompt on a thread of its own, and compiles its JSON schema there, so a long prompt (up to the line limit, a MiB) or a schema full of patterns never stalls the Verifier's steps for the requests already running.
 
 use std::sync::Arc;
 
 use actix::{Actor, Handler, SyncContext};
-use arbor_engine::Tokenizer;
+use arbor_engine::{ResponseFormat, Tokenizer};
 
 use crate::error::{codes, Result, ServeError};
 use crate::messages::Tokenize;
@@ -45,7 +45,17 @@ impl Handler<Tokenize> for PromptTokenizer {
     type Result = Result<Vec<u32>>;
 
     fn handle(&mut self, msg: Tokenize, _: &mut SyncContext<Self>) -> Result<Vec<u32>> {
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.tokenize(&msg.input))) {
+        let work = || {
+            let prompt = self.tokenize(&msg.input)?;
+            if msg.format != ResponseFormat::Text {
+                // Compiled once for the request (its choices share it) and the vocabulary's
+                // pieces built once for the model: neither on the Verifier's thread.
+                msg.format.grammar().map_err(ServeError::from)?;
+                self.tokenizer.json_vocab();
+            }
+            Ok(prompt)
+        };
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(work)) {
             Ok(r) => r,
             Err(p) => Err(ServeError::internal(format!(
                 "tokenizing panicked: {}",

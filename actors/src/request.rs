@@ -58,7 +58,9 @@ pub struct Request {
     /// `Some(k)`: the prompt's tokens scored by the model (each one's log-probability given
     /// those before it, raw logits), with `k` (0 to 20) alternatives each; on the first event.
     pub prompt_logprobs: Option<usize>,
-    /// What the output must be: any text, or one JSON object (JSON mode).
+    /// What the output must be: any text, one JSON object (JSON mode), or one JSON text
+    /// matching a schema (compiled after submission: a schema Arbor cannot compile is the
+    /// stream's `invalid_argument` error).
     pub response_format: ResponseFormat,
     /// End the request (finish reason `deadline`) this long after submission.
     pub deadline: Option<Duration>,

@@ -936,11 +936,36 @@ impl JsonConstraint {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn free() -> Arc<JsonGrammar> {
         JsonGrammar::any_object()
+    }
+
+    /// A xorshift64 stream from `seed`.
+    pub(crate) fn xorshift(mut x: u64) -> impl FnMut() -> u64 {
+        move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        }
+    }
+
+    /// 3000 random token pieces of 1 to 5 bytes of `alphabet`.
+    pub(crate) fn random_pieces(alphabet: &[u8], seed: u64) -> Vec<Option<Vec<u8>>> {
+        let mut next = xorshift(seed);
+        (0..3000)
+            .map(|_| {
+                let len = 1 + next() % 5;
+                Some(
+                    (0..len)
+                        .map(|_| alphabet[(next() % alphabet.len() as u64) as usize])
+                        .collect(),
+                )
+            })
+            .collect()
     }
 
     fn valid(text: &str) -> bool {
@@ -1153,24 +1178,10 @@ mod tests {
     /// a vocabulary of random JSON-ish pieces and the states along a long object.
     #[test]
     fn masks_equal_a_token_by_token_check() {
-        let alphabet = b"{}[]\":, \n0123456789-+.eEtruefalsnl\\abu\xC3\xA9";
-        let mut x = 0x9E37_79B9_7F4A_7C15u64;
-        let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
-        let pieces: Vec<Option<Vec<u8>>> = (0..3000)
-            .map(|_| {
-                let len = 1 + next() % 5;
-                Some(
-                    (0..len)
-                        .map(|_| alphabet[(next() % alphabet.len() as u64) as usize])
-                        .collect(),
-                )
-            })
-            .collect();
+        let pieces = random_pieces(
+            b"{}[]\":, \n0123456789-+.eEtruefalsnl\\abu\xC3\xA9",
+            0x9E37_79B9_7F4A_7C15,
+        );
         let vocab = JsonVocab::new(pieces.clone(), vec![]);
         let text = r#"{"a": [1, -2.5e+3, true, null, {"b": "x\u00e9\n é"}], "c": {}, "d": false}"#;
         let g = free();

@@ -105,9 +105,11 @@ pub(crate) struct Prop {
     pub required: bool,
 }
 
-/// A JSON schema as a request carries it: compiled on first use, where the request is
-/// submitted (the scheduler's thread, not the connection that read it), once for all the
-/// request's choices; a schema Arbor cannot compile fails there with `invalid_argument`.
+/// A JSON schema as a request carries it: compiled on first use, once for all the request's
+/// choices (the server does it on its prompt tokenizer's thread, neither on the event loop
+/// nor on the thread that runs the steps); a schema Arbor cannot compile fails there with
+/// `invalid_argument`. Compiled schemas (and refusals) are kept per process by the SHA-256 of
+/// their text, so a schema sent again is not compiled again.
 pub struct JsonSchema {
     schema: Value,
     grammar: OnceLock<std::result::Result<Arc<JsonGrammar>, String>>,
@@ -130,21 +132,64 @@ impl JsonSchema {
     pub fn grammar(&self) -> Result<Arc<JsonGrammar>> {
         self.grammar
             .get_or_init(|| {
-                JsonGrammar::from_schema(&self.schema)
+                let text = serde_json::to_string(&self.schema).unwrap_or_default();
+                let digest: [u8; 32] = sha2::Sha256::digest(text.as_bytes()).into();
+                if let Some(done) = compiled_get(&digest) {
+                    return done;
+                }
+                let done = JsonGrammar::from_schema(&self.schema)
                     .map(Arc::new)
                     .map_err(|e| match e {
                         EngineError::InvalidArgument(m) => m,
                         e => e.to_string(),
-                    })
+                    });
+                compiled_put(digest, &done);
+                done
             })
             .clone()
             .map_err(EngineError::InvalidArgument)
     }
 }
 
+/// What compiling a schema gave.
+type Compiled = std::result::Result<Arc<JsonGrammar>, String>;
+
+/// Schemas compiled in this process, most recently used first: at most [`COMPILED_ENTRIES`]
+/// and [`COMPILED_PATTERN_STATES`] pattern states in all (their tables are 1 KiB a state).
+static COMPILED: std::sync::Mutex<Vec<([u8; 32], Compiled)>> = std::sync::Mutex::new(Vec::new());
+const COMPILED_ENTRIES: usize = 64;
+const COMPILED_PATTERN_STATES: usize = 4 * MAX_PATTERN_STATES;
+
+fn compiled_get(digest: &[u8; 32]) -> Option<Compiled> {
+    let mut c = COMPILED.lock().ok()?;
+    let i = c.iter().position(|(d, _)| d == digest)?;
+    let hit = c.remove(i);
+    let out = hit.1.clone();
+    c.insert(0, hit);
+    Some(out)
+}
+
+fn compiled_put(digest: [u8; 32], done: &Compiled) {
+    let Ok(mut c) = COMPILED.lock() else {
+        return;
+    };
+    c.insert(0, (digest, done.clone()));
+    let states = |e: &([u8; 32], Compiled)| {
+        e.1.as_ref().map_or(0, |g| {
+            g.patterns.iter().map(|p| p.accept.len()).sum::<usize>()
+        })
+    };
+    while c.len() > COMPILED_ENTRIES
+        || (c.len() > 1 && c.iter().map(states).sum::<usize>() > COMPILED_PATTERN_STATES)
+    {
+        c.pop();
+    }
+}
+
 impl PartialEq for JsonSchema {
+    /// Equal texts (property order matters: it is the output's order).
     fn eq(&self, other: &Self) -> bool {
-        self.schema == other.schema
+        serde_json::to_string(&self.schema).ok() == serde_json::to_string(&other.schema).ok()
     }
 }
 
@@ -816,8 +861,8 @@ impl<'a> Compiler<'a> {
             .fold(dense::Config::new(), |c, b| c.quit(b, true))
             .match_kind(MatchKind::All)
             .start_kind(StartKind::Anchored)
-            .dfa_size_limit(Some(8 << 20))
-            .determinize_size_limit(Some(8 << 20));
+            .dfa_size_limit(Some(2 << 20))
+            .determinize_size_limit(Some(2 << 20));
         let dfa = dense::Builder::new()
             .configure(config)
             .thompson(thompson::Config::new().nfa_size_limit(Some(4 << 20)))
@@ -1136,6 +1181,7 @@ fn first_bytes(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sample::json::tests::{random_pieces, xorshift};
     use crate::sample::json::{JsonConstraint, JsonState, JsonVocab};
     use serde_json::json;
 
@@ -1477,26 +1523,12 @@ mod tests {
     /// token tried on its own (string states with and without counts, keys, literals).
     #[test]
     fn schema_masks_equal_a_token_by_token_check() {
-        let alphabet = b"{}[]\":, \n0123456789-.enamgtkisdufl\\\xC3\xA9";
-        let mut x = 0x2545_F491_4F6C_DD1Du64;
-        let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
         let text = r#"{"name": "é\nnamet", "age": -10, "tags": ["a"], "kind": 12, "ok": true, "pet": {"name": "d", "kids": []}, "extra": [1], "when": "1999-12-31", "v": "1.0"}"#;
-        let pieces: Vec<Option<Vec<u8>>> = (0..3000)
-            .map(|_| {
-                let len = 1 + next() % 5;
-                Some(
-                    (0..len)
-                        .map(|_| alphabet[(next() % alphabet.len() as u64) as usize])
-                        .collect(),
-                )
-            })
-            .chain(text.bytes().map(|b| Some(vec![b])))
-            .collect();
+        let mut pieces = random_pieces(
+            b"{}[]\":, \n0123456789-.enamgtkisdufl\\\xC3\xA9",
+            0x2545_F491_4F6C_DD1D,
+        );
+        pieces.extend(text.bytes().map(|b| Some(vec![b])));
         let vocab = Arc::new(JsonVocab::new(pieces.clone(), vec![]));
         let g = Arc::new(JsonGrammar::from_schema(&person()).unwrap());
         let mut c = JsonConstraint::new(Arc::clone(&vocab), Arc::clone(&g), &[], 0, false);
@@ -1704,6 +1736,29 @@ mod tests {
         assert!(closed.is_some_and(|s| s.is_done()));
     }
 
+    /// A request's schema compiles once and its clones share it; a schema sent again (same
+    /// text) reuses the process's compiled grammar, a refused one its refusal; property order
+    /// tells schemas apart.
+    #[test]
+    fn schemas_compile_once_per_text() {
+        let a = Arc::new(JsonSchema::new(person()));
+        let g = a.grammar().unwrap();
+        assert!(Arc::ptr_eq(&g, &Arc::clone(&a).grammar().unwrap()));
+        assert!(Arc::ptr_eq(
+            &g,
+            &JsonSchema::new(person()).grammar().unwrap()
+        ));
+        let bad = json!({"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}});
+        let e1 = JsonSchema::new(bad.clone()).grammar().unwrap_err();
+        let e2 = JsonSchema::new(bad).grammar().unwrap_err();
+        assert_eq!(e1.to_string(), e2.to_string());
+        assert!(e1.to_string().contains("'minimum'"), "{e1}");
+        let ab = JsonSchema::new(json!({"type": "object", "properties": {"a": {}, "b": {}}}));
+        let ba = JsonSchema::new(json!({"type": "object", "properties": {"b": {}, "a": {}}}));
+        assert_ne!(ab, ba);
+        assert!(!Arc::ptr_eq(&ab.grammar().unwrap(), &ba.grammar().unwrap()));
+    }
+
     /// Grammars whose nodes are numbered alike share a vocabulary, not their masks.
     #[test]
     fn grammars_do_not_share_masks() {
@@ -1753,13 +1808,7 @@ mod tests {
         pieces.push(None); // end of generation
         let end = pieces.len() as u32 - 1;
         let vocab = Arc::new(JsonVocab::new(pieces.clone(), vec![end]));
-        let mut x = 0x9E37_79B9_7F4A_7C15u64;
-        let mut next = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut next = xorshift(0x9E37_79B9_7F4A_7C15);
         let schemas = [
             person(),
             json!({"type": "array", "items": {"enum": ["x", 1, [2], {"k": false}]}, "minItems": 2, "maxItems": 3}),
@@ -1786,7 +1835,7 @@ mod tests {
                     // Structure more often than content, so that walks end.
                     let t = if ok.contains(&end) {
                         end
-                    } else if next() % 3 == 0 {
+                    } else if next().is_multiple_of(3) {
                         ok[(next() % ok.len() as u64) as usize]
                     } else {
                         let structural: Vec<u32> = ok

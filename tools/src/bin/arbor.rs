@@ -213,7 +213,7 @@ struct GenerateArgs {
     #[arg(long, conflicts_with = "json_schema")]
     json: bool,
     /// The output is one JSON text matching the JSON schema in this file (the subset
-    /// docs/protocol.md lists under `response_format`).
+    /// docs/protocol.md lists under "JSON schemas").
     #[arg(long, value_name = "FILE")]
     json_schema: Option<PathBuf>,
     /// Do not stop at end-of-generation tokens.
