@@ -683,11 +683,11 @@ impl JsonVocab {
 
     /// The number naming `g` in this vocabulary's mask cache.
     fn grammar_id(&self, g: &JsonGrammar) -> u64 {
-        let Ok(mut ids) = self.grammar_ids.lock() else {
-            // A poisoned lock: a number of its own (masks computed afresh).
-            static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1 << 63);
-            return NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        };
+        // Nothing panics while holding the lock; a poisoned one holds a whole map still.
+        let mut ids = self
+            .grammar_ids
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let (map, next) = &mut *ids;
         if let Some(&id) = map.get(g.digest()) {
             return id;

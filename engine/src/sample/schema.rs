@@ -137,7 +137,7 @@ impl JsonSchema {
                 if let Some(done) = compiled_get(&digest) {
                     return done;
                 }
-                let done = JsonGrammar::from_schema(&self.schema)
+                let done = JsonGrammar::compile(&self.schema, text, digest)
                     .map(Arc::new)
                     .map_err(|e| match e {
                         EngineError::InvalidArgument(m) => m,
@@ -268,7 +268,9 @@ impl JsonGrammar {
         static G: OnceLock<Arc<JsonGrammar>> = OnceLock::new();
         Arc::clone(G.get_or_init(|| {
             let c = Compiler::new(&Value::Null);
-            let g = c.finish(ANY_OBJECT, "json_object".into());
+            let text = "json_object".to_string();
+            let digest = sha2::Sha256::digest(text.as_bytes()).into();
+            let g = c.finish(ANY_OBJECT, text, digest);
             Arc::new(g.unwrap_or_else(|_| unreachable!("no unions, no frames")))
         }))
     }
@@ -279,12 +281,18 @@ impl JsonGrammar {
     /// (`additionalProperties: false`, as OpenAI's strict mode requires); the root is an object
     /// or an array.
     pub fn from_schema(schema: &Value) -> Result<JsonGrammar> {
+        let text = serde_json::to_string(schema).unwrap_or_default();
+        let digest = sha2::Sha256::digest(text.as_bytes()).into();
+        JsonGrammar::compile(schema, text, digest)
+    }
+
+    /// [`JsonGrammar::from_schema`] with the schema's text and its SHA-256.
+    fn compile(schema: &Value, text: String, digest: [u8; 32]) -> Result<JsonGrammar> {
         let mut c = Compiler::new(schema);
         let root = c.compile(schema, "#", 0)?;
         let unions = std::mem::take(&mut c.unions);
-        let text = serde_json::to_string(schema).unwrap_or_default();
         // Cycles through unions are refused here, before anything walks them.
-        let g = c.finish(root, text)?;
+        let g = c.finish(root, text, digest)?;
         if !g.is_container(root) {
             return Err(invalid(
                 "#",
@@ -321,11 +329,6 @@ impl JsonGrammar {
     /// The SHA-256 of the schema's text.
     pub(crate) fn digest(&self) -> &[u8; 32] {
         &self.digest
-    }
-
-    /// The schema's text (JSON mode: `json_object`): grammars with equal texts are equal.
-    pub fn text(&self) -> &str {
-        &self.text
     }
 
     pub(crate) fn root(&self) -> NodeId {
@@ -487,13 +490,12 @@ impl<'a> Compiler<'a> {
 
     /// The nodes' first bytes, computed through unions; a union that reaches itself before a
     /// byte is read (`{"$ref": "#/$defs/A"}` as A's body) is refused.
-    fn finish(self, root: NodeId, text: String) -> Result<JsonGrammar> {
+    fn finish(self, root: NodeId, text: String, digest: [u8; 32]) -> Result<JsonGrammar> {
         let mut first = vec![None; self.nodes.len()];
         let mut visiting = vec![false; self.nodes.len()];
         for id in 0..self.nodes.len() {
             first_bytes(&self.nodes, id, &mut first, &mut visiting)?;
         }
-        let digest = sha2::Sha256::digest(text.as_bytes()).into();
         Ok(JsonGrammar {
             first: first.into_iter().map(Option::unwrap_or_default).collect(),
             frames: frames_needed(&self.nodes),
@@ -1666,6 +1668,17 @@ mod tests {
         }
     }
 
+    /// The state after `level` repeated as often as the grammar takes it, and how often.
+    fn deepest(g: &JsonGrammar, level: &[u8]) -> (JsonState, usize) {
+        let mut s = JsonState::start(g);
+        let mut levels = 0;
+        while let Some(next) = s.after(g, level) {
+            s = next;
+            levels += 1;
+        }
+        (s, levels)
+    }
+
     /// A recursive schema nests as deep as the automaton's frames allow and no deeper: an
     /// optional property or item that would not fit is not offered, so every state reached can
     /// still be completed.
@@ -1681,12 +1694,7 @@ mod tests {
         });
         let g = JsonGrammar::from_schema(&tree).unwrap();
         let level = br#"{"v":1,"kids":["#;
-        let mut s = JsonState::start(&g);
-        let mut levels = 0;
-        while let Some(next) = s.after(&g, level) {
-            s = next;
-            levels += 1;
-        }
+        let (s, levels) = deepest(&g, level);
         // Each level opens an object and an array: the seventh one's item is the 15th frame;
         // an eighth level's array would leave its item no frame.
         assert_eq!(levels, 7);
@@ -1722,13 +1730,7 @@ mod tests {
             "required": ["tags", "next"]
         });
         let g = JsonGrammar::from_schema(&list).unwrap();
-        let level = br#"{"tags":[],"next":"#;
-        let mut s = JsonState::start(&g);
-        let mut levels = 0;
-        while let Some(next) = s.after(&g, level) {
-            s = next;
-            levels += 1;
-        }
+        let (s, levels) = deepest(&g, br#"{"tags":[],"next":"#);
         // The 15th object's `next` would need two frames more.
         assert_eq!(levels, 15);
         assert!(s.after(&g, b"{").is_none());
